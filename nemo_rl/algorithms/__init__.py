@@ -1,0 +1,1 @@
+"""RL post-training algorithms: loss functions, advantage estimators and their configs."""

@@ -1,0 +1,210 @@
+"""Typed config of a GRPO run: the master config and its algorithm-level sections.
+
+The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model); recipes in
+``configs/`` state only what they choose. Key names follow NeMo RL's.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.utils.config import ConfigModel
+
+
+class GRPOConfig(ConfigModel):
+    """The GRPO loop (``grpo``): rollout sizes, advantages, validation cadence."""
+
+    num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts sampled per step.")
+    num_generations_per_prompt: int = Field(
+        default=4, ge=1, description="Responses generated per prompt (the GRPO group size)."
+    )
+    max_num_steps: int = Field(default=10, ge=1, description="Training steps of the run.")
+    max_rollout_turns: int = Field(
+        default=1,
+        ge=1,
+        description="Generate/environment round trips per rollout; 1 is single-turn.",
+    )
+    normalize_rewards: bool = Field(
+        default=True,
+        description="Divide each group's advantages by the group's reward standard deviation.",
+    )
+    use_leave_one_out_baseline: bool = Field(
+        default=True,
+        description="Baseline each response by the mean reward of the other responses of its "
+        "prompt instead of the whole group's mean; needs num_generations_per_prompt >= 2.",
+    )
+    val_period: int = Field(
+        default=0, ge=0, description="Validate every this many steps; 0 disables."
+    )
+    val_at_start: bool = Field(default=False, description="Validate once before the first step.")
+    max_val_samples: int = Field(
+        default=16, ge=1, description="Validation prompts evaluated per validation."
+    )
+    val_batch_size: int = Field(default=8, ge=1, description="Prompts per validation batch.")
+    seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
+
+    @model_validator(mode="after")
+    def _check_baseline(self) -> GRPOConfig:
+        if self.use_leave_one_out_baseline and self.num_generations_per_prompt < 2:
+            raise ValueError(
+                "use_leave_one_out_baseline needs num_generations_per_prompt >= 2 "
+                f"(got {self.num_generations_per_prompt}); set one of them differently"
+            )
+        return self
+
+
+class ClippedPGLossConfig(ConfigModel):
+    """Clipped policy-gradient loss with a KL penalty (``loss_fn``)."""
+
+    reference_policy_kl_penalty: float = Field(
+        default=0.01, ge=0.0, description="Weight of the KL(policy || reference) term; 0 disables."
+    )
+    ratio_clip_min: float = Field(
+        default=0.2,
+        ge=0.0,
+        description="Lower clip epsilon: the probability ratio is kept >= 1 - ratio_clip_min.",
+    )
+    ratio_clip_max: float = Field(
+        default=0.2,
+        ge=0.0,
+        description="Upper clip epsilon: the probability ratio is kept <= 1 + ratio_clip_max.",
+    )
+    ratio_clip_c: float | None = Field(
+        default=None,
+        gt=1.0,
+        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens. None: off.",
+    )
+    use_on_policy_kl_approximation: bool = Field(
+        default=False,
+        description="Weight the KL estimator by the policy/behaviour probability ratio so it "
+        "estimates the KL of the current policy rather than the behaviour policy.",
+    )
+    use_importance_sampling_correction: bool = Field(
+        default=False,
+        description="Correct the loss for the mismatch between generation (vLLM) and training "
+        "logprobs with a token-level importance weight.",
+    )
+    token_level_loss: bool = Field(
+        default=True,
+        description="Average the loss over all tokens of the batch; False averages per sequence "
+        "first, then over sequences.",
+    )
+
+
+class ClusterConfig(ConfigModel):
+    """Machines of the run (``cluster``)."""
+
+    num_nodes: int = Field(default=1, ge=1, description="Machines in the Ray cluster.")
+    gpus_per_node: int = Field(
+        default=0, ge=0, description="GPUs used on each machine; 0 runs everything on CPU."
+    )
+    cpus_per_node: int = Field(
+        default=8,
+        ge=1,
+        description="Logical CPUs each machine offers Ray for scheduling actors (may exceed "
+        "the physical cores; actors take fractions of them).",
+    )
+
+
+class LoggerConfig(ConfigModel):
+    """Metric logging (``logger``)."""
+
+    log_dir: str = Field(default="logs", description="Folder for logs and metric files.")
+    tensorboard_enabled: bool = Field(default=False, description="Write TensorBoard events.")
+    wandb_enabled: bool = Field(default=False, description="Log to Weights & Biases.")
+    mlflow_enabled: bool = Field(default=False, description="Log to MLflow.")
+
+
+class CheckpointingConfig(ConfigModel):
+    """Checkpoint saving and retention (``checkpointing``)."""
+
+    enabled: bool = Field(default=False, description="Save checkpoints.")
+    checkpoint_dir: str = Field(default="checkpoints", description="Folder checkpoints go to.")
+    metric_name: str = Field(
+        default="val_reward", description="Validation metric that ranks checkpoints."
+    )
+    higher_is_better: bool = Field(
+        default=True, description="Whether a larger metric_name is a better checkpoint."
+    )
+    keep_top_k: int | None = Field(
+        default=3, ge=1, description="Checkpoints kept, best by metric_name. None: keep all."
+    )
+    save_period: int = Field(default=10, ge=1, description="Save every this many steps.")
+
+
+class DataConfig(ConfigModel):
+    """Prompt data (``data``)."""
+
+    dataset_name: str = Field(
+        default="synthetic_arithmetic",
+        min_length=1,
+        description="Dataset to train on: a registered name, or a format read from "
+        "train_path/val_path.",
+    )
+    train_path: str | None = Field(
+        default=None, description="Local training file. None: the dataset's own train split."
+    )
+    val_path: str | None = Field(
+        default=None, description="Local validation file. None: the dataset's own split."
+    )
+    prompt_key: str = Field(
+        default="prompt", min_length=1, description="Field of a record holding the prompt text."
+    )
+    max_input_seq_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompts longer than this many tokens are dropped. "
+        "None: policy.max_total_sequence_length.",
+    )
+
+
+class GRPOMasterConfig(ConfigModel):
+    """Everything a GRPO run reads; the root of a GRPO recipe."""
+
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO loop settings.")
+    loss_fn: ClippedPGLossConfig = Field(
+        default_factory=ClippedPGLossConfig, description="Policy-gradient loss settings."
+    )
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Metric logging.")
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=CheckpointingConfig, description="Checkpointing."
+    )
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> GRPOMasterConfig:
+        """Check constraints spanning sections, then fill the fields documented "None: X"."""
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if samples % self.policy.train_global_batch_size:
+            raise ValueError(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must "
+                f"be a multiple of policy.train_global_batch_size "
+                f"({self.policy.train_global_batch_size})"
+            )
+        if self.data.max_input_seq_length is None:
+            self.data.max_input_seq_length = self.policy.max_total_sequence_length
+        elif self.data.max_input_seq_length > self.policy.max_total_sequence_length:
+            raise ValueError(
+                f"data.max_input_seq_length ({self.data.max_input_seq_length}) must be <= "
+                f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
+            )
+        megatron = self.policy.megatron_cfg
+        model_parallel = (
+            megatron.tensor_model_parallel_size
+            * megatron.pipeline_model_parallel_size
+            * megatron.context_parallel_size
+        )
+        gpus = self.cluster.num_nodes * self.cluster.gpus_per_node
+        if gpus and gpus % model_parallel:
+            raise ValueError(
+                f"cluster.num_nodes * cluster.gpus_per_node ({gpus}) must be a multiple of "
+                "policy.megatron_cfg tensor_model_parallel_size * pipeline_model_parallel_size "
+                f"* context_parallel_size ({model_parallel})"
+            )
+        if megatron.scheduler.lr_decay_iters is None:
+            optimizer_steps_per_step = samples // self.policy.train_global_batch_size
+            megatron.scheduler.lr_decay_iters = self.grpo.max_num_steps * optimizer_steps_per_step
+        return self

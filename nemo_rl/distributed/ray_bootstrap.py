@@ -1,0 +1,254 @@
+"""Start or join a Ray cluster, bounded in time and bound to loopback when local.
+
+``init_ray()`` with no address starts a private single-node cluster on 127.0.0.1 (no
+dashboard, no auth token, a small object store, as many logical CPUs as asked for: Ray
+schedules by logical CPUs, so 8 on a 2-core machine lets several light actors coexist).
+With an address it joins that cluster, first checking within ``connect_timeout_s`` that the
+address answers, so a wrong ``RAY_ADDRESS`` fails fast with a ``ConnectionError`` instead of
+hanging. ``shutdown_ray()`` undoes only what ``init_ray`` did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_OBJECT_STORE_BYTES = 512 * 1024**2
+
+# Environment every process of a local cluster needs: no auth token file, and no advertising
+# of the machine's outward address (keeps the node on 127.0.0.1).
+_LOCAL_CLUSTER_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+
+
+@dataclass(frozen=True)
+class RayHandle:
+    """What ``init_ray`` set up.
+
+    Attributes:
+        address: GCS address of the cluster, "host:port".
+        node_ip: address this driver's node advertises (127.0.0.1 for a local cluster).
+        started_cluster: True if ``init_ray`` started the cluster processes itself.
+        owns_connection: True if ``init_ray`` called ``ray.init`` (so ``shutdown_ray`` may
+            disconnect); False when Ray had already been initialised by someone else.
+    """
+
+    address: str
+    node_ip: str
+    started_cluster: bool
+    owns_connection: bool
+
+
+_current: RayHandle | None = None
+# Names of the _LOCAL_CLUSTER_ENV variables init_ray exported (and shutdown_ray removes).
+_env_added: list[str] = []
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Open and close a TCP connection to a "host:port" address.
+
+    Raises:
+        ConnectionError: the address is malformed, unresolvable, refuses or times out.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConnectionError(f"Ray address {address!r} is not of the form host:port")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise ConnectionError(
+            f"cannot reach a Ray cluster at {address!r} within {timeout_s:g} s ({err}). "
+            f"Check that the Ray head is up (`ray start --head`) and the address is right, or "
+            f"unset RAY_ADDRESS / pass address=None to start a local cluster."
+        ) from err
+
+
+def _node_ip() -> str:
+    """The NodeManagerAddress of the node this driver runs on."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    raise RuntimeError(f"Ray node {node_id} of this driver is missing from ray.nodes()")
+
+
+def init_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    temp_dir: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    object_store_memory: int = DEFAULT_OBJECT_STORE_BYTES,
+    connect_timeout_s: float = 10.0,
+) -> RayHandle:
+    """Start a local Ray cluster on 127.0.0.1 or connect to an existing one.
+
+    Idempotent: if Ray is already initialised in this process, returns the current handle
+    without touching the cluster (the arguments are then ignored, with a log line).
+
+    Args:
+        address: GCS address "host:port" of a running cluster (or "auto" for the one
+            started on this machine by ``ray start``); None uses ``$RAY_ADDRESS`` if set,
+            else starts a local cluster. Ray Client ("ray://") addresses are not supported.
+        num_cpus: logical CPUs of the local cluster (default: Ray's, the core count).
+            May exceed the physical cores. Only for a local cluster.
+        num_gpus: GPUs of the local cluster (default: Ray's detection). Only for a local cluster.
+        temp_dir: Ray's session/log folder for a local cluster (default /tmp/ray). Keep it
+            short: Unix socket paths inside it are limited to ~107 bytes.
+        runtime_env: Ray runtime environment for the job (env_vars, working_dir, ...).
+        object_store_memory: object store size in bytes for a local cluster.
+        connect_timeout_s: seconds allowed for the TCP check of ``address``; once that
+            answers, joining is bounded by Ray's own GCS timeouts.
+
+    Returns:
+        A :class:`RayHandle` describing the cluster and what this call started.
+
+    Raises:
+        ConnectionError: ``address`` (or ``$RAY_ADDRESS``) does not answer in time.
+        ValueError: local-cluster-only options given together with an address, or a
+            Ray Client address.
+    """
+    import ray
+
+    global _current
+    if ray.is_initialized():
+        if _current is None:
+            _current = RayHandle(
+                address=ray.get_runtime_context().gcs_address,
+                node_ip=_node_ip(),
+                started_cluster=False,
+                owns_connection=False,
+            )
+        logger.info("Ray already initialised (%s); reusing it", _current.address)
+        return _current
+
+    from_env = address is None and bool(os.environ.get("RAY_ADDRESS"))
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        local_only = {"num_cpus": num_cpus, "num_gpus": num_gpus, "temp_dir": temp_dir}
+        given = sorted(name for name, value in local_only.items() if value is not None)
+        if given:
+            raise ValueError(
+                f"{given} only apply when starting a local cluster, but address={address!r} "
+                f"was given{' via RAY_ADDRESS' if from_env else ''}; drop them or the address"
+            )
+        if address.startswith("ray://"):
+            raise ValueError(
+                f"Ray Client addresses ({address!r}) are not supported; give the GCS address "
+                f"host:port of the head node (port 6379 by default)"
+            )
+        if address != "auto":
+            _probe(address, connect_timeout_s)
+        try:
+            ray.init(address=address, runtime_env=runtime_env)
+        except ConnectionError as err:
+            raise ConnectionError(
+                f"could not join the Ray cluster at {address!r}: {err}. Check the head node is "
+                f"up, or unset RAY_ADDRESS to start a local cluster."
+            ) from err
+        _current = RayHandle(
+            address=ray.get_runtime_context().gcs_address,
+            node_ip=_node_ip(),
+            started_cluster=False,
+            owns_connection=True,
+        )
+        return _current
+
+    _set_local_cluster_env()
+    with _loopback_node_ip():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_memory,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+            _temp_dir=temp_dir,
+            runtime_env=runtime_env,
+        )
+    _current = RayHandle(
+        address=ray.get_runtime_context().gcs_address,
+        node_ip=_node_ip(),
+        started_cluster=True,
+        owns_connection=True,
+    )
+    if _current.node_ip != LOOPBACK:
+        shutdown_ray()
+        raise RuntimeError(
+            f"the local Ray node advertises {_current.node_ip!r}, not {LOOPBACK}; this Ray "
+            f"version ignores {_LOCAL_CLUSTER_ENV}: update nemo_rl.distributed.ray_bootstrap"
+        )
+    return _current
+
+
+def _set_local_cluster_env() -> None:
+    """Export :data:`_LOCAL_CLUSTER_ENV` (unless the user set those variables) for the Ray
+    processes about to start; :func:`shutdown_ray` removes what was added here."""
+    for name, value in _LOCAL_CLUSTER_ENV.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            _env_added.append(name)
+
+
+@contextlib.contextmanager
+def _loopback_node_ip() -> Iterator[None]:
+    """Make ``ray.init`` keep 127.0.0.1 as the node address.
+
+    Ray replaces a 127.0.0.1 node address by the machine's outward address unless multi-node
+    clusters are disabled, a flag Ray reads from the environment once, when ``ray`` is first
+    imported. ``ray`` is often imported before ``init_ray`` runs (by vLLM, for instance), so the
+    flag is cleared for the duration of ``ray.init`` and restored afterwards.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def shutdown_ray() -> None:
+    """Disconnect from (and, if ``init_ray`` started it, stop) the Ray cluster.
+
+    Does nothing when Ray was initialised by someone other than :func:`init_ray`, or not at all.
+    """
+    import ray
+
+    global _current
+    if _current is None:
+        return
+    if _current.owns_connection and ray.is_initialized():
+        ray.shutdown()
+    _current = None
+    while _env_added:
+        os.environ.pop(_env_added.pop(), None)
+
+
+@contextlib.contextmanager
+def ray_cluster(**init_kwargs: Any) -> Iterator[RayHandle]:
+    """Context manager form: ``with ray_cluster(num_cpus=8) as handle: ...``.
+
+    Shuts down on exit only if this ``with`` block did the initialising.
+    """
+    already = _current is not None
+    handle = init_ray(**init_kwargs)
+    try:
+        yield handle
+    finally:
+        if not already:
+            shutdown_ray()

@@ -1,0 +1,96 @@
+"""Typed config of rollout generation (``policy.generation``), NeMo RL key names.
+
+Fields left ``None`` whose description says "None: policy.X" are filled in by
+:class:`nemo_rl.models.policy.config.PolicyConfig` from the policy section after validation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from nemo_rl.utils.config import ConfigModel
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
+class VllmConfig(ConfigModel):
+    """Settings of the vLLM engines that generate rollouts."""
+
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="GPUs (or CPU workers) one vLLM engine is sharded over."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.6,
+        gt=0.0,
+        le=1.0,
+        description="Fraction (0, 1] of each GPU's memory vLLM may take for weights, activations "
+        "and KV cache. Ignored on CPU, where kv_cache_memory_bytes sizes the cache.",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache size in bytes (needed on CPU). None: vLLM sizes the cache itself "
+        "(from gpu_memory_utilization on GPU).",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest sequence (prompt + generation) the engine accepts, in tokens. "
+        "None: policy.max_total_sequence_length.",
+    )
+    enforce_eager: bool = Field(
+        default=False,
+        description="Run the model eagerly (no CUDA graphs / torch.compile): faster start-up, "
+        "slower decoding.",
+    )
+    precision: Precision | None = Field(
+        default=None,
+        description="Weight and activation dtype of the engine. None: policy.precision.",
+    )
+
+
+class ColocatedConfig(ConfigModel):
+    """Placement of the generation engines relative to the policy workers."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Share the policy workers' devices, swapping training state out while "
+        "generating; False places the engines on devices of their own.",
+    )
+
+
+class GenerationConfig(ConfigModel):
+    """Sampling settings of rollout generation and the engine that runs it."""
+
+    backend: Literal["vllm"] = Field(default="vllm", description="Generation engine.")
+    max_new_tokens: int = Field(
+        default=128,
+        ge=1,
+        description="Most tokens generated per response (also bounded by the room left in "
+        "policy.max_total_sequence_length after the prompt).",
+    )
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Sampling temperature; 0 is greedy. Keep 1.0 for on-policy GRPO: the "
+        "training logprobs assume the unscaled distribution.",
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus-sampling probability mass; 1.0 is off."
+    )
+    top_k: int | None = Field(
+        default=None, ge=1, description="Sample from the k most likely tokens. None: off."
+    )
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        description="Token ids that end a response besides the tokenizer's EOS. None: EOS only.",
+    )
+    stop_strings: list[str] | None = Field(
+        default=None, description="Strings that end a response when generated. None: none."
+    )
+    colocated: ColocatedConfig = Field(
+        default_factory=ColocatedConfig, description="Placement of the generation engines."
+    )
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")

@@ -1,0 +1,243 @@
+"""Typed config of the trained policy (``policy``): model, batching, Megatron-Core, generation.
+
+Key names follow NeMo RL's. Fields documented "None: X" are derived after validation by
+:meth:`PolicyConfig._derive_and_check`, so a derived value follows the field it comes from
+when that field is overridden.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from nemo_rl.models.generation.config import GenerationConfig, Precision
+from nemo_rl.utils.config import ConfigModel
+
+
+class MegatronOptimizerConfig(ConfigModel):
+    """Megatron-Core optimizer (``policy.megatron_cfg.optimizer``)."""
+
+    optimizer: Literal["adam", "sgd"] = Field(
+        default="adam", description="Update rule: 'adam' (AdamW, decoupled weight decay) or 'sgd'."
+    )
+    lr: float = Field(default=5.0e-6, gt=0.0, description="Peak learning rate.")
+    min_lr: float = Field(
+        default=5.0e-7, ge=0.0, description="Floor of the decayed learning rate; must be <= lr."
+    )
+    weight_decay: float = Field(default=0.01, ge=0.0, description="Decoupled weight-decay factor.")
+    adam_beta1: float = Field(
+        default=0.9, ge=0.0, lt=1.0, description="Adam decay rate of the first-moment estimate."
+    )
+    adam_beta2: float = Field(
+        default=0.999, ge=0.0, lt=1.0, description="Adam decay rate of the second-moment estimate."
+    )
+    adam_eps: float = Field(
+        default=1.0e-8, gt=0.0, description="Adam denominator term for numerical stability."
+    )
+    clip_grad: float = Field(
+        default=1.0, ge=0.0, description="Global gradient-norm clipping threshold; 0 disables."
+    )
+    use_distributed_optimizer: bool = Field(
+        default=True,
+        description="Shard optimizer state across data-parallel ranks (ZeRO-1 style).",
+    )
+
+    @model_validator(mode="after")
+    def _check_lr_range(self) -> MegatronOptimizerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        return self
+
+
+class MegatronSchedulerConfig(ConfigModel):
+    """Learning-rate schedule (``policy.megatron_cfg.scheduler``), counted in optimizer steps."""
+
+    lr_decay_style: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="Shape of the decay from lr to min_lr after warm-up."
+    )
+    lr_warmup_iters: int = Field(
+        default=0, ge=0, description="Optimizer steps of linear warm-up from 0 to lr."
+    )
+    lr_decay_iters: int | None = Field(
+        default=None,
+        ge=1,
+        description="Optimizer steps over which lr decays to min_lr. None: the whole run, "
+        "filled in by the algorithm's master config (GRPO: grpo.max_num_steps x optimizer "
+        "steps per GRPO step).",
+    )
+
+
+class MegatronConfig(ConfigModel):
+    """Megatron-Core training backend (``policy.megatron_cfg``): parallelism and optimizer."""
+
+    enabled: bool = Field(default=True, description="Train with Megatron-Core.")
+    tensor_model_parallel_size: int = Field(
+        default=1, ge=1, description="Ranks each layer's weights are split over (TP)."
+    )
+    pipeline_model_parallel_size: int = Field(
+        default=1, ge=1, description="Pipeline stages the layers are split into (PP)."
+    )
+    context_parallel_size: int = Field(
+        default=1, ge=1, description="Ranks each sequence is split over along its length (CP)."
+    )
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Also split norms and dropout activations along the sequence over the TP "
+        "ranks; only meaningful with tensor_model_parallel_size > 1.",
+    )
+    make_vocab_size_divisible_by: int = Field(
+        default=128,
+        ge=1,
+        description="Pad the embedding rows to a multiple of this (times TP), in tokens.",
+    )
+    optimizer: MegatronOptimizerConfig = Field(
+        default_factory=MegatronOptimizerConfig, description="Optimizer settings."
+    )
+    scheduler: MegatronSchedulerConfig = Field(
+        default_factory=MegatronSchedulerConfig, description="Learning-rate schedule."
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each layer's activations in the backward pass: less memory, "
+        "about a third more compute.",
+    )
+
+
+class DynamicBatchingConfig(ConfigModel):
+    """Micro-batches cut by a token budget, not a sample count (``policy.dynamic_batching``)."""
+
+    enabled: bool = Field(default=False, description="Use token-budgeted micro-batches.")
+    train_mb_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Token budget of one training micro-batch (padded lengths). "
+        "None: max_total_sequence_length * train_micro_batch_size.",
+    )
+    logprob_mb_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Token budget of one logprob micro-batch (padded lengths). "
+        "None: max_total_sequence_length * logprob_batch_size.",
+    )
+    sequence_length_round: int = Field(
+        default=64,
+        ge=1,
+        description="Pad each micro-batch's sequence length up to a multiple of this, in tokens.",
+    )
+
+
+class SequencePackingConfig(ConfigModel):
+    """Several sequences concatenated into one row, no padding (``policy.sequence_packing``)."""
+
+    enabled: bool = Field(default=False, description="Pack sequences into micro-batches.")
+    train_mb_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens in one packed training micro-batch. "
+        "None: max_total_sequence_length * train_micro_batch_size.",
+    )
+    logprob_mb_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens in one packed logprob micro-batch. "
+        "None: max_total_sequence_length * logprob_batch_size.",
+    )
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = Field(
+        default="modified_first_fit_decreasing",
+        description="Bin-packing heuristic that assigns sequences to micro-batches.",
+    )
+
+
+class TokenizerConfig(ConfigModel):
+    """Tokenizer of the policy (``policy.tokenizer``)."""
+
+    name: str | None = Field(
+        default=None,
+        description="Hub name or local folder of the tokenizer. None: policy.model_name.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template replacing the tokenizer's own. None: keep the "
+        "tokenizer's template.",
+    )
+
+
+class PolicyConfig(ConfigModel):
+    """The model being trained and how it is batched, trained and sampled (``policy``)."""
+
+    model_name: str = Field(
+        default="tiny-llama",
+        min_length=1,
+        description="Hugging Face hub name, local checkpoint folder, or a built-in tiny model "
+        "('tiny-llama', 'tiny-qwen2') built locally on first use.",
+    )
+    tokenizer: TokenizerConfig = Field(
+        default_factory=TokenizerConfig, description="Tokenizer settings."
+    )
+    train_global_batch_size: int = Field(
+        default=32,
+        ge=1,
+        description="Samples (prompt-response pairs) per optimizer step, over all "
+        "data-parallel ranks.",
+    )
+    train_micro_batch_size: int = Field(
+        default=4,
+        ge=1,
+        description="Samples per forward/backward pass on one data-parallel rank.",
+    )
+    logprob_batch_size: int = Field(
+        default=8, ge=1, description="Samples per forward pass when computing logprobs."
+    )
+    max_total_sequence_length: int = Field(
+        default=256, ge=2, description="Longest prompt + response, in tokens."
+    )
+    precision: Precision = Field(
+        default="float32",
+        description="Parameter and activation dtype of training ('float32' on CPU).",
+    )
+    megatron_cfg: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="Megatron-Core backend settings."
+    )
+    dynamic_batching: DynamicBatchingConfig = Field(
+        default_factory=DynamicBatchingConfig, description="Token-budgeted micro-batching."
+    )
+    sequence_packing: SequencePackingConfig = Field(
+        default_factory=SequencePackingConfig, description="Sequence packing."
+    )
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Rollout generation settings."
+    )
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> PolicyConfig:
+        """Check cross-field constraints, then fill the fields documented "None: X"."""
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"train_global_batch_size ({self.train_global_batch_size}) must be a multiple "
+                f"of train_micro_batch_size ({self.train_micro_batch_size})"
+            )
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError(
+                "dynamic_batching.enabled and sequence_packing.enabled are both true; "
+                "enable at most one"
+            )
+        vllm = self.generation.vllm_cfg
+        if vllm.max_model_len is not None and vllm.max_model_len < self.max_total_sequence_length:
+            raise ValueError(
+                f"generation.vllm_cfg.max_model_len ({vllm.max_model_len}) must be >= "
+                f"max_total_sequence_length ({self.max_total_sequence_length})"
+            )
+        if self.tokenizer.name is None:
+            self.tokenizer.name = self.model_name
+        if vllm.max_model_len is None:
+            vllm.max_model_len = self.max_total_sequence_length
+        if vllm.precision is None:
+            vllm.precision = self.precision
+        seq_len = self.max_total_sequence_length
+        for section in (self.dynamic_batching, self.sequence_packing):
+            if section.train_mb_tokens is None:
+                section.train_mb_tokens = seq_len * self.train_micro_batch_size
+            if section.logprob_mb_tokens is None:
+                section.logprob_mb_tokens = seq_len * self.logprob_batch_size
+        return self

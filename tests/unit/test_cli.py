@@ -1,0 +1,83 @@
+"""The ``nemo-rl`` command line: printing the resolved config, config errors, dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_rl import cli
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs/grpo_tiny_cpu.yaml")
+
+_received: list[GRPOMasterConfig] = []
+
+
+def _fake_run(cfg: GRPOMasterConfig) -> int:
+    """Stands in for the GRPO entry point: records its argument, returns a telltale code."""
+    _received.append(cfg)
+    return 7
+
+
+def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        ["grpo", "--config", TINY, "policy.megatron_cfg.tensor_model_parallel_size=2",
+         "--print-config", "grpo.seed=123"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert printed["policy"]["megatron_cfg"]["tensor_model_parallel_size"] == 2
+    assert printed["grpo"]["seed"] == 123
+    # Resolved: the recipe's ${policy.max_total_sequence_length} and schema defaults appear.
+    assert printed["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 256
+    assert printed["loss_fn"]["ratio_clip_max"] == GRPOMasterConfig().loss_fn.ratio_clip_max
+
+
+def test_typo_returns_2_with_message(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["grpo", "--config", TINY, "policy.megtron_cfg.tensor_model_parallel_size=2"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "unknown key policy.megtron_cfg; did you mean policy.megatron_cfg?" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_typo_in_recipe_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"defaults: {TINY}\npolicy:\n  precison: bfloat16\n")
+    assert cli.main(["grpo", "--config", str(recipe), "--print-config"]) == 2
+    assert "unknown key policy.precison; did you mean policy.precision?" in capsys.readouterr().err
+
+
+def test_missing_recipe_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["grpo", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_dispatches_validated_config_to_entry_point(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(cli.ENTRY_POINTS, "grpo", (__name__, "_fake_run"))
+    _received.clear()
+    assert cli.main(["grpo", "--config", TINY, "grpo.max_num_steps=3"]) == 7
+    (cfg,) = _received
+    assert isinstance(cfg, GRPOMasterConfig) and cfg.grpo.max_num_steps == 3
+    assert "max_num_steps: 3" in capsys.readouterr().out  # resolved config printed first
+
+
+def test_print_config_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cli.ENTRY_POINTS, "grpo", (__name__, "_fake_run"))
+    _received.clear()
+    assert cli.main(["grpo", "--config", TINY, "--print-config"]) == 0
+    assert _received == []
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["grpo"], ["grpo", "--config", TINY, "--no-such-flag"], ["train"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+    capsys.readouterr()
