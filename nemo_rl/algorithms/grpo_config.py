@@ -6,6 +6,8 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from nemo_rl.models.policy.config import PolicyConfig
@@ -90,6 +92,53 @@ class ClippedPGLossConfig(ConfigModel):
         description="Average the loss over all tokens of the batch; False averages per sequence "
         "first, then over sequences.",
     )
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        default="k3",
+        description="KL estimator on log r = logprob - reference_logprob: k1 = log r, "
+        "k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (unbiased, non-negative).",
+    )
+    kl_clamp_value: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Clamp logprob - reference_logprob to [-v, v] before the KL estimator so "
+        "k3 cannot overflow. None: no clamp.",
+    )
+    sequence_level_importance_ratios: bool = Field(
+        default=False,
+        description="GSPO: one importance ratio per sequence, exp of the mean token log-ratio, "
+        "instead of one per token.",
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Cap on the token weight exp(prev_logprob - generation_logprob) (truncated "
+        "importance sampling). Requires use_importance_sampling_correction. None: no cap.",
+    )
+    importance_sampling_token_mask_range: list[float] | None = Field(
+        default=None,
+        description="[low, high]: tokens whose exp(prev_logprob - generation_logprob) falls "
+        "outside are dropped from the loss (still counted in the normaliser). None: off.",
+    )
+    importance_sampling_seq_mask_range: list[float] | None = Field(
+        default=None,
+        description="[low, high]: sequences whose exp(mean(prev_logprob - generation_logprob)) "
+        "falls outside are dropped from the loss. None: off.",
+    )
+    force_on_policy_ratio: bool = Field(
+        default=False,
+        description="Use the current logprobs (detached) as prev_logprobs, so the ratio is "
+        "exactly 1: the on-policy shortcut for one optimizer step per batch.",
+    )
+
+    @model_validator(mode="after")
+    def _check_mask_ranges(self) -> ClippedPGLossConfig:
+        for name in ("importance_sampling_token_mask_range", "importance_sampling_seq_mask_range"):
+            rng = getattr(self, name)
+            if rng is not None and (len(rng) != 2 or not 0.0 <= rng[0] < rng[1]):
+                raise ValueError(
+                    f"loss_fn.{name} must be [low, high] with 0 <= low < high, got {rng}"
+                )
+        return self
 
 
 class ClusterConfig(ConfigModel):

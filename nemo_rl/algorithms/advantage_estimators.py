@@ -1,0 +1,147 @@
+"""Advantage estimators for outcome-reward RL: GRPO, RLOO and REINFORCE++.
+
+Inputs are per-sample rewards [B] (one scalar per response), group ids [B] (responses to the
+same prompt share an id) and a token mask [B, S] (1 on the response tokens the loss trains on).
+Each estimator returns advantages [B, S] that are 0 outside the mask.
+
+Standard deviations are sample standard deviations (Bessel's correction, n - 1). Groups with a
+single member or zero spread get advantage 0 (never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_rl.algorithms.loss._common import KL_TYPES, check_tensor, kl_estimate
+
+
+def _check_inputs(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:
+    """Validate shapes/dtypes; return ``mask`` as the rewards' dtype."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        got = list(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"'rewards' must be a tensor of shape [batch], got {got}")
+    check_tensor(rewards, "rewards", rewards.shape, "[batch]", floating=True)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"'mask' must be a tensor of shape [batch, seq] with batch={rewards.shape[0]}, got {got}")
+    check_tensor(mask, "mask", (rewards.shape[0], mask.shape[1]), "[batch, seq]", floating=False)
+    if group_ids is not None:
+        check_tensor(group_ids, "group_ids", rewards.shape, "[batch]", floating=False)
+        if group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+            raise ValueError(f"'group_ids' must be an integer tensor, got dtype {group_ids.dtype}")
+    return mask.to(rewards.dtype)
+
+
+def _group_statistics(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group reward sum, group sample std), each [B]."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    sizes = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, torch.ones_like(rewards))
+    sums = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    means = sums / sizes
+    squares = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, (rewards - means[inverse]).square())
+    stds = torch.where(sizes > 1, squares / (sizes - 1).clamp_min(1), torch.zeros_like(squares)).sqrt()
+    return sizes[inverse], sums[inverse], stds[inverse]
+
+
+def _scale_by_std(centered: torch.Tensor, std: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``centered / (std + epsilon)``, and 0 where ``std`` is 0."""
+    return torch.where(std > 0, centered / (std + epsilon), torch.zeros_like(centered))
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    use_leave_one_out_baseline: bool = False,
+    normalize_rewards: bool = True,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages: reward minus the group baseline, optionally divided by the group std.
+
+    Args:
+        rewards: [B] float, one reward per response.
+        group_ids: [B] int, responses to the same prompt share an id.
+        mask: [B, S], 1 on the tokens that receive the advantage.
+        use_leave_one_out_baseline: baseline = mean of the *other* members of the group
+            (a single-member group gets advantage 0); otherwise the group mean.
+        normalize_rewards: divide by the group's sample std + ``epsilon``; zero-std groups get 0.
+        epsilon: added to the std in the division.
+
+    Returns:
+        [B, S] advantages, the sample's value on its masked tokens and 0 elsewhere.
+    """
+    token_mask = _check_inputs(rewards, mask, group_ids)
+    sizes, sums, stds = _group_statistics(rewards, group_ids)
+    if use_leave_one_out_baseline:
+        others = (sizes - 1).clamp_min(1)
+        baseline = torch.where(sizes > 1, (sums - rewards) / others, rewards)
+    else:
+        baseline = sums / sizes
+    advantages = rewards - baseline
+    if normalize_rewards:
+        advantages = _scale_by_std(advantages, stds, epsilon)
+    return advantages[:, None] * token_mask
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO advantages: reward minus the mean reward of the other responses to the same prompt.
+
+    Same inputs and output as :func:`grpo_advantages`; no std normalisation. Unbiased because
+    the baseline does not depend on the sample's own reward.
+    """
+    return grpo_advantages(rewards, group_ids, mask, use_leave_one_out_baseline=True, normalize_rewards=False)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    logprobs: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k1",
+    group_ids: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ advantages: returns of a KL-shaped reward, whitened over the global batch.
+
+    Token rewards: ``-kl_coef * kl_t`` on every masked token (``kl_t`` the ``kl_type``
+    estimate of KL(policy || reference) from ``logprobs`` and ``reference_logprobs``, [B, S]),
+    plus the sample's reward on its last masked token. The advantage of a token is the
+    undiscounted sum of token rewards from it to the end of the sequence, then whitened with
+    the mean and sample std over all masked tokens of the batch (zero spread gives 0).
+    With ``group_ids`` (REINFORCE++-baseline) the group mean reward is subtracted first.
+
+    Returns:
+        [B, S] advantages, 0 outside ``mask``.
+    """
+    token_mask = _check_inputs(rewards, mask, group_ids)
+    batch, seq = token_mask.shape
+    if group_ids is not None:
+        sizes, sums, _ = _group_statistics(rewards, group_ids)
+        rewards = rewards - sums / sizes
+    token_rewards = torch.zeros_like(token_mask)
+    if kl_coef != 0.0:
+        if kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+        if logprobs is None or reference_logprobs is None:
+            raise ValueError("kl_coef != 0 needs 'logprobs' and 'reference_logprobs' of shape [batch, seq]")
+        check_tensor(logprobs, "logprobs", (batch, seq), "[batch, seq]", floating=True)
+        check_tensor(reference_logprobs, "reference_logprobs", (batch, seq), "[batch, seq]", floating=True)
+        kl = kl_estimate(logprobs.to(rewards.dtype), reference_logprobs.to(rewards.dtype), kl_type)
+        token_rewards = torch.where(token_mask > 0, -kl_coef * kl, token_rewards)
+    positions = torch.arange(seq).expand(batch, seq)
+    last = torch.where(token_mask > 0, positions, -1).max(-1).values
+    has_tokens = last >= 0
+    rows = torch.arange(batch)[has_tokens]
+    token_rewards[rows, last[has_tokens]] += rewards[has_tokens]
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * token_mask
+    count = token_mask.sum()
+    mean = returns.sum() / count.clamp_min(1)
+    variance = (((returns - mean) * token_mask).square().sum() / (count - 1).clamp_min(1))
+    std = torch.where(count > 1, variance, torch.zeros_like(variance)).sqrt()
+    return _scale_by_std(returns - mean, std, epsilon) * token_mask
