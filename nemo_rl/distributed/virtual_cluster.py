@@ -1,0 +1,209 @@
+"""A slice of a Ray cluster reserved as placement groups: one group of bundles per node.
+
+A bundle is the resources of one worker slot: ``{"CPU": num_cpus_per_bundle}`` plus
+``{"GPU": 1}`` when GPUs are used. Bundles are numbered in node order (all bundles of node 0,
+then node 1, ...); worker groups place rank ``r`` on bundle ``r``. Several worker groups (e.g.
+colocated training and generation) can share the bundles: each of their workers then asks for
+``1 / max_colocated_worker_groups`` of a bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BundleLocation:
+    """Where one worker slot lives.
+
+    Attributes:
+        placement_group: the node's placement group.
+        bundle_index: index of the bundle inside ``placement_group``.
+        node_id: Ray node id (hex) the bundle was placed on.
+    """
+
+    placement_group: PlacementGroup
+    bundle_index: int
+    node_id: str
+
+
+@ray.remote(num_cpus=0)
+def _address_and_free_port() -> tuple[str, int]:
+    """This node's advertised address and a TCP port free on it right now."""
+    address = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return address, sock.getsockname()[1]
+
+
+class RayVirtualCluster:
+    """Placement groups reserving ``bundle_ct_per_node_list[i]`` bundles on node ``i``.
+
+    Placement groups are created (and awaited) in the constructor; on timeout the ones already
+    made are removed again and a ``TimeoutError`` says what was requested and what Ray has free.
+
+    Args:
+        bundle_ct_per_node_list: bundles (worker slots) per node, e.g. ``[8, 8]`` for two nodes
+            of 8 GPUs.
+        use_gpus: give each bundle one GPU.
+        num_cpus_per_bundle: logical CPUs per bundle (may be fractional).
+        max_colocated_worker_groups: how many worker groups may share each bundle; each of their
+            workers asks for ``1 / max_colocated_worker_groups`` of the bundle's resources.
+        name: prefix of the placement group names (``{name}-node{i}``); empty for unnamed.
+        placement_timeout_s: seconds to wait for all placement groups to be placed.
+
+    Raises:
+        ValueError: a malformed argument (the message names it).
+        TimeoutError: the placement groups could not be placed in time.
+    """
+
+    def __init__(
+        self,
+        bundle_ct_per_node_list: Sequence[int],
+        use_gpus: bool,
+        num_cpus_per_bundle: float,
+        max_colocated_worker_groups: int = 1,
+        name: str = "",
+        placement_timeout_s: float = 180.0,
+    ) -> None:
+        counts = list(bundle_ct_per_node_list)
+        if not counts or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+        ):
+            raise ValueError(
+                f"bundle_ct_per_node_list must be a non-empty list of positive ints (bundles per "
+                f"node), got {bundle_ct_per_node_list!r}"
+            )
+        if not num_cpus_per_bundle > 0:
+            raise ValueError(f"num_cpus_per_bundle must be > 0, got {num_cpus_per_bundle!r}")
+        if (
+            isinstance(max_colocated_worker_groups, bool)
+            or not isinstance(max_colocated_worker_groups, int)
+            or max_colocated_worker_groups < 1
+        ):
+            raise ValueError(
+                f"max_colocated_worker_groups must be a positive int, got "
+                f"{max_colocated_worker_groups!r}"
+            )
+        if not placement_timeout_s > 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {placement_timeout_s!r}")
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "Ray is not initialised; call nemo_rl.distributed.ray_bootstrap.init_ray() first"
+            )
+        self.bundle_ct_per_node_list = counts
+        self.use_gpus = use_gpus
+        self.num_cpus_per_bundle = float(num_cpus_per_bundle)
+        self.max_colocated_worker_groups = max_colocated_worker_groups
+        self.name = name
+        self._placement_groups: list[PlacementGroup] = []
+        self._locations: list[BundleLocation] | None = None
+        self._create_placement_groups(placement_timeout_s)
+
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus_per_bundle}
+        if self.use_gpus:
+            bundle["GPU"] = 1.0
+        return bundle
+
+    def _create_placement_groups(self, timeout_s: float) -> None:
+        # One placement group per node. On a multi-node Ray cluster STRICT_PACK keeps each group
+        # on a single node, so bundle order follows nodes; on one node PACK is equivalent.
+        alive_nodes = sum(1 for node in ray.nodes() if node["Alive"])
+        strategy = "STRICT_PACK" if alive_nodes > 1 else "PACK"
+        for i, count in enumerate(self.bundle_ct_per_node_list):
+            self._placement_groups.append(
+                ray.util.placement_group(
+                    [self._bundle() for _ in range(count)],
+                    strategy=strategy,
+                    name=f"{self.name}-node{i}" if self.name else "",
+                )
+            )
+        try:
+            ray.get([pg.ready() for pg in self._placement_groups], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            free = _base_resources(ray.available_resources())
+            total = _base_resources(ray.cluster_resources())
+            self.shutdown()
+            raise TimeoutError(
+                f"RayVirtualCluster{f' {self.name!r}' if self.name else ''} could not place "
+                f"{len(self.bundle_ct_per_node_list)} placement group(s) with "
+                f"{self.bundle_ct_per_node_list} bundles of {self._bundle()} ({strategy}, total "
+                f"{self._requested_total()}) within {timeout_s:g} s. Ray has {free} available of "
+                f"{total} on {alive_nodes} node(s). Ask for fewer bundles or CPUs per bundle, or "
+                f"add nodes."
+            ) from err
+
+    def _requested_total(self) -> dict[str, float]:
+        bundles = self.world_size()
+        return {key: value * bundles for key, value in self._bundle().items()}
+
+    def world_size(self) -> int:
+        """Total number of bundles (worker slots) over all nodes."""
+        return sum(self.bundle_ct_per_node_list)
+
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """The placement groups, one per node, in node order."""
+        return list(self._placement_groups)
+
+    def get_bundle_locations(self) -> list[BundleLocation]:
+        """Every bundle in rank order (node by node, bundle by bundle), with its node id."""
+        if not self._placement_groups:
+            raise RuntimeError("this RayVirtualCluster was shut down")
+        if self._locations is None:
+            locations = []
+            for pg in self._placement_groups:
+                nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+                for index in range(pg.bundle_count):
+                    locations.append(BundleLocation(pg, index, nodes[index]))
+            self._locations = locations
+        return list(self._locations)
+
+    def worker_resources(self) -> dict[str, float]:
+        """Ray resources of one worker: its share of a bundle (``num_cpus``, ``num_gpus``)."""
+        share = 1.0 / self.max_colocated_worker_groups
+        return {
+            "num_cpus": self.num_cpus_per_bundle * share,
+            "num_gpus": share if self.use_gpus else 0.0,
+        }
+
+    def get_master_address_and_port(self, timeout_s: float = 60.0) -> tuple[str, int]:
+        """Address of the node of bundle 0 and a TCP port that was free there.
+
+        Found by a zero-resource task scheduled on bundle 0; each call returns a fresh port, so
+        two worker groups on one cluster get distinct rendezvous ports. On a local cluster the
+        address is 127.0.0.1.
+        """
+        if not self._placement_groups:
+            raise RuntimeError("this RayVirtualCluster was shut down")
+        strategy = PlacementGroupSchedulingStrategy(self._placement_groups[0], 0)
+        ref = _address_and_free_port.options(scheduling_strategy=strategy).remote()
+        return ray.get(ref, timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        """Remove this cluster's placement groups (which ends actors still placed in them)."""
+        for pg in self._placement_groups:
+            ray.util.remove_placement_group(pg)
+        self._placement_groups = []
+        self._locations = None
+
+    def __repr__(self) -> str:
+        return (
+            f"RayVirtualCluster(name={self.name!r}, bundles={self.bundle_ct_per_node_list}, "
+            f"bundle={self._bundle()}, colocated={self.max_colocated_worker_groups})"
+        )
+
+
+def _base_resources(resources: dict[str, Any]) -> dict[str, float]:
+    """The CPU and GPU entries of a Ray resource dict (no placement-group or node labels)."""
+    return {key: resources[key] for key in ("CPU", "GPU") if key in resources}

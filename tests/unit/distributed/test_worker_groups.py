@@ -1,0 +1,291 @@
+"""Tests for RayVirtualCluster and RayWorkerGroup against a real local Ray cluster (~40 s).
+
+Two worker groups of 4 ranks share one cluster of 4 bundles (max_colocated_worker_groups=2):
+``gloo`` (dp=2, tp=2) really rendezvous with torch.distributed on 127.0.0.1, ``light``
+(pp=2, dp=2) checks the pipeline output-rank rule.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_bootstrap import LOOPBACK, ray_cluster
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env
+
+pytestmark = pytest.mark.slow
+
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class EchoWorker:
+    """Remembers the last shard it was given and reports its coordinates."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.rank = int(os.environ["RANK"])
+        self.coords = sharding_from_env().get_rank_coords(self.rank)
+        self.last: Any = None
+
+    def echo(self, shard: Any, scale: int = 1) -> tuple[int, dict[str, int], Any, int]:
+        self.last = shard
+        return self.rank, self.coords, shard, scale
+
+    def last_seen(self) -> tuple[dict[str, int], Any]:
+        return self.coords, self.last
+
+    def env(self, names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+
+class GlooWorker(EchoWorker):
+    """Joins a gloo process group from the RayWorkerGroup environment and builds TP subgroups."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(tag)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # env:// rendezvous
+        self.tp_group = None
+        for ranks in sharding_from_env().get_ranks_by_axis("tp"):
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            if self.rank in ranks:
+                self.tp_group = group
+
+    def tp_all_reduce(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.tp_group)
+        return float(tensor.item())
+
+    def fail_on_rank(self, shard: Any, bad_rank: int) -> float:
+        if self.rank == bad_rank:
+            raise ValueError(f"rank {self.rank} fails on purpose")
+        return self.tp_all_reduce(1.0)
+
+    def destroy(self) -> None:
+        dist.destroy_process_group()
+
+
+# The worker classes travel by value: workers need not import this test module (and with it
+# torch), whatever name pytest gave it.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ray_env() -> Iterator[None]:
+    with ray_cluster(num_cpus=8):
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_env: None) -> Iterator[RayVirtualCluster]:
+    cluster = RayVirtualCluster(
+        [4], use_gpus=False, num_cpus_per_bundle=1.0, max_colocated_worker_groups=2, name="shared"
+    )
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gloo_group(cluster: RayVirtualCluster) -> Iterator[RayWorkerGroup]:
+    # Set after Ray started, so only the allow-list can carry them to the workers.
+    os.environ["HF_HOME"] = "/tmp/nemo-rl-test-hf-home"
+    os.environ["NEMO_RL_TEST_NOT_FORWARDED"] = "leaked"
+    try:
+        group = RayWorkerGroup(
+            cluster,
+            GlooWorker,
+            {"dp": 2, "tp": 2},
+            actor_kwargs={"tag": "gloo"},
+            env_vars={"EXTRA_FLAG": "on"},
+        )
+    finally:
+        del os.environ["HF_HOME"], os.environ["NEMO_RL_TEST_NOT_FORWARDED"]
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def light_group(cluster: RayVirtualCluster) -> Iterator[RayWorkerGroup]:
+    group = RayWorkerGroup(
+        cluster, ray.remote(EchoWorker), {"pp": 2, "dp": 2}, actor_kwargs={"tag": "light"}
+    )
+    yield group
+    group.shutdown()
+
+
+def _base_cpus_free() -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_for_free_cpus(expected: float, limit_s: float = 20.0) -> float:
+    """Poll until Ray reports ``expected`` free CPUs (resource release is asynchronous)."""
+    deadline = time.monotonic() + limit_s
+    while _base_cpus_free() != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _base_cpus_free()
+
+
+def test_cluster_reserves_bundles_and_finds_a_master_port(ray_env: None) -> None:
+    free_before = _wait_for_free_cpus(8.0)
+    cluster = RayVirtualCluster([2, 1], use_gpus=False, num_cpus_per_bundle=1.5, name="small")
+    try:
+        assert cluster.world_size() == 3
+        groups = cluster.get_placement_groups()
+        assert [pg.bundle_count for pg in groups] == [2, 1]
+        assert [pg.bundle_specs for pg in groups] == [[{"CPU": 1.5}] * 2, [{"CPU": 1.5}]]
+        assert _wait_for_free_cpus(free_before - 4.5) == free_before - 4.5
+        locations = cluster.get_bundle_locations()
+        assert [(loc.placement_group, loc.bundle_index) for loc in locations] == [
+            (groups[0], 0),
+            (groups[0], 1),
+            (groups[1], 0),
+        ]
+        address, port = cluster.get_master_address_and_port()
+        assert address == LOOPBACK and 1024 <= port < 65536
+        assert cluster.worker_resources() == {"num_cpus": 1.5, "num_gpus": 0.0}
+    finally:
+        cluster.shutdown()
+    assert cluster.get_placement_groups() == []
+    assert _wait_for_free_cpus(free_before) == free_before
+
+
+def test_cluster_larger_than_ray_fails_in_bounded_time(ray_env: None) -> None:
+    with pytest.raises(TimeoutError, match=r"\[100\] bundles of \{'CPU': 1.0\}.*available"):
+        RayVirtualCluster(
+            [100], use_gpus=False, num_cpus_per_bundle=1.0, name="huge", placement_timeout_s=2
+        )
+    mine = [e for e in ray.util.placement_group_table().values() if e["name"] == "huge-node0"]
+    assert len(mine) == 1 and mine[0]["state"] == "REMOVED"
+
+
+def test_cluster_rejects_bad_arguments(ray_env: None) -> None:
+    with pytest.raises(ValueError, match="bundle_ct_per_node_list"):
+        RayVirtualCluster([2, 0], use_gpus=False, num_cpus_per_bundle=1.0)
+    with pytest.raises(ValueError, match="num_cpus_per_bundle"):
+        RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=0)
+    with pytest.raises(ValueError, match="max_colocated_worker_groups"):
+        RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=1, max_colocated_worker_groups=0)
+
+
+def test_worker_environment(gloo_group: RayWorkerGroup) -> None:
+    names = [*_ENV_KEYS, "NEMO_RL_AXES", "NEMO_RL_DP_RANK", "NEMO_RL_TP_RANK", "NEMO_RL_DP_SIZE"]
+    names += ["HF_HOME", "EXTRA_FLAG", "NEMO_RL_TEST_NOT_FORWARDED"]
+    envs = ray.get(gloo_group.run_all_workers_single_data("env", names))
+    ports = {env["MASTER_PORT"] for env in envs}
+    assert len(ports) == 1 and ports.pop().isdigit()
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)  # one node: local == global
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "4"
+        assert env["MASTER_ADDR"] == LOOPBACK
+        assert env["NEMO_RL_AXES"] == "dp,tp"
+        assert (env["NEMO_RL_DP_RANK"], env["NEMO_RL_TP_RANK"]) == (str(rank // 2), str(rank % 2))
+        assert env["NEMO_RL_DP_SIZE"] == "2"
+        assert env["HF_HOME"] == "/tmp/nemo-rl-test-hf-home"
+        assert env["EXTRA_FLAG"] == "on"
+        assert env["NEMO_RL_TEST_NOT_FORWARDED"] is None
+    assert gloo_group.dp_size == 2 and gloo_group.world_size == 4
+
+
+def test_tp_subgroup_all_reduce(gloo_group: RayWorkerGroup) -> None:
+    values = [float(rank + 1) for rank in range(4)]
+    futures = gloo_group.run_all_workers_multiple_data("tp_all_reduce", [(v,) for v in values])
+    # TP groups are consecutive ranks: {0, 1} and {2, 3}.
+    assert gloo_group.get_all_worker_results(futures, timeout_s=60) == [3.0, 3.0, 7.0, 7.0]
+
+
+def test_sharded_data_reaches_every_rank_of_its_replica(gloo_group: RayWorkerGroup) -> None:
+    batch = BatchedDataDict({"ids": torch.arange(8).reshape(4, 2), "names": list("abcd")})
+    shards = batch.shard_by_batch_size(gloo_group.dp_size)
+    futures = gloo_group.run_all_workers_sharded_data(
+        "echo", shards, common_kwargs={"scale": 3}
+    )
+    results = gloo_group.get_all_worker_results(futures, timeout_s=60)
+    assert len(results) == 2
+    for dp, (rank, coords, shard, scale) in enumerate(results):
+        assert (rank, coords, scale) == (2 * dp, {"dp": dp, "tp": 0}, 3)  # tp=0 answers
+        assert torch.equal(shard["ids"], torch.arange(8).reshape(4, 2)[2 * dp : 2 * dp + 2])
+        assert shard["names"] == list("abcd")[2 * dp : 2 * dp + 2]
+    seen = ray.get(gloo_group.run_all_workers_single_data("last_seen"))
+    for coords, shard in seen:
+        assert shard["names"] == list("abcd")[2 * coords["dp"] : 2 * coords["dp"] + 2]
+
+
+def test_output_not_replicated_on_tp_returns_every_tp_rank(gloo_group: RayWorkerGroup) -> None:
+    futures = gloo_group.run_all_workers_sharded_data(
+        "echo", ["x", "y"], output_is_replicated=["pp", "cp"]
+    )
+    results = gloo_group.get_all_worker_results(futures, timeout_s=60)
+    assert [(rank, shard) for rank, _, shard, _ in results] == [
+        (0, "x"), (1, "x"), (2, "y"), (3, "y")
+    ]
+
+
+def test_last_pipeline_stage_answers(light_group: RayWorkerGroup) -> None:
+    futures = light_group.run_all_workers_sharded_data("echo", ["first", "second"])
+    results = light_group.get_all_worker_results(futures, timeout_s=60)
+    # ranks = pp * 2 + dp; the last stage pp=1 holds ranks 2 (dp=0) and 3 (dp=1).
+    assert [(rank, coords, shard) for rank, coords, shard, _ in results] == [
+        (2, {"pp": 1, "dp": 0}, "first"),
+        (3, {"pp": 1, "dp": 1}, "second"),
+    ]
+    assert light_group.output_coordinate("pp") == 1 and light_group.output_coordinate("dp") == 0
+
+
+def test_sharded_data_validation(light_group: RayWorkerGroup) -> None:
+    with pytest.raises(ValueError, match="has 3 entries but axis 'dp' has size 2"):
+        light_group.run_all_workers_sharded_data("echo", ["a", "b", "c"])
+    with pytest.raises(TypeError, match=r"shard_by_batch_size\(2\)"):
+        light_group.run_all_workers_sharded_data("echo", BatchedDataDict({"x": [1, 2]}))
+    with pytest.raises(ValueError, match=r"axes \['pp'\] .* neither"):
+        light_group.run_all_workers_sharded_data("echo", ["a", "b"], replicate_on_axes=["tp"])
+    with pytest.raises(ValueError, match="not in replicate_on_axes"):
+        light_group.run_all_workers_sharded_data(
+            "echo", [["a", "b"], ["c", "d"]], in_sharded_axes=["pp", "dp"], replicate_on_axes=[]
+        )
+    with pytest.raises(ValueError, match="one tuple of arguments per rank"):
+        light_group.run_all_workers_multiple_data("echo", [("a",)])
+
+
+def test_third_colocated_group_does_not_fit(
+    cluster: RayVirtualCluster, gloo_group: RayWorkerGroup, light_group: RayWorkerGroup
+) -> None:
+    with pytest.raises(TimeoutError, match="allows 2 worker group"):
+        RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, {"tag": "extra"}, startup_timeout_s=3)
+
+
+def test_failed_rank_is_reported_on_timeout(gloo_group: RayWorkerGroup) -> None:
+    # Rank 1 raises; rank 0 (the output rank of DP shard 0) then waits in its TP all_reduce.
+    futures = gloo_group.run_all_workers_sharded_data(
+        "fail_on_rank", [0, 1], common_kwargs={"bad_rank": 1}
+    )
+    with pytest.raises(TimeoutError, match="rank 1: ValueError: rank 1 fails on purpose"):
+        gloo_group.get_all_worker_results(futures, timeout_s=3)
+
+
+def test_shutdown_kills_only_own_actors(
+    cluster: RayVirtualCluster, gloo_group: RayWorkerGroup, light_group: RayWorkerGroup
+) -> None:
+    workers = list(gloo_group.workers)
+    # Rank 0 is still blocked in the previous test's collective, so cleanup cannot finish.
+    assert gloo_group.shutdown(cleanup_method="destroy", timeout_s=2) is False
+    assert gloo_group.workers == []
+    for worker in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.last_seen.remote(), timeout=30)
+    # The colocated group on the same bundles is untouched.
+    assert len(ray.get(light_group.run_all_workers_single_data("last_seen"))) == 4
+    light_workers = list(light_group.workers)
+    assert light_group.shutdown(cleanup_method="last_seen") is True
+    for worker in light_workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.last_seen.remote(), timeout=30)
