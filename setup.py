@@ -54,8 +54,12 @@ setup(
     description="Megatron-Core backed reinforcement-learning post-training of LLMs, orchestrated with Ray, generating with vLLM.",
     python_requires=">=3.11",
     packages=find_packages(include=["nemo_rl", "nemo_rl.*", "megatron_bridge", "megatron_bridge.*"]),
-    package_data={"nemo_rl": ["py.typed"]},
     install_requires=COMMON,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["nemo-rl=nemo_rl.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "nemo-rl=nemo_rl.cli:main",
+            "megatron-bridge=megatron_bridge.cli:main",
+        ]
+    },
 )

@@ -1,0 +1,177 @@
+"""Wall time and peak memory of HF -> Megatron -> HF conversion vs transformers load + save.
+
+Workload: a random Llama of about 0.45 B parameters (hidden 1024, 24 layers, 16 heads / 8 KV
+heads, FFN 4096, vocabulary 32,000, untied) stored as bf16 safetensors (~0.9 GB), written once
+into ``--work-dir`` directly with safetensors (random normal weights, std 0.02, fixed seed).
+
+Phases, each in a fresh subprocess so its peak RSS is its own:
+
+* ``transformers``: ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` + ``save_pretrained``
+  (the baseline a user would otherwise run to re-save a checkpoint).
+* ``hf->megatron``: ``megatron-bridge convert --from hf --to megatron --tp TP --dtype bfloat16``.
+* ``megatron->hf``: ``megatron-bridge convert --from megatron --to hf --pp PP``.
+
+Memory: peak RSS from ``os.wait4`` on the phase's process. On Linux that value is the largest
+of the process and its waited-for descendants, i.e. the largest single rank for the CLI (ranks
+are separate processes; with TP/PP > 1 the total across ranks is up to world size times it).
+Reported as bytes and as a multiple of the checkpoint size on disk.
+
+Run (a few minutes on 2 cores, ~4 GB of RAM):
+
+    PYTHONPATH=. python benchmarks/bench_megatron_bridge_convert.py [--tp 1] [--pp 1]
+
+Measured on 2 CPU cores (tp=1, pp=1), 0.89 GB checkpoint:
+
+    phase                      wall s  peak RSS GB  x ckpt
+    transformers load+save        9.1         1.37    1.55
+    hf->megatron                 18.2         2.36    2.66
+    megatron->hf                 15.9         2.32    2.62
+
+Round trip bitwise identical. The conversion's peak includes megatron-core + torch imports
+and megatron-core's dist_checkpointing, whose save and load hold a second copy of the state
+(save stages tensors for writing; load returns a fresh state dict that is then copied into
+the model); the HF reading/export side itself streams one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = dict(
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=4096,
+    vocab_size=32000,
+)
+
+
+def write_random_checkpoint(out: Path, seed: int = 0) -> int:
+    """Write config.json + bf16 model.safetensors shards; returns total tensor bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**SIZES, tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
+                         max_position_embeddings=4096)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    h, d, f = SIZES["hidden_size"], SIZES["head_dim"], SIZES["intermediate_size"]
+    q, kv = SIZES["num_attention_heads"] * d, SIZES["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (SIZES["vocab_size"], h),
+              "lm_head.weight": (SIZES["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(SIZES["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+    gen = torch.Generator().manual_seed(seed)
+    total, shard, shard_bytes, files, weight_map = 0, {}, 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        name = f"part-{len(files)}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, shape in shapes.items():
+        t = (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02)
+        t = t.to(torch.bfloat16)
+        shard[name] = t
+        shard_bytes += t.numel() * 2
+        total += t.numel() * 2
+        if shard_bytes > 400 * 1024**2:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def run_phase(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS bytes (process and its waited-for children) of ``cmd``."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    err = proc.stderr.read().decode()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd} failed:\n{err[-3000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work-dir", default="/tmp/bench_megatron_bridge")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args()
+    work = Path(args.work_dir)
+    src = work / "hf_src"
+    if not (src / "model.safetensors.index.json").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        write_random_checkpoint(src)
+    ckpt_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    for name in ("hf_baseline", "megatron", "hf_roundtrip"):
+        shutil.rmtree(work / name, ignore_errors=True)
+
+    py = sys.executable
+    baseline = (
+        "import torch, sys; from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16); "
+        "m.save_pretrained(sys.argv[2])"
+    )
+    cli = [py, "-m", "megatron_bridge.cli", "convert"]
+    phases = {
+        "transformers load+save": [py, "-c", baseline, str(src), str(work / "hf_baseline")],
+        "hf->megatron": cli + ["--from", "hf", "--to", "megatron", "--tp", str(args.tp),
+                               "--dtype", "bfloat16", str(src), str(work / "megatron")],
+        "megatron->hf": cli + ["--from", "megatron", "--to", "hf", "--pp", str(args.pp),
+                               str(work / "megatron"), str(work / "hf_roundtrip")],
+    }
+    results = {name: run_phase(cmd) for name, cmd in phases.items()}
+
+    from safetensors import safe_open
+
+    mismatched = 0
+    out_index = work / "hf_roundtrip" / "model.safetensors.index.json"
+    if out_index.is_file():
+        out_map = json.loads(out_index.read_text())["weight_map"]
+    else:
+        with safe_open(str(work / "hf_roundtrip" / "model.safetensors"), "pt") as single:
+            out_map = {k: "model.safetensors" for k in single.keys()}
+    src_index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(out_map) == sorted(src_index)
+    for name, file in out_map.items():
+        with safe_open(str(work / "hf_roundtrip" / file), "pt") as a, \
+                safe_open(str(src / src_index[name]), "pt") as b:
+            mismatched += not bool((a.get_tensor(name) == b.get_tensor(name)).all())
+
+    print(f"checkpoint: {ckpt_bytes / 1e9:.2f} GB bf16, tp={args.tp} pp={args.pp}")
+    print(f"{'phase':<24} {'wall s':>8} {'peak RSS GB':>12} {'x ckpt':>7}")
+    for name, (wall, rss) in results.items():
+        print(f"{name:<24} {wall:>8.1f} {rss / 1e9:>12.2f} {rss / ckpt_bytes:>7.2f}")
+    roundtrip = results["hf->megatron"][0] + results["megatron->hf"][0]
+    print(f"HF->Megatron->HF {roundtrip:.1f} s = "
+          f"{roundtrip / results['transformers load+save'][0]:.2f}x transformers load+save; "
+          f"round-trip tensors differing: {mismatched}")
+
+
+if __name__ == "__main__":
+    main()

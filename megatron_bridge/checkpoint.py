@@ -1,0 +1,227 @@
+"""Checkpoints on disk: HF safetensors folders and Megatron distributed checkpoints.
+
+HF: :func:`save_hf_checkpoint` writes an exported tensor stream into safetensors shards of at
+most ``max_shard_bytes`` each (plus ``model.safetensors.index.json`` when there is more than
+one), the HF ``config.json`` and the tokenizer/generation files copied from the source folder.
+Only one shard is held in memory at a time.
+
+Megatron: :func:`save_megatron_checkpoint` / :func:`load_megatron_checkpoint` use
+``megatron.core.dist_checkpointing``, whose layout is independent of TP/PP, so a checkpoint
+saved at TP=2 loads at PP=2. The folder also holds ``bridge.json`` (the HF config, the padded
+vocabulary size and the dtype) and an ``hf_assets/`` copy of the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.config import BridgeConfig, dtype_from_name
+from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
+
+BRIDGE_FILE = "bridge.json"
+HF_ASSETS_DIR = "hf_assets"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+# Files of an HF folder that are not weights and not config.json: tokenizer, chat template,
+# generation config. Copied next to converted weights so the result is a complete checkpoint.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def copy_hf_assets(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy tokenizer/generation files (everything but weights, index and config.json).
+
+    Returns:
+        The copied file names.
+    """
+    copied = []
+    for item in sorted(Path(src_dir).iterdir()):
+        if (
+            item.is_file()
+            and item.name not in ("config.json", INDEX_FILE, BRIDGE_FILE)
+            and not item.name.endswith(_WEIGHT_SUFFIXES)
+        ):
+            shutil.copy2(item, Path(dst_dir) / item.name)
+            copied.append(item.name)
+    return copied
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def save_hf_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    bridge: BridgeConfig,
+    out_dir: str | Path,
+    assets_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write an HF checkpoint folder from a ``(name, tensor)`` stream.
+
+    Call on every rank with the same stream (e.g. from :func:`export_hf_weights`): all ranks
+    consume it, only global rank 0 writes.
+
+    Args:
+        weights: HF names and tensors, as exported.
+        bridge: provides ``config.json`` (written unchanged except ``dtype`` when casting).
+        out_dir: destination folder (created if missing).
+        assets_dir: folder whose tokenizer/generation files are copied; None copies none.
+        dtype: the dtype the tensors were exported in, recorded in config.json.
+        max_shard_bytes: start a new shard file once a shard would exceed this many bytes.
+    """
+    out = Path(out_dir)
+    writer = _is_writer()
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    shard_files: list[Path] = []
+    weight_map: dict[str, int] = {}
+    total = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard and writer:
+            path = out / f".shard-{len(shard_files):05d}.tmp"
+            _write_shard(shard, path)
+            shard_files.append(path)
+        elif shard:
+            shard_files.append(Path())
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in weights:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[name] = tensor.contiguous()
+        shard_bytes += size
+        total += size
+        weight_map[name] = len(shard_files)
+    flush()
+    if not writer:
+        return
+
+    count = len(shard_files)
+    if count == 1:
+        os.replace(shard_files[0], out / SINGLE_FILE)
+    else:
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for tmp, final in zip(shard_files, names):
+            os.replace(tmp, out / final)
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: names[i] for name, i in sorted(weight_map.items())},
+        }
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(bridge.hf_config)
+    if dtype is not None:
+        config["dtype"] = _dtype_name(dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if assets_dir is not None:
+        copy_hf_assets(assets_dir, out)
+
+
+def save_megatron_checkpoint(
+    model: torch.nn.Module,
+    bridge: BridgeConfig,
+    ckpt_dir: str | Path,
+    assets_dir: str | Path | None = None,
+) -> None:
+    """Save this rank's stage with ``dist_checkpointing`` (call on every rank).
+
+    The launching script needs an ``if __name__ == "__main__":`` guard: megatron-core's save
+    strategy starts a multiprocessing Manager with the spawn start method.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+
+    ckpt = Path(ckpt_dir)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    # dist_checkpointing needs the folder to exist, and treats a non-empty folder without its
+    # metadata as a corrupt checkpoint: create it empty, save, then add our own files.
+    if _is_writer():
+        ckpt.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+    if _is_writer():
+        meta = {
+            "hf_config": bridge.hf_config,
+            "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
+            "padded_vocab_size": bridge.padded_vocab(tp),
+            "dtype": _dtype_name(next(model.parameters()).dtype),
+        }
+        (ckpt / BRIDGE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if assets_dir is not None:
+            (ckpt / HF_ASSETS_DIR).mkdir(exist_ok=True)
+            copy_hf_assets(assets_dir, ckpt / HF_ASSETS_DIR)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def read_bridge_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The ``bridge.json`` of a Megatron checkpoint.
+
+    Raises:
+        FileNotFoundError: not a checkpoint written by :func:`save_megatron_checkpoint`.
+    """
+    meta_file = Path(ckpt_dir) / BRIDGE_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(
+            f"{meta_file} not found: {ckpt_dir} is not a megatron_bridge checkpoint"
+        )
+    return json.loads(meta_file.read_text())
+
+
+def load_megatron_checkpoint(
+    ckpt_dir: str | Path, dtype: torch.dtype | None = None
+) -> tuple[torch.nn.Module, BridgeConfig]:
+    """Build this rank's stage at the current TP/PP sizes and load a dist checkpoint into it.
+
+    Args:
+        dtype: expected parameter dtype; None uses the checkpoint's.
+
+    Raises:
+        ValueError: ``dtype`` differs from the checkpoint's dtype, or TP/PP do not fit.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_bridge_metadata(ckpt_dir)
+    saved = dtype_from_name(meta["dtype"])
+    if dtype is not None and dtype != saved:
+        raise ValueError(
+            f"dtype mismatch: the checkpoint in {ckpt_dir} holds {meta['dtype']} weights, "
+            f"{_dtype_name(dtype)} was requested; pass dtype={meta['dtype']} (--dtype "
+            f"{meta['dtype']}) or convert to HF and reload"
+        )
+    bridge = BridgeConfig(
+        meta["hf_config"],
+        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        padded_vocab_size=meta["padded_vocab_size"],
+    )
+    model = build_gpt_model(bridge, saved)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
+    # strict=False only to tolerate TransformerEngine's "_extra_state" entries; any real
+    # parameter missing from the checkpoint is an error.
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir} lacks parameters {missing}")
+    return model, bridge

@@ -1,0 +1,376 @@
+"""``megatron-bridge``: convert, verify and inspect HF / Megatron-Core checkpoints.
+
+    megatron-bridge convert --from hf --to megatron --tp 2 --pp 1 SRC DST
+    megatron-bridge convert --from megatron --to hf --tp 1 --pp 2 --dtype bfloat16 SRC DST
+    megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1
+    megatron-bridge info PATH
+
+Multi-rank work runs in ``tp * pp`` processes this command spawns itself (gloo on CPU, nccl
+with one GPU per rank). Every argument is checked before any process starts; the output is
+written to a temporary sibling folder and renamed into place only on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge.checkpoint import BRIDGE_FILE, HF_ASSETS_DIR, read_bridge_metadata
+from megatron_bridge.config import BridgeConfig, dtype_from_name
+from megatron_bridge.load import SafetensorsReader
+
+DEFAULT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 30? The answer is",
+    "Please solve the problem step by step.",
+)
+
+
+class CliError(Exception):
+    """A user error: printed without a traceback, exit status 2."""
+
+
+# ---- checkpoint inspection (main process, no torch.distributed) ------------------------------
+
+
+def _checkpoint_kind(path: Path) -> str:
+    """'hf' or 'megatron'; raises CliError for anything else."""
+    if not path.is_dir():
+        raise CliError(f"{path} does not exist or is not a folder")
+    if (path / BRIDGE_FILE).is_file():
+        return "megatron"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise CliError(f"{path} is neither an HF checkpoint (config.json) nor a Megatron one ({BRIDGE_FILE})")
+
+
+def _bridge_for(path: Path, kind: str) -> BridgeConfig:
+    if kind == "hf":
+        return BridgeConfig.from_hf(path)
+    meta = read_bridge_metadata(path)
+    return BridgeConfig(
+        meta["hf_config"],
+        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        padded_vocab_size=meta["padded_vocab_size"],
+    )
+
+
+def _check_source(path: Path, kind: str) -> BridgeConfig:
+    """Validate that ``path`` is a readable checkpoint of ``kind`` and return its bridge."""
+    actual = _checkpoint_kind(path)
+    if actual != kind:
+        raise CliError(f"{path} is a {actual} checkpoint, but --from {kind} was given")
+    try:
+        bridge = _bridge_for(path, kind)
+        if kind == "hf":
+            reader = SafetensorsReader(path)
+            expected = {n for m in bridge.plan() for n in m.hf_names}
+            missing = sorted(expected - set(reader.names()))
+            if missing:
+                raise CliError(f"{path} lacks tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        elif not (path / "metadata.json").is_file():
+            raise CliError(f"{path} has {BRIDGE_FILE} but no dist-checkpoint metadata.json")
+    except (ValueError, FileNotFoundError) as err:
+        raise CliError(str(err)) from err
+    return bridge
+
+
+def _check_parallel(bridge: BridgeConfig, tp: int, pp: int) -> None:
+    try:
+        bridge.validate_parallelism(tp, pp)
+    except ValueError as err:
+        raise CliError(f"--tp {tp} --pp {pp}: {err}") from err
+
+
+def _prepare_output(dst: Path, overwrite: bool) -> Path:
+    """A fresh temporary folder next to ``dst``; refuses an existing ``dst`` without overwrite."""
+    if dst.exists() and not overwrite:
+        raise CliError(f"output {dst} already exists; pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+
+
+def _commit_output(tmp: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+    tmp.rename(dst)
+
+
+# ---- spawned ranks ---------------------------------------------------------------------------
+
+
+def _run_ranks(fn: Any, world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; raise on failure."""
+    import torch.multiprocessing as mp
+
+    from nemo_rl.models.megatron import find_free_port
+
+    try:
+        mp.spawn(fn, args=(world, find_free_port(), *args), nprocs=world, join=True)
+    except mp.ProcessRaisedException as err:
+        last = str(err).strip().splitlines()[-1]
+        raise CliError(f"a conversion rank failed: {last}") from err
+
+
+def _progress(items: Any, total: int, description: str, show: bool) -> Any:
+    """Wrap an iterator with a rich progress bar on the rank that reports."""
+    if not show:
+        return items
+    from rich.progress import track
+
+    return track(items, total=total, description=description)
+
+
+def _convert_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None:
+    from megatron_bridge.checkpoint import (
+        load_megatron_checkpoint,
+        save_hf_checkpoint,
+        save_megatron_checkpoint,
+    )
+    from megatron_bridge.export import export_hf_weights
+    from megatron_bridge.load import load_hf_into_megatron
+    from nemo_rl.models.megatron import destroy_megatron_parallel, initialize_megatron_parallel
+
+    initialize_megatron_parallel(rank, world, tp=opts["tp"], pp=opts["pp"], master_port=port)
+    try:
+        dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else None
+        if opts["from"] == "hf":
+            model, bridge = load_hf_into_megatron(opts["src"], dtype or torch.float32)
+            save_megatron_checkpoint(model, bridge, opts["tmp"], assets_dir=opts["src"])
+        else:
+            model, bridge = load_megatron_checkpoint(opts["src"])
+            count = sum(len(m.hf_names) for m in bridge.plan())
+            weights = _progress(
+                export_hf_weights(model, bridge, dtype), count, "exporting", rank == 0
+            )
+            assets = Path(opts["src"]) / HF_ASSETS_DIR
+            save_hf_checkpoint(
+                weights,
+                bridge,
+                opts["tmp"],
+                assets_dir=assets if assets.is_dir() else None,
+                dtype=dtype,
+                max_shard_bytes=opts["max_shard_bytes"],
+            )
+    finally:
+        destroy_megatron_parallel()
+
+
+def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None:
+    from megatron_bridge.checkpoint import load_megatron_checkpoint
+    from megatron_bridge.forward import megatron_logits
+    from megatron_bridge.load import load_hf_into_megatron
+    from nemo_rl.models.megatron import destroy_megatron_parallel, initialize_megatron_parallel
+
+    initialize_megatron_parallel(rank, world, tp=opts["tp"], pp=opts["pp"], master_port=port)
+    try:
+        if opts["megatron"]:
+            model, bridge = load_megatron_checkpoint(opts["megatron"])
+        else:
+            model, bridge = load_hf_into_megatron(opts["hf"])
+        results = [
+            megatron_logits(model, ids.unsqueeze(0), bridge.vocab_size)[0] for ids in opts["ids"]
+        ]
+        if rank == 0:
+            torch.save(results, opts["out"])
+    finally:
+        destroy_megatron_parallel()
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    src, dst = Path(args.src), Path(args.dst)
+    if args.from_ == args.to:
+        raise CliError(f"--from and --to are both {args.from_!r}; nothing to convert")
+    if args.dtype:
+        try:
+            dtype_from_name(args.dtype)
+        except ValueError as err:
+            raise CliError(f"--dtype: {err}") from err
+    bridge = _check_source(src, args.from_)
+    _check_parallel(bridge, args.tp, args.pp)
+    tmp = _prepare_output(dst, args.overwrite)
+    opts = {
+        "from": args.from_,
+        "src": str(src),
+        "tmp": str(tmp),
+        "tp": args.tp,
+        "pp": args.pp,
+        "dtype": args.dtype,
+        "max_shard_bytes": int(args.max_shard_gb * 1024**3),
+    }
+    print(f"converting {src} ({args.from_}) -> {dst} ({args.to}) with tp={args.tp} pp={args.pp}")
+    try:
+        _run_ranks(_convert_rank, args.tp * args.pp, opts)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit_output(tmp, dst)
+    print(f"wrote {dst}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir = Path(args.hf)
+    bridge = _check_source(hf_dir, "hf")
+    if args.megatron:
+        mg_bridge = _check_source(Path(args.megatron), "megatron")
+        if mg_bridge.hf_config.get("architectures") != bridge.hf_config.get("architectures"):
+            raise CliError(f"{args.megatron} and {hf_dir} hold different architectures")
+        bridge = mg_bridge
+    _check_parallel(bridge, args.tp, args.pp)
+    if args.megatron and args.dtype:
+        saved = read_bridge_metadata(args.megatron)["dtype"]
+        try:
+            requested = dtype_from_name(args.dtype)
+        except ValueError as err:
+            raise CliError(f"--dtype: {err}") from err
+        if requested != dtype_from_name(saved):
+            raise CliError(
+                f"dtype mismatch: {args.megatron} holds {saved} weights but --dtype "
+                f"{args.dtype} was given; pass --dtype {saved} or omit it"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    ids = [torch.tensor(tokenizer(p)["input_ids"], dtype=torch.long) for p in prompts]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.pt"
+        opts = {"hf": str(hf_dir), "megatron": args.megatron, "tp": args.tp, "pp": args.pp,
+                "ids": ids, "out": str(out)}
+        _run_ranks(_logits_rank, args.tp * args.pp, opts)
+        megatron = torch.load(out)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for prompt, tokens, mg in zip(prompts, ids, megatron):
+        with torch.no_grad():
+            ref = model(tokens.unsqueeze(0)).logits[0]
+        diff = (ref - mg.float()).abs()
+        worst = max(worst, diff.max().item())
+        print(f"{len(tokens):4d} tokens  max abs diff {diff.max().item():.3e}  "
+              f"mean abs diff {diff.mean().item():.3e}  {prompt[:40]!r}")
+    ok = worst <= args.atol
+    print(f"{'OK' if ok else 'MISMATCH'}: max abs diff {worst:.3e} (atol {args.atol:.1e})")
+    return 0 if ok else 1
+
+
+def _hf_summary(path: Path) -> dict[str, Any]:
+    reader = SafetensorsReader(path)
+    names = reader.names()
+    files = reader.files()
+    params = sum(torch.Size(reader.shape(n)).numel() for n in names)
+    dtypes = sorted({str(reader.dtype(n)).removeprefix("torch.") for n in names})
+    size = sum((path / f).stat().st_size for f in files)
+    return {"tensors": len(names), "parameters": params, "dtypes": dtypes,
+            "files": files, "bytes": size}
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    kind = _checkpoint_kind(path)
+    try:
+        bridge = _bridge_for(path, kind)
+    except (ValueError, FileNotFoundError) as err:
+        raise CliError(str(err)) from err
+    info: dict[str, Any] = {
+        "path": str(path),
+        "format": kind,
+        "architecture": bridge.family.architecture,
+        "layers": bridge.num_layers,
+        "hidden_size": bridge.hf_config["hidden_size"],
+        "attention_heads": bridge.num_heads,
+        "kv_heads": bridge.num_kv_heads,
+        "head_dim": bridge.head_dim,
+        "vocab_size": bridge.vocab_size,
+        "tied_embeddings": bridge.tie_word_embeddings,
+        "valid_tp": [t for t in range(1, bridge.num_kv_heads + 1) if _fits(bridge, t, 1)],
+        "valid_pp": [p for p in range(1, bridge.num_layers + 1) if bridge.num_layers % p == 0],
+    }
+    if kind == "hf":
+        try:
+            summary = _hf_summary(path)
+        except (ValueError, FileNotFoundError) as err:
+            raise CliError(str(err)) from err
+        info.update(summary)
+    else:
+        meta = read_bridge_metadata(path)
+        shards = sorted(p.name for p in path.glob("*.distcp"))
+        info.update({"dtype": meta["dtype"], "padded_vocab_size": meta["padded_vocab_size"],
+                     "dist_checkpoint_files": shards,
+                     "bytes": sum(p.stat().st_size for p in path.glob("*.distcp"))})
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _fits(bridge: BridgeConfig, tp: int, pp: int) -> bool:
+    try:
+        bridge.validate_parallelism(tp, pp)
+    except ValueError:
+        return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-bridge", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert between HF and Megatron checkpoints")
+    convert.add_argument("--from", dest="from_", choices=("hf", "megatron"), required=True)
+    convert.add_argument("--to", choices=("hf", "megatron"), required=True)
+    convert.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    convert.add_argument("--dtype", default=None,
+                         help="output dtype (float32, bfloat16, float16); default: source dtype "
+                              "for megatron->hf, float32 for hf->megatron")
+    convert.add_argument("--max-shard-gb", type=float, default=2.0,
+                         help="largest HF safetensors shard, GiB")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.set_defaults(func=cmd_convert)
+
+    verify = sub.add_parser("verify", help="compare Megatron logits with transformers' logits")
+    verify.add_argument("hf", help="HF checkpoint folder (reference, and tokenizer)")
+    verify.add_argument("megatron", nargs="?", default=None,
+                        help="Megatron checkpoint; default: load the HF folder through the bridge")
+    verify.add_argument("--tp", type=int, default=1)
+    verify.add_argument("--pp", type=int, default=1)
+    verify.add_argument("--prompt", action="append", help="prompt to compare on (repeatable)")
+    verify.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed")
+    verify.add_argument("--dtype", default=None,
+                        help="expected dtype of the Megatron checkpoint (checked, not cast)")
+    verify.set_defaults(func=cmd_verify)
+
+    info = sub.add_parser("info", help="what a checkpoint holds")
+    info.add_argument("path")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as err:
+        print(f"megatron-bridge: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""HF ``config.json`` -> Megatron-Core ``TransformerConfig`` and ``GPTModel`` arguments.
+
+:class:`BridgeConfig` holds the HF config (verbatim, so exporting writes it back unchanged),
+the family it belongs to, and the vocabulary padding. Parallel sizes are validated here,
+before any model is built, with errors naming the config fields involved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge.families import Family, ModelDims, ParamMapping, get_family
+from megatron_bridge.transforms import padded_vocab_size
+
+# RoPE variants: "default" is built by Megatron itself; these are computed with transformers'
+# own functions and written into Megatron's rotary embedding (all have attention factor 1).
+_HF_COMPUTED_ROPE = ("linear", "llama3")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/``"float32"``/``"fp32"``/``"float16"``/``"fp16"`` -> dtype.
+
+    Raises:
+        ValueError: an unknown name; lists the accepted ones.
+    """
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES) + sorted(aliases)}")
+    return DTYPES[key]
+
+
+@dataclass
+class BridgeConfig:
+    """Everything needed to build, load and export one model.
+
+    Attributes:
+        hf_config: the HF ``config.json`` contents, unchanged.
+        make_vocab_size_divisible_by: Megatron pads embedding rows to a multiple of this
+            times TP (default 128, Megatron's default).
+        padded_vocab_size: embedding rows of an existing Megatron checkpoint; None to derive
+            from the vocabulary size, the divisor and TP.
+    """
+
+    hf_config: dict[str, Any]
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: int | None = None
+
+    @classmethod
+    def from_hf(cls, path: str | Path, **kwargs: Any) -> "BridgeConfig":
+        """Read ``config.json`` from an HF checkpoint folder.
+
+        Raises:
+            FileNotFoundError: no config.json in ``path``.
+            ValueError: an unsupported architecture.
+        """
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: not an HF checkpoint folder")
+        bridge = cls(json.loads(config_file.read_text()), **kwargs)
+        bridge.family  # fail early on an unsupported architecture
+        return bridge
+
+    # ---- derived model facts -------------------------------------------------------------
+
+    @property
+    def family(self) -> Family:
+        architectures = self.hf_config.get("architectures") or [None]
+        return get_family(architectures[0])
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        return self.hf_config.get(key, default)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self._get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self._get("head_dim") or self.hf_config["hidden_size"] // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self._get("tie_word_embeddings", False))
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """``{"rope_type": ..., "rope_theta": ..., ...}`` from either HF config layout."""
+        params = dict(self._get("rope_parameters") or self._get("rope_scaling") or {})
+        params.setdefault("rope_theta", self._get("rope_theta", 10000.0))
+        params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        return params
+
+    def padded_vocab(self, tp: int) -> int:
+        """Embedding rows for tensor-parallel size ``tp``.
+
+        Raises:
+            ValueError: a fixed ``padded_vocab_size`` that ``tp`` does not divide.
+        """
+        if self.padded_vocab_size is not None:
+            if self.padded_vocab_size % tp:
+                raise ValueError(
+                    f"the checkpoint's padded vocabulary ({self.padded_vocab_size} rows) is not "
+                    f"divisible by tp={tp}; pick a tp that divides it"
+                )
+            return self.padded_vocab_size
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def dims(self, tp: int) -> ModelDims:
+        return ModelDims(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            ffn=int(self.hf_config["intermediate_size"]),
+            vocab_size=self.vocab_size,
+            padded_vocab_size=self.padded_vocab(tp),
+        )
+
+    def plan(self) -> list[ParamMapping]:
+        return self.family.plan(self.num_layers, self.tie_word_embeddings)
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def validate_parallelism(self, tp: int, pp: int) -> None:
+        """Check that TP and PP fit this model, before anything is built.
+
+        Raises:
+            ValueError: naming the config field and the constraint it breaks.
+        """
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+        if self.num_heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be divisible by tp ({tp}); "
+                f"choose a tp that divides it"
+            )
+        if self.num_kv_heads < tp:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_kv_heads}) must be >= tp ({tp}): replicating "
+                f"KV heads across TP ranks is not supported; use tp <= {self.num_kv_heads}"
+            )
+        if self.num_kv_heads % tp:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_kv_heads}) must be divisible by tp ({tp})"
+            )
+        if int(self.hf_config["intermediate_size"]) % tp:
+            raise ValueError(
+                f"intermediate_size ({self.hf_config['intermediate_size']}) must be divisible "
+                f"by tp ({tp})"
+            )
+        if self.num_layers % pp:
+            raise ValueError(
+                f"num_hidden_layers ({self.num_layers}) must be divisible by pp ({pp})"
+            )
+        self.padded_vocab(tp)
+        rope_type = self.rope_parameters()["rope_type"]
+        if rope_type != "default" and rope_type not in _HF_COMPUTED_ROPE:
+            raise ValueError(
+                f"rope_parameters.rope_type {rope_type!r} is not supported; supported: "
+                f"{['default', *_HF_COMPUTED_ROPE]}"
+            )
+        if self._get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {self._get('hidden_act')!r} is not supported (silu only)")
+
+    # ---- Megatron objects ----------------------------------------------------------------
+
+    def sliding_window(self) -> int | None:
+        """Tokens a query attends to (itself included), None for full causal attention."""
+        if not self.family.sliding_window:
+            return None
+        window = self._get("sliding_window")
+        return int(window) if window else None
+
+    def transformer_config(self, tp: int, pp: int, dtype: torch.dtype = torch.float32) -> Any:
+        """A Megatron ``TransformerConfig`` for this model at the given parallel sizes.
+
+        Args:
+            dtype: parameter dtype (fp32 on CPU for exact comparisons; bf16 for large models).
+        """
+        from megatron.core.transformer import TransformerConfig
+
+        self.validate_parallelism(tp, pp)
+        window = self.sliding_window()
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=int(self.hf_config["hidden_size"]),
+            ffn_hidden_size=int(self.hf_config["intermediate_size"]),
+            num_attention_heads=self.num_heads,
+            num_query_groups=self.num_kv_heads,
+            kv_channels=self.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self._get("rms_norm_eps", 1e-6)),
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.family.qkv_bias,
+            qk_layernorm=self.family.qk_layernorm,
+            # Megatron's window (left, right) excludes the query itself; HF's includes it.
+            window_size=(window - 1, 0) if window else None,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            use_cpu_initialization=True,
+            # Weights come from the checkpoint: skip random initialisation.
+            perform_initialization=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+        )
+
+    def gpt_model_kwargs(self, tp: int) -> dict[str, Any]:
+        """Keyword arguments for ``GPTModel`` besides ``config`` and the layer spec."""
+        return dict(
+            vocab_size=self.padded_vocab(tp),
+            max_sequence_length=int(self._get("max_position_embeddings", 4096)),
+            position_embedding_type="rope",
+            rotary_base=int(self.rope_parameters()["rope_theta"]),
+            share_embeddings_and_output_weights=self.tie_word_embeddings,
+            parallel_output=True,
+        )
+
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """Inverse RoPE frequencies ``[head_dim / 2]`` for scaled RoPE, None for default RoPE.
+
+        Computed by transformers' own RoPE functions so scaled variants match HF exactly.
+        """
+        params = self.rope_parameters()
+        if params["rope_type"] == "default":
+            return None
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = AutoConfig.for_model(**{k: v for k, v in self.hf_config.items() if k != "architectures"})
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+        if attention_factor != 1.0:
+            raise ValueError(
+                f"rope_type {params['rope_type']!r} with attention factor {attention_factor} "
+                f"is not supported"
+            )
+        return inv_freq.float()

@@ -1,0 +1,277 @@
+"""Build a Megatron ``GPTModel`` for this rank and stream HF safetensors weights into it.
+
+Each rank builds only its pipeline stage (its layers, the embedding on the first stage, the
+head on the last) and reads only its tensor-parallel slice of each HF tensor through
+``safe_open(...).get_slice``, one tensor at a time: peak memory is this rank's model plus
+one tensor slice, never the full model twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge.config import BridgeConfig
+from megatron_bridge.families import ParamMapping
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+# With TransformerEngine's layer spec the pre-attention / pre-MLP RMSNorms are fused into the
+# following linear layer, so their weights live under that layer's name.
+_TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SafetensorsReader:
+    """Reads tensors or slices of them from an HF checkpoint (single file or sharded + index).
+
+    Files are opened lazily with ``safe_open``; only requested slices are materialised.
+
+    Raises (on construction):
+        FileNotFoundError: no weights file, or a shard named by the index is missing.
+        ValueError: an unreadable (corrupt/truncated) safetensors file or index.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._name_to_file: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"{index} is not a valid safetensors index: {err}") from err
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.path / f).is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"checkpoint {self.path} is missing shard(s) {missing} listed in {INDEX_FILE}"
+                )
+            self._name_to_file = {name: self.path / f for name, f in weight_map.items()}
+            for f in files:
+                self._open(self.path / f)
+        elif (self.path / SINGLE_FILE).is_file():
+            handle = self._open(self.path / SINGLE_FILE)
+            self._name_to_file = {name: self.path / SINGLE_FILE for name in handle.keys()}
+        else:
+            raise FileNotFoundError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}: not an HF safetensors checkpoint"
+            )
+
+    def _open(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(f"cannot read {file} (corrupt or truncated?): {err}") from err
+        return self._handles[file]
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return list(self._name_to_file)
+
+    def files(self) -> list[str]:
+        """Names of the safetensors files holding the tensors."""
+        return sorted({f.name for f in self._name_to_file.values()})
+
+    def _slice(self, name: str) -> Any:
+        if name not in self._name_to_file:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.path}")
+        return self._open(self._name_to_file[name]).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._slice(name).get_dtype()]
+
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """Tensor ``name`` or its rows (``dim=0``) / columns (``dim=1``) ``[start:stop]``."""
+        view = self._slice(name)
+        try:
+            if dim is None:
+                return view[:]
+            if dim == 0:
+                return view[start:stop]
+            return view[:, start:stop]
+        except Exception as err:
+            raise ValueError(f"cannot read {name!r} from {self.path} (corrupt?): {err}") from err
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this pipeline stage's first decoder layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, ParamMapping]:
+    """This stage's parameter name -> the mapping that fills it.
+
+    With tied embeddings on a multi-stage pipeline, the last stage has its own copy of the
+    output matrix; it is filled from the HF embedding.
+    """
+    offset = layer_offset(model)
+    num_local = len(model.decoder.layers)
+    te = _have_transformer_engine()
+    result: dict[str, ParamMapping] = {}
+    for mapping in bridge.plan():
+        if mapping.layer is not None and not offset <= mapping.layer < offset + num_local:
+            continue
+        name = mapping.local_name(offset)
+        if te:
+            for local, te_name in _TE_RENAMES.items():
+                name = name.replace(local, te_name) if name.endswith(local) else name
+        result[name] = mapping
+    if bridge.tie_word_embeddings and model.post_process and not model.pre_process:
+        embedding = next(m for m in bridge.plan() if m.kind == "vocab")
+        result["output_layer.weight"] = embedding
+    return result
+
+
+def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """Each parameter's tensor-parallel split dim: 0 column-parallel rows (and vocabulary
+    rows), 1 row-parallel columns, None replicated.
+
+    Derived from the module types, because Megatron only tags parameters with
+    ``partition_dim`` when it initialises them itself (we skip that; weights are loaded).
+    """
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    dims: dict[str, int | None] = {}
+    for module_name, module in model.named_modules():
+        # TransformerEngine's linear layers say which way they are split in parallel_mode.
+        mode = getattr(module, "parallel_mode", None)
+        column = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or mode == "column"
+        row = isinstance(module, RowParallelLinear) or mode == "row"
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if column and param_name in ("weight", "bias"):
+                dims[full] = 0
+            elif row and param_name == "weight":
+                dims[full] = 1
+            else:
+                dims[full] = None
+    return dims
+
+
+def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An empty (uninitialised) GPTModel for this rank's (TP, PP) position.
+
+    megatron-core's parallel state must be initialised; TP/PP sizes are read from it.
+
+    Raises:
+        ValueError: TP/PP sizes that do not fit the model (from validation, before building).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = bridge.transformer_config(tp, pp, dtype)
+    if _have_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+        )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **bridge.gpt_model_kwargs(tp),
+    )
+    inv_freq = bridge.rope_inv_freq()
+    if inv_freq is not None:
+        # Scaled RoPE: use transformers' exact frequencies instead of Megatron's own formula.
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, bridge: BridgeConfig, hf_path: str | Path) -> None:
+    """Fill this rank's parameters from an HF checkpoint, one TP slice at a time.
+
+    Raises:
+        ValueError: a parameter with no HF source, a shape mismatch, or a corrupt file.
+        FileNotFoundError / KeyError: missing shards or tensors.
+    """
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    reader = SafetensorsReader(hf_path)
+    mappings = stage_mappings(model, bridge)
+    dims = bridge.dims(tp)
+    split_dims = partition_dims(model)
+    for name, param in model.named_parameters():
+        if name not in mappings:
+            raise ValueError(
+                f"Megatron parameter {name} has no HF source in family "
+                f"{bridge.family.architecture}"
+            )
+        tensor = mappings[name].shard(reader, dims, split_dims[name], tp_rank, tp)
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"{name}: HF tensor(s) {mappings[name].hf_names} give shape "
+                f"{tuple(tensor.shape)}, the Megatron parameter has {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+
+
+def load_hf_into_megatron(
+    hf_path: str | Path, dtype: torch.dtype = torch.float32, **bridge_kwargs: Any
+) -> tuple[torch.nn.Module, BridgeConfig]:
+    """Build this rank's GPTModel and load an HF checkpoint into it.
+
+    Args:
+        hf_path: HF checkpoint folder (config.json + safetensors).
+        dtype: Megatron parameter dtype; HF tensors are cast to it.
+        **bridge_kwargs: extra :class:`BridgeConfig` settings (vocabulary padding).
+
+    Returns:
+        ``(model, bridge)``; the model is in eval mode.
+    """
+    bridge = BridgeConfig.from_hf(hf_path, **bridge_kwargs)
+    model = build_gpt_model(bridge, dtype)
+    load_hf_weights(model, bridge, hf_path)
+    return model, bridge

@@ -1,0 +1,191 @@
+"""Run megatron-core on a CPU-only machine (gloo), with every accommodation in this one module.
+
+megatron-core assumes CUDA in a handful of places. :func:`apply_cpu_compat` patches exactly
+those, and only when ``torch.cuda.is_available()`` is False; on a GPU machine it does nothing.
+It is idempotent: a second call is a no-op. ``torch.cuda.is_available()`` keeps returning
+False afterwards, so transformers, vLLM and our own code still see a CPU machine.
+
+Accommodations (each one and why):
+
+1. ``torch.cuda.current_device()`` returns ``torch.device("cpu")``. megatron-core passes it as
+   the ``device=`` of buffers it allocates (rotary ``inv_freq``, the attention
+   ``GlobalMemoryBuffer``, pipeline receive buffers, tensor-parallel gathers), so these land on
+   the CPU instead of raising "Torch not compiled with CUDA enabled".
+2. ``torch.cuda`` RNG (``get_rng_state``, ``set_rng_state``, ``manual_seed``,
+   ``manual_seed_all``) maps to the CPU generator, and megatron's private
+   ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` likewise. The
+   model-parallel RNG tracker (forked around attention dropout and weight init) then tracks
+   CPU generator states, so :func:`model_parallel_manual_seed` works unchanged.
+3. ``torch.cuda.synchronize``, ``current_stream``, ``stream``, ``Stream``, ``Event`` and
+   ``nvtx`` ranges become no-ops: CPU ops are synchronous, there is nothing to order or time.
+4. ``Tensor.cuda()`` and ``device="cuda"`` anywhere a torch function takes a device (factory
+   functions, ``Tensor.to``) are redirected to the CPU by a ``TorchFunctionMode`` that stays
+   pushed for the process (the optimizer, DDP buffers and pipeline schedules call them).
+   The mode only rewrites arguments; it costs one Python call per torch function call.
+   Torch function modes are per thread: it is pushed on the thread that calls
+   :func:`apply_cpu_compat` (megatron-core's forward/backward run there).
+5. ``pin_memory=True`` arguments are dropped and ``Tensor.pin_memory()`` returns the tensor
+   (same mode): pinned memory needs an accelerator's allocator; megatron-core pins host
+   buffers it stages for CUDA copies (e.g. the context-parallel RoPE index in
+   ``rope_utils.get_pos_emb_on_this_cp_rank``).
+6. ``torch.cuda.FloatTensor`` resolves to ``torch.FloatTensor`` so megatron's
+   ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (grad clipping, distributed optimizer)
+   are compared against the name CPU tensors really have.
+
+Not accommodated (fail loudly instead): context parallelism and sequence parallelism need
+TransformerEngine modules; FP8 and CUDA graphs need a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for "cuda", "cuda:N", torch.device("cuda", N)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU and drops pinning (accommodations 4, 5)."""
+
+    def __torch_function__(
+        self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _null_context(*_args: Any, **_kwargs: Any):
+    yield
+
+
+class _NoOpStream:
+    """Stand-in for ``torch.cuda.Stream``: waits and syncs do nothing on the CPU."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *_args: Any) -> None:
+        pass
+
+    def wait_event(self, *_args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *_args: Any) -> "_NoOpEvent":
+        return _NoOpEvent()
+
+
+class _NoOpEvent:
+    """Stand-in for ``torch.cuda.Event``."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def record(self, *_args: Any) -> None:
+        pass
+
+    def wait(self, *_args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, _other: Any) -> float:
+        return 0.0
+
+
+def _cpu_get_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Seed the CPU generator directly: torch.manual_seed itself calls cuda.manual_seed_all.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def apply_cpu_compat() -> bool:
+    """Patch torch.cuda and megatron-core for CPU execution when CUDA is unavailable.
+
+    Returns:
+        True if the accommodations are active (now or from an earlier call), False on a
+        machine with CUDA, where nothing is changed.
+    """
+    global _APPLIED, _MODE
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")  # 1
+    cuda.get_rng_state = _cpu_get_rng_state  # 2
+    cuda.set_rng_state = _cpu_set_rng_state
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.manual_seed_all = _cpu_manual_seed
+    cuda.synchronize = lambda *_a, **_k: None  # 3
+    cuda.current_stream = lambda *_a, **_k: _NoOpStream()
+    cuda.default_stream = lambda *_a, **_k: _NoOpStream()
+    cuda.stream = _null_context
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.nvtx.range_push = lambda *_a, **_k: None
+    cuda.nvtx.range_pop = lambda *_a, **_k: None
+    cuda.nvtx.range = _null_context
+    cuda.FloatTensor = torch.FloatTensor  # 6
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state  # 2
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+
+    _MODE = _CudaToCpuMode()  # 4
+    _MODE.__enter__()
+    _APPLIED = True
+    return True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed the default generator and megatron's model-parallel RNG tracker.
+
+    megatron-core's ``model_parallel_cuda_manual_seed`` works on the CPU once
+    :func:`apply_cpu_compat` has mapped the CUDA RNG onto the CPU generator, so this calls it
+    after applying the accommodations (a no-op on GPU machines).
+
+    Args:
+        seed: base seed; the tensor-parallel rank is added by megatron-core for TP-local
+            states, so TP shards draw different dropout masks.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    apply_cpu_compat()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

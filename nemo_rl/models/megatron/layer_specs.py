@@ -1,0 +1,127 @@
+"""GPT layer specs for our Megatron models, and the CP split of inputs and outputs.
+
+With TransformerEngine importable (GPU machines) megatron's TE spec is used: it has its own
+context-parallel attention. Without it the local spec is used, and for context parallelism its
+``core_attention`` is swapped for :class:`ContextParallelDotProductAttention`.
+
+Under CP every rank feeds the model its two chunks of each sequence (see
+:func:`split_for_context_parallel`) and gets back per-token outputs (logits, logprobs) for those
+tokens only; :func:`gather_from_context_parallel` reassembles them in sequence order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from nemo_rl.models.megatron.context_parallel_attention import (
+    ContextParallelDotProductAttention,
+    context_parallel_positions,
+)
+
+
+def transformer_engine_available() -> bool:
+    """True when the ``transformer_engine`` package can be imported."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def get_gpt_layer_spec(
+    use_te: bool | None = None, context_parallel: bool = False, qk_layernorm: bool = False
+) -> ModuleSpec:
+    """The transformer-layer spec for a GPT model.
+
+    Args:
+        use_te: use TransformerEngine modules; None picks them when TransformerEngine is
+            importable. True without TransformerEngine raises.
+        context_parallel: the model will run with context_parallel_size > 1. Only changes the
+            local spec, whose attention is then :class:`ContextParallelDotProductAttention`
+            (at CP size 1 megatron's local attention is kept: it computes the same function).
+        qk_layernorm: apply layer norm to queries and keys.
+
+    Raises:
+        ValueError: ``use_te=True`` but TransformerEngine is not installed.
+    """
+    have_te = transformer_engine_available()
+    if use_te and not have_te:
+        raise ValueError(
+            "use_te=True but transformer_engine is not installed: install it (GPU only) or "
+            "pass use_te=None/False for the local spec"
+        )
+    if use_te is None:
+        use_te = have_te
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    if context_parallel:
+        spec.submodules.self_attention.submodules.core_attention = (
+            ContextParallelDotProductAttention
+        )
+    return spec
+
+
+def split_for_context_parallel(
+    tensor: Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1
+) -> Tensor:
+    """This CP rank's share of ``tensor``: chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``.
+
+    Args:
+        tensor: e.g. token ids or position ids [batch, seq]; any shape with a sequence
+            dimension ``seq_dim`` whose length is divisible by ``2 * cp_size``.
+        cp_size: context-parallel size (1 returns ``tensor`` unchanged).
+        cp_rank: this rank's index in the CP group.
+        seq_dim: index of the sequence dimension.
+
+    Returns:
+        ``tensor`` with ``seq / cp_size`` entries along ``seq_dim`` (a copy when cp_size > 1).
+
+    Raises:
+        ValueError: sequence length not divisible by ``2 * cp_size`` (pad it), bad rank.
+    """
+    if cp_size == 1:
+        return tensor
+    index = context_parallel_positions(tensor.size(seq_dim), cp_size, cp_rank)
+    return tensor.index_select(seq_dim, index.to(tensor.device))
+
+
+def gather_from_context_parallel(
+    tensor: Tensor, group: dist.ProcessGroup, seq_dim: int = 1
+) -> Tensor:
+    """Inverse of :func:`split_for_context_parallel`: the full sequence on every CP rank.
+
+    Not differentiable; meant for outputs (logits, logprobs) after the forward pass.
+
+    Args:
+        tensor: this rank's share, e.g. logits [batch, seq / cp, vocab] or logprobs
+            [batch, seq / cp]; same shape on every rank of ``group``.
+        group: the context-parallel process group (None or size 1 returns ``tensor``).
+        seq_dim: index of the sequence dimension.
+
+    Returns:
+        ``tensor`` with the full ``seq`` entries along ``seq_dim``, in sequence order.
+    """
+    cp_size = 1 if group is None else group.size()
+    if cp_size == 1:
+        return tensor
+    seq_dim = seq_dim % tensor.dim()
+    local = tensor.contiguous()
+    parts = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(parts, local, group=group)
+    seq_len = local.size(seq_dim) * cp_size
+    positions = torch.cat(
+        [context_parallel_positions(seq_len, cp_size, rank) for rank in range(cp_size)]
+    )
+    full = torch.empty(
+        (*local.shape[:seq_dim], seq_len, *local.shape[seq_dim + 1 :]),
+        dtype=local.dtype,
+        device=local.device,
+    )
+    return full.index_copy_(seq_dim, positions.to(local.device), torch.cat(parts, dim=seq_dim))

@@ -1,0 +1,93 @@
+"""Start and stop torch.distributed plus megatron-core's model-parallel groups.
+
+Used by tests, the ``megatron-bridge`` CLI and workers: one call sets up the process group
+(gloo on CPU, nccl on GPU), megatron's TP/PP/CP groups and the model-parallel RNG tracker.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat, model_parallel_manual_seed
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (for a rendezvous address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_megatron_parallel(
+    rank: int,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    master_port: int | None = None,
+    master_addr: str = "127.0.0.1",
+    seed: int = 1234,
+    timeout_s: float = 300.0,
+) -> None:
+    """Initialise torch.distributed and megatron-core parallel state for this process.
+
+    Args:
+        rank: global rank of this process, in [0, world_size).
+        world_size: number of processes; must be a multiple of ``tp * pp * cp`` (the rest is
+            data parallelism).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        cp: context-parallel size (GPU/TransformerEngine only; 1 on CPU).
+        master_port: rendezvous port; defaults to ``$MASTER_PORT``.
+        master_addr: rendezvous address (loopback by default).
+        seed: base seed for megatron's model-parallel RNG tracker.
+        timeout_s: collective timeout in seconds, so a hung peer fails instead of blocking.
+
+    Raises:
+        ValueError: sizes that do not divide ``world_size``, or no port given.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of tp*pp*cp ({tp}*{pp}*{cp})"
+        )
+    if master_port is None:
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("master_port is required (or set $MASTER_PORT)")
+        master_port = int(os.environ["MASTER_PORT"])
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+    )
+    model_parallel_manual_seed(seed)
+
+
+def destroy_megatron_parallel() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""Tiny HF checkpoints of every supported family, built locally (no downloads).
+
+Llama and Qwen2 come from ``nemo_rl.models.tiny``; Qwen3 (QK-norm), Mistral (sliding window
+of 5 tokens, shorter than the test sequences) and a Llama with llama3-scaled RoPE are built
+here from transformers configs with a fixed seed and ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from nemo_rl.models.tiny import build_tiny_model
+
+SIZES = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
+# Test token sequences are this long; Mistral's window is shorter so it matters.
+SEQ_LEN = 12
+MISTRAL_WINDOW = 5
+
+
+def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4321)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_src / name).is_file():
+            shutil.copy2(tokenizer_src / name, out_dir / name)
+    return out_dir
+
+
+def build_family_checkpoints(root: Path) -> dict[str, Path]:
+    """family name -> HF checkpoint folder, for llama, qwen2, qwen3, mistral, llama3rope."""
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+
+    llama = build_tiny_model("llama", cache_dir=root / "tiny")
+    qwen2 = build_tiny_model("qwen2", cache_dir=root / "tiny")
+    vocab = dict(vocab_size=1000, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    qwen3 = Qwen3Config(**SIZES, **vocab, tie_word_embeddings=True, attention_bias=False)
+    mistral = MistralConfig(
+        **SIZES, **vocab, tie_word_embeddings=False, sliding_window=MISTRAL_WINDOW
+    )
+    scaled = LlamaConfig(
+        **SIZES,
+        **vocab,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    paths = {"llama": llama, "qwen2": qwen2}
+    for name, config in (("qwen3", qwen3), ("mistral", mistral), ("llama3rope", scaled)):
+        out = root / name
+        if not (out / "config.json").is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            _save(config, out, llama)
+        paths[name] = out
+    return paths
+
+
+def hf_reference_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits ``[batch, seq, vocab]`` for ``input_ids``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def sample_input_ids(vocab_size: int, batch: int = 2) -> torch.Tensor:
+    """Fixed random token ids ``[batch, SEQ_LEN]``."""
+    return torch.randint(0, vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
