@@ -3,7 +3,7 @@
 HF: :func:`save_hf_checkpoint` writes an exported tensor stream into safetensors shards of at
 most ``max_shard_bytes`` each (plus ``model.safetensors.index.json`` when there is more than
 one), the HF ``config.json`` and the tokenizer/generation files copied from the source folder.
-Only one shard is held in memory at a time.
+Each tensor is written to its shard file as it arrives; none is held after that.
 
 Megatron: :func:`save_megatron_checkpoint` / :func:`load_megatron_checkpoint` use
 ``megatron.core.dist_checkpointing``, whose layout is independent of TP/PP, so a checkpoint
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_bridge.config import BridgeConfig, dtype_from_name
 from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
+from megatron_bridge.safetensors_stream import SafetensorsStreamWriter
 
 BRIDGE_FILE = "bridge.json"
 HF_ASSETS_DIR = "hf_assets"
@@ -60,12 +61,6 @@ def copy_hf_assets(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     return copied
 
 
-def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
 def save_hf_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]],
     bridge: BridgeConfig,
@@ -91,30 +86,32 @@ def save_hf_checkpoint(
     writer = _is_writer()
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = 0
+    shard: SafetensorsStreamWriter | None = None
+    shard_tensors = shard_bytes = 0
     shard_files: list[Path] = []
     weight_map: dict[str, int] = {}
     total = 0
 
     def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard and writer:
-            path = out / f".shard-{len(shard_files):05d}.tmp"
-            _write_shard(shard, path)
-            shard_files.append(path)
-        elif shard:
-            shard_files.append(Path())
-        shard, shard_bytes = {}, 0
+        nonlocal shard, shard_tensors, shard_bytes
+        if shard is not None:
+            shard.close()
+        shard, shard_tensors, shard_bytes = None, 0, 0
 
     for name, tensor in weights:
         size = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + size > max_shard_bytes:
+        if shard_tensors and shard_bytes + size > max_shard_bytes:
             flush()
-        shard[name] = tensor.contiguous()
+        if not shard_tensors:
+            shard_files.append(out / f".shard-{len(shard_files):05d}.tmp")
+            if writer:
+                shard = SafetensorsStreamWriter(shard_files[-1], metadata={"format": "pt"})
+        if shard is not None:
+            shard.add(name, tensor)
+        shard_tensors += 1
         shard_bytes += size
         total += size
-        weight_map[name] = len(shard_files)
+        weight_map[name] = len(shard_files) - 1
     flush()
     if not writer:
         return
@@ -139,6 +136,42 @@ def save_hf_checkpoint(
         copy_hf_assets(assets_dir, out)
 
 
+def _in_process_save_strategy(sync_files: bool) -> Any:
+    """megatron-core's ``torch_dist`` save, written by this process with torch's own DCP writer.
+
+    The checkpoint is the one megatron-core's default strategy writes (same ShardedTensor ->
+    torch ShardedTensor translation, same planner, same ``__<rank>_<n>.distcp`` files and
+    ``.metadata``); only the write step differs. The default strategy hands the write to
+    worker processes it forks, collecting results through a ``multiprocessing`` Manager it
+    starts with the spawn method (a fresh interpreter that re-imports the main module, about
+    2.5 s here, and the reason scripts needed a ``__main__`` guard).
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            writer = FileSystemWriter(
+                checkpoint_dir, single_file_per_rank=True, sync_files=sync_files, thread_count=1
+            )
+            planner = MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica,
+                flatten_state_dict=False,
+            )
+            dcp_save(mcore_to_pyt_state_dict(flat, False), storage_writer=writer, planner=planner)
+
+    return InProcessTorchDistSave("torch_dist", 1)
+
+
 def save_megatron_checkpoint(
     model: torch.nn.Module,
     bridge: BridgeConfig,
@@ -147,8 +180,8 @@ def save_megatron_checkpoint(
 ) -> None:
     """Save this rank's stage with ``dist_checkpointing`` (call on every rank).
 
-    The launching script needs an ``if __name__ == "__main__":`` guard: megatron-core's save
-    strategy starts a multiprocessing Manager with the spawn start method.
+    Written in ``torch_dist`` format by this process itself (see
+    :func:`_in_process_save_strategy`); files are fsynced before the call returns.
     """
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -160,7 +193,9 @@ def save_megatron_checkpoint(
         ckpt.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+    dist_checkpointing.save(
+        model.sharded_state_dict(), str(ckpt), sharded_strategy=_in_process_save_strategy(True)
+    )
     if _is_writer():
         meta = {
             "hf_config": bridge.hf_config,
@@ -217,11 +252,82 @@ def load_megatron_checkpoint(
         padded_vocab_size=meta["padded_vocab_size"],
     )
     model = build_gpt_model(bridge, saved)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
-    # strict=False only to tolerate TransformerEngine's "_extra_state" entries; any real
-    # parameter missing from the checkpoint is an error.
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    sharded = model.sharded_state_dict()
+    _merge_in_place(sharded)
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    own = dict(model.state_dict(keep_vars=True))
+    # dist_checkpointing reads straight into the parameters it was given; copy only what it
+    # returned in other memory. strict=False only to tolerate TransformerEngine's
+    # "_extra_state" entries; any real parameter missing from the checkpoint is an error.
+    loaded_in_place = {k for k, v in state.items() if k in own and _same_view(v, own[k])}
+    result = model.load_state_dict(
+        {k: v for k, v in state.items() if k not in loaded_in_place}, strict=False
+    )
+    missing = [
+        k for k in result.missing_keys
+        if k not in loaded_in_place and not k.endswith("_extra_state")
+    ]
     if missing:
         raise ValueError(f"checkpoint {ckpt_dir} lacks parameters {missing}")
     return model, bridge
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """True if tensors ``a`` and ``b`` are the same memory with the same layout."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _merge_in_place(sharded_state_dict: dict[str, Any]) -> None:
+    """Make tensor factories whose parts are loaded into their own tensor return that tensor.
+
+    megatron-core saves a fused gate/up ``linear_fc1`` weight as two sharded tensors (views of
+    the parameter's halves, which dist_checkpointing loads into directly) and merges them
+    after loading with ``torch.cat``: a full copy of every fc1 weight, all alive at once. When
+    the loaded parts are exactly the parameter's consecutive memory, the parameter already
+    holds the merged result; any other case keeps megatron-core's own merge.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for factory in nested_values(sharded_state_dict):
+        # Only the GLU factory of megatron.core.transformer.mlp, whose merge is a dim-0 cat.
+        if (
+            isinstance(factory, ShardedTensorFactory)
+            and isinstance(factory.data, torch.Tensor)
+            and getattr(factory.merge_fn, "__module__", None) == "megatron.core.transformer.mlp"
+        ):
+            factory.merge_fn = _merge_or_reuse(factory.data, factory.merge_fn)
+
+
+def _merge_or_reuse(whole: torch.Tensor, merge_fn: Any) -> Any:
+    def merge(parts: Any) -> Any:
+        if isinstance(parts, list) and _tiles(whole, parts):
+            return whole
+        return merge_fn(parts)
+
+    return merge
+
+
+def _tiles(whole: torch.Tensor, parts: list[Any]) -> bool:
+    """True if ``torch.cat(parts)`` equals ``whole`` because the contiguous parts lie back to
+    back in ``whole``'s own memory, fill it, and share its trailing shape."""
+    if not whole.is_contiguous() or not all(
+        isinstance(p, torch.Tensor) and p.is_contiguous() and p.dtype == whole.dtype
+        for p in parts
+    ):
+        return False
+    ptr = whole.data_ptr()
+    for part in parts:
+        if part.data_ptr() != ptr:
+            return False
+        ptr += part.numel() * part.element_size()
+    return ptr == whole.data_ptr() + whole.numel() * whole.element_size() and all(
+        p.shape[1:] == whole.shape[1:] for p in parts
+    )

@@ -6,7 +6,7 @@
     megatron-bridge info PATH
 
 Multi-rank work runs in ``tp * pp`` processes this command spawns itself (gloo on CPU, nccl
-with one GPU per rank). Every argument is checked before any process starts; the output is
+with one GPU per rank); a single rank runs in the command's own process. Every argument is checked before any process starts; the output is
 written to a temporary sibling folder and renamed into place only on success.
 """
 
@@ -107,10 +107,23 @@ def _commit_output(tmp: Path, dst: Path) -> None:
 
 
 def _run_ranks(fn: Any, world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; raise on failure."""
-    import torch.multiprocessing as mp
+    """Run ``fn(rank, world, port, *args)`` on ``world`` ranks; raise CliError on failure.
+
+    One rank runs in this process when no process group exists here yet (spawning would
+    re-import torch and megatron-core in a fresh interpreter); more ranks, or a caller that
+    already has a process group, get ``world`` spawned processes.
+    """
+    import torch.distributed as dist
 
     from nemo_rl.models.megatron import find_free_port
+
+    if world == 1 and not dist.is_initialized():
+        try:
+            fn(0, 1, find_free_port(), *args)
+        except (ValueError, KeyError, FileNotFoundError) as err:
+            raise CliError(f"conversion failed: {err}") from err
+        return
+    import torch.multiprocessing as mp
 
     try:
         mp.spawn(fn, args=(world, find_free_port(), *args), nprocs=world, join=True)

@@ -9,8 +9,12 @@ one tensor slice, never the full model twice.
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,9 +48,13 @@ def _have_transformer_engine() -> bool:
 
 
 class SafetensorsReader:
-    """Reads tensors or slices of them from an HF checkpoint (single file or sharded + index).
+    """Reads tensors or row/column ranges of them from an HF checkpoint (single file or
+    sharded + index).
 
-    Files are opened lazily with ``safe_open``; only requested slices are materialised.
+    Each file's header is parsed once (``safe_open`` validates it); tensor bytes are then read
+    with ``os.preadv`` straight into the returned tensor's memory. Nothing stays mapped, so the
+    process holds only the tensors it asked for (mmap reads would keep every page they
+    touched resident until the file is closed, i.e. a second copy of the checkpoint).
 
     Raises (on construction):
         FileNotFoundError: no weights file, or a shard named by the index is missing.
@@ -56,7 +64,7 @@ class SafetensorsReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._name_to_file: dict[str, Path] = {}
-        self._handles: dict[Path, Any] = {}
+        self._files: dict[Path, _SafetensorsFile] = {}
         index = self.path / INDEX_FILE
         if index.is_file():
             try:
@@ -73,22 +81,17 @@ class SafetensorsReader:
             for f in files:
                 self._open(self.path / f)
         elif (self.path / SINGLE_FILE).is_file():
-            handle = self._open(self.path / SINGLE_FILE)
-            self._name_to_file = {name: self.path / SINGLE_FILE for name in handle.keys()}
+            single = self._open(self.path / SINGLE_FILE)
+            self._name_to_file = {name: self.path / SINGLE_FILE for name in single.entries}
         else:
             raise FileNotFoundError(
                 f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}: not an HF safetensors checkpoint"
             )
 
-    def _open(self, file: Path) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise ValueError(f"cannot read {file} (corrupt or truncated?): {err}") from err
-        return self._handles[file]
+    def _open(self, file: Path) -> "_SafetensorsFile":
+        if file not in self._files:
+            self._files[file] = _SafetensorsFile(file)
+        return self._files[file]
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint."""
@@ -98,30 +101,94 @@ class SafetensorsReader:
         """Names of the safetensors files holding the tensors."""
         return sorted({f.name for f in self._name_to_file.values()})
 
-    def _slice(self, name: str) -> Any:
+    def _entry(self, name: str) -> tuple["_SafetensorsFile", "_Entry"]:
         if name not in self._name_to_file:
             raise KeyError(f"tensor {name!r} not found in checkpoint {self.path}")
-        return self._open(self._name_to_file[name]).get_slice(name)
+        file = self._open(self._name_to_file[name])
+        if name not in file.entries:
+            raise ValueError(f"{file.path} does not hold {name!r} although the index says so")
+        return file, file.entries[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._entry(name)[1].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._slice(name).get_dtype()]
+        return self._entry(name)[1].dtype
 
     def read(
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        """Tensor ``name`` or its rows (``dim=0``) / columns (``dim=1``) ``[start:stop]``."""
-        view = self._slice(name)
+        """Tensor ``name`` or its rows (``dim=0``) / columns (``dim=1``) ``[start:stop]``.
+
+        Row ranges read only their bytes; a column range reads the whole tensor and returns a
+        contiguous copy of the columns.
+        """
+        file, entry = self._entry(name)
+        if dim is None:
+            return file.read_rows(entry, 0, entry.shape[0] if entry.shape else 0)
+        rows = range(entry.shape[dim])[start:stop]
+        if dim == 0:
+            return file.read_rows(entry, rows.start, rows.stop)
+        full = file.read_rows(entry, 0, entry.shape[0])
+        return full[:, rows.start : rows.stop].contiguous()
+
+
+class _Entry(NamedTuple):
+    """One tensor of a safetensors file: dtype, shape, and byte range in the file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class _SafetensorsFile:
+    """One safetensors file: its parsed header and an unbuffered descriptor for ``preadv``."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = path
         try:
-            if dim is None:
-                return view[:]
-            if dim == 0:
-                return view[start:stop]
-            return view[:, start:stop]
-        except Exception as err:
-            raise ValueError(f"cannot read {name!r} from {self.path} (corrupt?): {err}") from err
+            with safe_open(str(path), framework="pt"):  # validates header and file size
+                pass
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"cannot read {path} (corrupt or truncated?): {err}") from err
+        data_start = 8 + header_len
+        header.pop("__metadata__", None)
+        self.entries: dict[str, _Entry] = {}
+        for name, info in header.items():
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(
+                    f"{path}: tensor {name!r} has dtype {info['dtype']}; supported: "
+                    f"{sorted(_SAFETENSORS_DTYPES)}"
+                )
+            begin, end = info["data_offsets"]
+            self.entries[name] = _Entry(
+                _SAFETENSORS_DTYPES[info["dtype"]],
+                tuple(info["shape"]),
+                data_start + begin,
+                data_start + end,
+            )
+        self._fd = os.open(path, os.O_RDONLY)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def read_rows(self, entry: _Entry, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start:stop)`` of a tensor (a 0-d tensor whole), in new memory."""
+        shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
+        out = torch.empty(shape, dtype=entry.dtype)
+        row_bytes = math.prod(entry.shape[1:]) * out.element_size()
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        offset, done = entry.begin + start * row_bytes, 0
+        while done < len(buf):
+            got = os.preadv(self._fd, [buf[done:]], offset + done)
+            if got == 0:
+                raise ValueError(f"{self.path} ends inside tensor data (truncated?)")
+            done += got
+        return out
 
 
 def layer_offset(model: torch.nn.Module) -> int:
