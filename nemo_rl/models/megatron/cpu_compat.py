@@ -28,9 +28,12 @@ Accommodations (each one and why):
    (same mode): pinned memory needs an accelerator's allocator; megatron-core pins host
    buffers it stages for CUDA copies (e.g. the context-parallel RoPE index in
    ``rope_utils.get_pos_emb_on_this_cp_rank``).
-6. ``torch.cuda.FloatTensor`` resolves to ``torch.FloatTensor`` so megatron's
-   ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (grad clipping, distributed optimizer)
-   are compared against the name CPU tensors really have.
+6. CUDA tensor type names: ``torch.cuda.FloatTensor`` resolves to ``torch.FloatTensor`` (so
+   ``t.type(torch.cuda.FloatTensor)`` casts on the CPU), and ``Tensor.type()`` without
+   arguments answers a CPU tensor with the CUDA name (``'torch.cuda.FloatTensor'``; same mode
+   as 4). megatron-core selects parameters and gradients by that name in the float16 and
+   distributed optimizers (``_build_model_and_main_param_groups``) and in gradient clipping
+   (``clip_grad_by_total_norm_fp32``); with CPU names it rejects every parameter.
 7. When this call is the first import of megatron-core, the ``torch.compile`` decorators it
    applies at import time (``megatron.core.jit.jit_fuser`` on its fusion functions) wrap
    their function in a deferred compile: ``torch.compile`` runs on the function's first call,
@@ -65,7 +68,8 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to the CPU and drops pinning (accommodations 4, 5)."""
+    """Rewrites CUDA device arguments to the CPU, drops pinning and names CPU tensors by their
+    CUDA type (accommodations 4, 5, 6)."""
 
     def __torch_function__(
         self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
@@ -73,6 +77,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if _is_cuda_device(kwargs.get("device")):

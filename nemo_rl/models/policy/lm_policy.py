@@ -1,0 +1,213 @@
+"""The driver-side policy: one object the algorithm loop calls, backed by Megatron workers.
+
+``Policy`` validates the parallel layout, starts one :class:`MegatronPolicyWorker` per rank on a
+:class:`RayVirtualCluster`, shards each ``BatchedDataDict`` over data-parallel replicas (with the
+micro-batch plan of dynamic batching or sequence packing when enabled), and puts results back
+in the caller's row order. Weights never pass through the driver.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import ray
+
+from nemo_rl.distributed.batched_data_dict import (
+    BatchedDataDict,
+    DynamicBatchingArgs,
+    SequencePackingArgs,
+)
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.models.policy.interfaces import (
+    LogprobOutputSpec,
+    PolicyInterface,
+    ReferenceLogprobOutputSpec,
+)
+from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
+from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+from nemo_rl.models.tiny import resolve_model_path
+
+if TYPE_CHECKING:
+    from nemo_rl.algorithms.loss.interfaces import LossFunction
+    from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+    from nemo_rl.models.policy.config import PolicyConfig
+
+# Sequence dimension that dynamic batching / packing plan over (token ids and their lengths).
+_INPUT_KEY = "input_ids"
+_LENGTHS_KEY = "input_lengths"
+
+
+class Policy(PolicyInterface):
+    """Megatron-Core policy spread over the bundles of ``cluster``.
+
+    Args:
+        cluster: where the workers go; every bundle gets one rank.
+        config: the validated ``policy`` section.
+        init_reference_model: keep the initial weights as the reference policy (for the KL
+            penalty and ``get_reference_policy_logprobs``).
+        seed: model-parallel RNG seed of the workers.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: PolicyConfig,
+        init_reference_model: bool = True,
+        seed: int = 42,
+    ) -> None:
+        self.cfg = config
+        self.model_path = resolve_model_path(config.model_name)
+        self.layout: ParallelLayout = plan_parallel_layout(
+            config, self.model_path, cluster.world_size()
+        )
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            ray.remote(MegatronPolicyWorker),
+            self.layout.axes(),
+            actor_kwargs={
+                "config": config.model_dump(),
+                "model_path": self.model_path,
+                "init_reference_model": init_reference_model,
+                "seed": seed,
+            },
+        )
+
+    # ---- sharding ------------------------------------------------------------------------
+
+    def _shard(
+        self, data: BatchedDataDict, stage: str, batch_size: Optional[int] = None
+    ) -> tuple[list[BatchedDataDict], Optional[list[int]]]:
+        """Split ``data`` into one shard per DP replica.
+
+        Args:
+            stage: "train" or "logprob": selects the token budget of dynamic batching/packing.
+            batch_size: global batch per optimizer step (train) or None (the whole batch).
+
+        Returns:
+            ``(shards, sorted_indices)``; ``sorted_indices`` maps rows of the concatenated
+            shards back to ``data``'s rows when a token-budget plan reordered them, else None.
+        """
+        dp = self.layout.dp
+        packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
+        if packing.enabled:
+            args = SequencePackingArgs(
+                input_key=_INPUT_KEY,
+                input_lengths_key=_LENGTHS_KEY,
+                max_tokens_per_microbatch=getattr(packing, f"{stage}_mb_tokens"),
+                algorithm=packing.algorithm,
+                # the worker pads every packed sample to a multiple of 2 * CP tokens
+                sequence_length_round=2 * self.layout.cp,
+            )
+            return data.shard_by_batch_size(dp, batch_size=batch_size, sequence_packing_args=args)
+        if dynamic.enabled:
+            args = DynamicBatchingArgs(
+                input_key=_INPUT_KEY,
+                input_lengths_key=_LENGTHS_KEY,
+                max_tokens_per_microbatch=getattr(dynamic, f"{stage}_mb_tokens"),
+                sequence_length_round=dynamic.sequence_length_round,
+            )
+            return data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=args)
+        return data.shard_by_batch_size(dp, batch_size=batch_size), None
+
+    def _run_sharded(
+        self, method: str, shards: list[BatchedDataDict], **common_kwargs: Any
+    ) -> list[Any]:
+        futures = self.worker_group.run_all_workers_sharded_data(
+            method, shards, common_kwargs=common_kwargs
+        )
+        return self.worker_group.get_all_worker_results(futures)
+
+    def _logprob_pass(self, data: BatchedDataDict, method: str) -> BatchedDataDict:
+        shards, sorted_indices = self._shard(data, "logprob")
+        outputs = self._run_sharded(method, shards, micro_batch_size=self.cfg.logprob_batch_size)
+        merged = BatchedDataDict.from_batches(outputs)
+        return merged.reorder_data(sorted_indices) if sorted_indices is not None else merged
+
+    # ---- PolicyInterface -----------------------------------------------------------------
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict[LogprobOutputSpec]:
+        """``logprobs`` [batch, seq] of ``data["input_ids"]`` in ``data``'s row order."""
+        return self._logprob_pass(data, "get_logprobs")
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict
+    ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
+        """``reference_logprobs`` [batch, seq] under the initial weights, in row order."""
+        return self._logprob_pass(data, "get_reference_policy_logprobs")
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: Optional[int] = None,
+        mbs: Optional[int] = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per ``gbs`` samples of ``data``; returns aggregated metrics.
+
+        Returns:
+            See :func:`aggregate_train_results`.
+        """
+        gbs = gbs if gbs is not None else self.cfg.train_global_batch_size
+        mbs = mbs if mbs is not None else self.cfg.train_micro_batch_size
+        shards, _ = self._shard(data, "train", batch_size=gbs)
+        results = self._run_sharded(
+            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        )
+        return aggregate_train_results(results)
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("prepare_for_training")
+        )
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("finish_training")
+        )
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, scheduler, RNG and step to ``path`` (a dist checkpoint)."""
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("save_checkpoint", path)
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (possibly at another TP/PP layout)."""
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("load_checkpoint", path)
+        )
+
+    def shutdown(self) -> bool:
+        return self.worker_group.shutdown(cleanup_method="shutdown")
+
+
+def aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One train result from the per-DP-replica results of ``MegatronPolicyWorker.train``.
+
+    The workers already reduce over data parallelism (loss and metrics are all-reduced before
+    they return), so every replica reports the same global figures; this checks that they do
+    and adds up the micro-batch counts.
+
+    Returns:
+        Lists with one entry per optimizer step: ``loss`` (global loss), ``grad_norm`` (before
+        clipping; None in eval mode), ``lr``, ``num_micro_batches`` (over all replicas), and
+        ``metrics``: name -> per-step values summed over micro-batches and replicas.
+
+    Raises:
+        RuntimeError: the replicas disagree on the loss (their collectives went out of step).
+    """
+    first = results[0]
+    for index, other in enumerate(results[1:], start=1):
+        if other["loss"] != first["loss"]:
+            raise RuntimeError(
+                f"data-parallel replicas disagree on the global loss: replica 0 {first['loss']}, "
+                f"replica {index} {other['loss']}"
+            )
+    return {
+        "loss": first["loss"],
+        "grad_norm": first["grad_norm"],
+        "lr": first["lr"],
+        "metrics": first["metrics"],
+        "num_micro_batches": [sum(steps) for steps in zip(*(r["num_micro_batches"] for r in results))],
+    }

@@ -1,0 +1,139 @@
+"""Training checkpoints with ``megatron.core.dist_checkpointing``: model, optimizer, scheduler,
+step and RNG.
+
+Model and optimizer go through their sharded state dicts (the distributed optimizer's in
+megatron's ``fully_reshardable`` format), whose layout is independent of TP/PP/DP, so a
+checkpoint saved at one layout loads at another. Scheduler state and the step are common
+(replicated) entries. RNG states are per rank (``rng/rank_<r>.pt``) and restored only when
+the layout is unchanged. ``layout.json`` records the layout of the save.
+
+The folder must not exist or be empty: dist_checkpointing treats a non-empty folder without its
+metadata as corrupt. The vocabulary padding must match across layouts (it depends on TP only
+through ``make_vocab_size_divisible_by * TP``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+
+LAYOUT_FILE = "layout.json"
+RNG_DIR = "rng"
+
+
+# The distributed optimizer's resharding format; its default in megatron-core 0.16.1
+# ("fully_sharded_model_space") builds flattened-range tensors dist_checkpointing rejects.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(policy: PolicyModel, is_loading: bool) -> dict[str, Any]:
+    model_state = policy.model.module.sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": policy.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
+        ),
+    }
+
+
+def _init_empty_adam_state(optimizer: Any) -> None:
+    """Give every parameter of a not-yet-stepped Adam its (zero) state.
+
+    Loading builds the optimizer's sharded state dict from its current state, which megatron's
+    distributed optimizer reads with the Adam step count of every parameter: a fresh optimizer
+    has none. Loading then overwrites these zeros.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_training_checkpoint(policy: PolicyModel, path: str | Path, step: int) -> None:
+    """Save this rank's share of the training state into ``path`` (call on every rank)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = Path(path)
+    rank = dist.get_rank()
+    if rank == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        if any(ckpt.iterdir()):
+            raise ValueError(f"checkpoint folder {ckpt} is not empty; save into a new folder")
+    dist.barrier()
+    state = _sharded_state(policy, is_loading=False)
+    state["scheduler"] = policy.scheduler.state_dict()
+    state["step"] = step
+    dist_checkpointing.save(state, str(ckpt))
+    if rank == 0:
+        (ckpt / RNG_DIR).mkdir()
+        layout = dataclasses.asdict(policy.layout)
+        (ckpt / LAYOUT_FILE).write_text(json.dumps({**layout, "step": step}, indent=2) + "\n")
+    dist.barrier()
+    torch.save(_rng_state(), ckpt / RNG_DIR / f"rank_{rank}.pt")
+    dist.barrier()
+
+
+def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
+    """Load a checkpoint written by :func:`save_training_checkpoint` (any TP/PP/DP layout).
+
+    Returns:
+        The saved step count.
+
+    Raises:
+        FileNotFoundError: ``path`` is not such a checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = Path(path)
+    if not (ckpt / LAYOUT_FILE).is_file():
+        raise FileNotFoundError(
+            f"{ckpt / LAYOUT_FILE} not found: {ckpt} is not a Megatron policy checkpoint"
+        )
+    saved_layout = json.loads((ckpt / LAYOUT_FILE).read_text())
+    _init_empty_adam_state(policy.optimizer)
+    state = _sharded_state(policy, is_loading=True)
+    state["scheduler"] = policy.scheduler.state_dict()
+    state["step"] = 0
+    loaded = dist_checkpointing.load(state, str(ckpt))
+    policy.model.module.load_state_dict(loaded["model"], strict=False)
+    policy.optimizer.load_state_dict(loaded["optimizer"])
+    policy.scheduler.load_state_dict(loaded["scheduler"])
+    same_layout = all(
+        saved_layout[k] == v for k, v in dataclasses.asdict(policy.layout).items()
+    )
+    if same_layout:
+        _set_rng_state(torch.load(ckpt / RNG_DIR / f"rank_{dist.get_rank()}.pt", weights_only=False))
+    return int(loaded["step"])

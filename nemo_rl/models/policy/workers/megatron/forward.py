@@ -1,0 +1,269 @@
+"""Forward pass of micro-batches: model inputs -> vocab-parallel logits -> logprobs ``[B, S]``.
+
+Two input layouts:
+
+* padded: ``input_ids`` ``[B, S]`` fed as is (right padding is harmless under causal
+  attention);
+* packed: the B samples concatenated into one row ``[1, T]``, each padded to a multiple of
+  ``2 * CP`` tokens, described by ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens``).
+
+Under context parallelism (CP) each rank feeds the model its two chunks of every sequence
+(megatron's ``2 * CP`` chunk layout, per sequence when packed). A token's logits then predict a
+token that may live on another rank, so each rank scores the *next* token of each of its
+positions, the CP ranks all-gather those scores (differentiably: the backward keeps the local
+positions' gradient, since every CP rank computes the same loss from the gathered tensor),
+and the result is shifted into the :mod:`nemo_rl.distributed.model_utils` convention.
+
+Output convention everywhere: ``logprobs[i, t] = log p(input_ids[i, t] | input_ids[i, :t])``
+for ``1 <= t < input_lengths[i]``, 0 at ``t = 0`` and at ``t >= input_lengths[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
+from nemo_rl.models.megatron.context_parallel_attention import context_parallel_positions
+
+# Sequence positions scored at once by from_parallel_logits_to_logprobs: bounds its
+# temporaries to [batch, chunk, vocab / TP].
+LOGPROB_CHUNK_SIZE = 1024
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch in the model's layout on this rank.
+
+    Attributes:
+        input_ids: ``[b, s / CP]`` (padded) or ``[1, T / CP]`` (packed) token ids, CP-local.
+        position_ids: same shape as ``input_ids``: each token's position in its sequence.
+        packed_seq_params: ``thd`` description of the pack, None when padded.
+        next_targets: CP > 1 only: the id of the token following each local token (0 past the
+            end), same shape as ``input_ids``.
+        local_positions: CP > 1 only: ``[T_local]`` positions of the local tokens in the full
+            (pre-split) model row.
+        all_positions: CP > 1 only: ``[T_full]`` local positions of every CP rank, in rank order.
+        lengths: ``[B]`` real sample lengths (tokens).
+        seq_len: ``S``, sequence dimension of the micro-batch's ``[B, S]`` tensors.
+        full_len: tokens per model row before the CP split (padded ``s`` or pack ``T``).
+        sample_offsets: packed only: ``[B]`` start of each sample in the pack.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    packed_seq_params: Any
+    next_targets: Tensor | None
+    local_positions: Tensor | None
+    all_positions: Tensor | None
+    lengths: Tensor
+    seq_len: int
+    full_len: int
+    sample_offsets: Tensor | None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _cp_positions(segments: Sequence[tuple[int, int]], cp: int, rank: int) -> Tensor:
+    """Positions (in the full row) a CP rank holds: its chunks of every ``(start, length)``."""
+    return torch.cat(
+        [start + context_parallel_positions(length, cp, rank) for start, length in segments]
+    )
+
+
+def build_model_inputs(
+    mb: dict[str, Tensor], packed: bool, cp_size: int, cp_rank: int
+) -> ModelInputs:
+    """The model inputs of micro-batch ``mb`` (``input_ids`` ``[B, S]``, ``input_lengths``).
+
+    Padded rows are extended to a multiple of ``2 * CP`` tokens (unchanged without CP);
+    packed samples are each padded to a multiple of ``2 * CP`` and concatenated.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids = mb["input_ids"]
+    lengths = mb["input_lengths"].to(torch.long).cpu()
+    batch, seq = ids.shape
+    # The packed-sequence attention cuts every sequence into 2 * CP chunks, also at CP = 1.
+    multiple = 2 * cp_size if cp_size > 1 or packed else 1
+    params = None
+    offsets = None
+    if packed:
+        padded = [_round_up(int(n), multiple) for n in lengths]
+        offsets = torch.tensor([0, *padded[:-1]]).cumsum(0)
+        full_len = sum(padded)
+        row = ids.new_zeros(1, full_len)
+        positions = torch.zeros(1, full_len, dtype=torch.long)
+        for i, (start, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            row[0, start : start + n] = ids[i, :n]
+            positions[0, start : start + padded[i]] = torch.arange(padded[i])
+        segments = list(zip(offsets.tolist(), padded))
+        cu_real = torch.tensor([0, *lengths.tolist()]).cumsum(0).to(torch.int32)
+        cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_real.to(ids.device),
+            cu_seqlens_kv=cu_real.to(ids.device),
+            cu_seqlens_q_padded=cu_padded.to(ids.device),
+            cu_seqlens_kv_padded=cu_padded.to(ids.device),
+            max_seqlen_q=max(padded),
+            max_seqlen_kv=max(padded),
+        )
+        ids = row
+    else:
+        full_len = _round_up(seq, multiple)
+        if full_len > seq:
+            ids = torch.cat([ids, ids.new_zeros(batch, full_len - seq)], dim=1)
+        positions = torch.arange(full_len).unsqueeze(0).expand(batch, full_len)
+        segments = [(0, full_len)]
+    positions = positions.to(ids.device)
+    if cp_size == 1:
+        return ModelInputs(
+            ids, positions, params, None, None, None, lengths, seq, full_len, offsets
+        )
+    next_ids = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+    local = _cp_positions(segments, cp_size, cp_rank).to(ids.device)
+    everyone = torch.cat([_cp_positions(segments, cp_size, r) for r in range(cp_size)])
+    return ModelInputs(
+        ids.index_select(1, local),
+        positions.index_select(1, local),
+        params,
+        next_ids.index_select(1, local),
+        local,
+        everyone.to(ids.device),
+        lengths,
+        seq,
+        full_len,
+        offsets,
+    )
+
+
+class _GatherContextParallel(torch.autograd.Function):
+    """All-gather per-token values ``[b, t_local]`` of the CP ranks into the full row
+    ``[b, t_full]``; the backward returns the gradient of this rank's positions (each CP rank
+    computes the same loss from the full row, so the gradient is not summed)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, local_pos: Tensor, all_pos: Tensor, group: Any) -> Tensor:
+        ctx.save_for_backward(local_pos)
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(group.size())]
+        dist.all_gather(parts, local, group=group)
+        full = local.new_zeros(local.shape[0], all_pos.numel())
+        return full.index_copy_(1, all_pos, torch.cat(parts, dim=1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (local_pos,) = ctx.saved_tensors
+        return grad.index_select(1, local_pos), None, None, None
+
+
+def logprobs_from_logits(
+    logits: Tensor, inputs: ModelInputs, inference_only: bool
+) -> Tensor:
+    """``[B, S]`` float32 logprobs of the micro-batch's tokens from this rank's logits.
+
+    Args:
+        logits: ``[b, t_local, V / TP]`` vocab-parallel logits of this TP rank.
+        inputs: what :func:`build_model_inputs` made for the same micro-batch.
+        inference_only: build no autograd graph.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    width = logits.shape[-1]
+    vocab = (tp_rank * width, (tp_rank + 1) * width)
+    logits = logits.float() if logits.dtype != torch.float32 else logits
+    if inputs.next_targets is None:
+        row = from_parallel_logits_to_logprobs(
+            logits, inputs.input_ids, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
+        )
+    else:
+        # Score the next token of every local position: put a dummy position in front so the
+        # function's "target t from logits t-1" rule pairs logits[i] with next_targets[i].
+        b = logits.shape[0]
+        padded_logits = torch.cat([logits, logits.new_zeros(b, 1, width)], dim=1)
+        targets = torch.cat([inputs.next_targets.new_zeros(b, 1), inputs.next_targets], dim=1)
+        next_local = from_parallel_logits_to_logprobs(
+            padded_logits, targets, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
+        )[:, 1:]
+        cp_group = parallel_state.get_context_parallel_group()
+        next_full = _GatherContextParallel.apply(
+            next_local, inputs.local_positions, inputs.all_positions, cp_group
+        )
+        row = torch.cat([next_full.new_zeros(b, 1), next_full[:, :-1]], dim=1)
+    return _to_batch_layout(row, inputs)
+
+
+def _to_batch_layout(row: Tensor, inputs: ModelInputs) -> Tensor:
+    """Model-layout logprobs (``[b, full_len]`` or ``[1, T]``) -> ``[B, S]``, masked."""
+    batch, seq = inputs.lengths.numel(), inputs.seq_len
+    t = torch.arange(seq, device=row.device)
+    lengths = inputs.lengths.to(row.device)
+    valid = (t[None, :] >= 1) & (t[None, :] < lengths[:, None])
+    if inputs.sample_offsets is None:
+        out = row[:, :seq]
+    else:
+        index = (inputs.sample_offsets.to(row.device)[:, None] + t[None, :]).clamp(
+            max=row.shape[1] - 1
+        )
+        out = row[0][index]
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def run_micro_batches(
+    model: Any,
+    inputs: list[ModelInputs],
+    forward_only: bool,
+    on_logits: Callable[[int, Tensor], tuple[Tensor, dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """Run ``inputs`` through the (pipelined) model with megatron's schedule.
+
+    Args:
+        model: the DDP-wrapped (or bare) GPTModel stage.
+        inputs: one entry per micro-batch, in order; every PP stage passes the same list.
+        forward_only: no backward pass.
+        on_logits: last stage only: ``(micro-batch index, logits) -> (loss, outputs)``; the
+            loss (a scalar, already globally normalised) is back-propagated when training.
+
+    Returns:
+        On the last PP stage the ``outputs`` of every micro-batch in order; [] elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    order = iter(range(len(inputs)))
+
+    def forward_step(_data_iterator: Any, stage: Any) -> tuple[Tensor, Callable]:
+        index = next(order)
+        mb = inputs[index]
+        output = stage(
+            mb.input_ids,
+            mb.position_ids,
+            attention_mask=None,
+            packed_seq_params=mb.packed_seq_params,
+        )
+
+        def loss_func(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            loss, outputs = on_logits(index, logits)
+            return loss, torch.ones((), dtype=torch.int), outputs
+
+        return output, loss_func
+
+    first = inputs[0].input_ids
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([None] * len(inputs)),
+        model=[model],
+        num_microbatches=len(inputs),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+    )

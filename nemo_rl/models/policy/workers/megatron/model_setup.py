@@ -1,0 +1,283 @@
+"""Set up one rank of a Megatron policy: process groups, GPTModel, DDP, optimizer, scheduler.
+
+Rank and rendezvous come from the environment ``RayWorkerGroup`` sets (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); TP/PP/CP come from ``megatron_cfg`` and data
+parallelism takes the rest (``DP = world / (TP * PP * CP)``).
+
+Loss scaling convention: our losses are globally normalised (micro-batch losses SUM to the
+global loss), so the transformer config sets ``calculate_per_token_loss``: megatron's schedule
+then neither divides the loss by the micro-batch count nor multiplies it by the CP size, and
+DDP sums gradients over the data-parallel (and CP) ranks instead of averaging them.
+:func:`finalize_grads` is megatron's ``finalize_model_grads`` without its token-count scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
+from nemo_rl.models.megatron import apply_cpu_compat, initialize_megatron_parallel
+from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the TP x CP x DP x PP grid (megatron's rank order, TP fastest)."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+
+
+@dataclass
+class PolicyModel:
+    """Everything a trainable rank holds.
+
+    Attributes:
+        model: the DDP-wrapped GPTModel stage (``model.module`` is the GPTModel).
+        optimizer: megatron optimizer over ``model``'s parameters.
+        scheduler: learning-rate / weight-decay scheduler stepping once per optimizer step.
+        bridge: the HF <-> Megatron description of the model (vocabulary, family).
+        layout: parallel sizes of this run.
+        dtype: parameter dtype.
+    """
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    bridge: BridgeConfig
+    layout: ParallelLayout
+    dtype: torch.dtype
+
+
+def init_parallel_from_env(megatron_cfg: dict[str, Any], seed: int) -> ParallelLayout:
+    """Initialise torch.distributed and megatron's TP/PP/CP groups from the environment.
+
+    Raises:
+        ValueError: the world size is not a multiple of TP * PP * CP, or sequence
+            parallelism is asked for without TP > 1.
+        KeyError: a rendezvous variable (RANK, WORLD_SIZE, MASTER_PORT) is missing.
+    """
+    tp = int(megatron_cfg["tensor_model_parallel_size"])
+    pp = int(megatron_cfg["pipeline_model_parallel_size"])
+    cp = int(megatron_cfg["context_parallel_size"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"WORLD_SIZE ({world}) is not a multiple of megatron_cfg tensor_model_parallel_size *"
+            f" pipeline_model_parallel_size * context_parallel_size ({tp}*{pp}*{cp}); change "
+            f"the parallel sizes or the number of workers"
+        )
+    if megatron_cfg.get("sequence_parallel") and tp == 1:
+        raise ValueError(
+            "megatron_cfg.sequence_parallel needs tensor_model_parallel_size > 1; disable it"
+        )
+    initialize_megatron_parallel(
+        rank,
+        world,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        master_port=int(os.environ["MASTER_PORT"]),
+        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        seed=seed,
+    )
+    return ParallelLayout(rank, world, tp, pp, cp, world // (tp * pp * cp))
+
+
+def build_gpt_stage(
+    model_path: str, config: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype
+) -> tuple[torch.nn.Module, BridgeConfig, Any]:
+    """This rank's GPTModel stage with the HF weights of ``model_path`` loaded.
+
+    Uses the CP-capable attention spec when CP > 1 or sequences are packed (megatron's local
+    attention supports neither). Mirrors :func:`megatron_bridge.build_gpt_model` plus the CP
+    size, activation recomputation and the loss-scaling flags training needs.
+
+    Returns:
+        ``(model, bridge, transformer_config)``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    apply_cpu_compat()
+    mcfg = config["megatron_cfg"]
+    bridge = BridgeConfig.from_hf(
+        model_path, make_vocab_size_divisible_by=int(mcfg["make_vocab_size_divisible_by"])
+    )
+    base = bridge.transformer_config(layout.tp, layout.pp, dtype)
+    recompute: dict[str, Any] = {}
+    if mcfg.get("activation_checkpointing"):
+        recompute = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    tconfig = dataclasses.replace(
+        base,
+        context_parallel_size=layout.cp,
+        sequence_parallel=bool(mcfg.get("sequence_parallel", False)),
+        calculate_per_token_loss=True,
+        # Micro-batches of dynamic batching and packing differ in length: PP stages exchange
+        # shapes before activations.
+        variable_seq_lengths=layout.pp > 1,
+        # (dense models: only satisfies the config check that pairs with variable lengths)
+        moe_token_dispatcher_type="alltoall",
+        **recompute,
+    )
+    packing = bool(config.get("sequence_packing", {}).get("enabled", False))
+    spec = get_gpt_layer_spec(
+        context_parallel=layout.cp > 1 or packing, qk_layernorm=tconfig.qk_layernorm
+    )
+    model = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=spec,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **bridge.gpt_model_kwargs(layout.tp),
+    )
+    inv_freq = bridge.rope_inv_freq()
+    if inv_freq is not None:
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    load_hf_weights(model, bridge, model_path)
+    tag_tensor_parallel_params(model)
+    return model, bridge, tconfig
+
+
+def tag_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Mark TP-split parameters the way megatron's own initialisation would.
+
+    With ``perform_initialization=False`` (weights come from the checkpoint) megatron never
+    sets ``tensor_model_parallel``/``partition_dim``; grad-norm and clipping would then count
+    only TP rank 0's shards (they treat untagged parameters as TP duplicates).
+    """
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    from megatron_bridge.load import partition_dims
+
+    dims = partition_dims(model)
+    for name, param in model.named_parameters():
+        if dims.get(name) is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, dims[name], 1)
+
+
+def finalize_grads(
+    model_chunks: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    """Megatron's gradient finalisation (DP all-reduce, tied-embedding and SP norm
+    reductions) without dividing by the token count: our losses are already normalised."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(
+        model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+    )
+
+
+def wrap_ddp(model: torch.nn.Module, tconfig: Any, use_distributed_optimizer: bool) -> Any:
+    """Megatron DDP around ``model``; gradients are reduced in fp32 after the last micro-batch."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
+    tconfig.no_sync_func = ddp.no_sync
+    tconfig.finalize_model_grads_func = finalize_grads
+    return ddp
+
+
+def build_optimizer(ddp: Any, opt_cfg: dict[str, Any], dtype: torch.dtype) -> Any:
+    """``get_megatron_optimizer`` from ``megatron_cfg.optimizer`` (fp32 master weights)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=opt_cfg["optimizer"],
+        lr=float(opt_cfg["lr"]),
+        min_lr=float(opt_cfg["min_lr"]),
+        weight_decay=float(opt_cfg["weight_decay"]),
+        adam_beta1=float(opt_cfg["adam_beta1"]),
+        adam_beta2=float(opt_cfg["adam_beta2"]),
+        adam_eps=float(opt_cfg["adam_eps"]),
+        clip_grad=float(opt_cfg["clip_grad"]),
+        use_distributed_optimizer=bool(opt_cfg["use_distributed_optimizer"]),
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+    )
+    return get_megatron_optimizer(config, [ddp])
+
+
+def build_scheduler(optimizer: Any, opt_cfg: dict[str, Any], sched_cfg: dict[str, Any]) -> Any:
+    """Linear warm-up from 0 to ``lr`` over ``lr_warmup_iters`` steps, then constant / cosine /
+    linear decay to ``min_lr`` by ``lr_decay_iters`` (None: no decay horizon, i.e. constant
+    after warm-up unless a decay style needs one, which then raises)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    style = sched_cfg["lr_decay_style"]
+    warmup = int(sched_cfg["lr_warmup_iters"])
+    decay = sched_cfg.get("lr_decay_iters")
+    if decay is None:
+        if style != "constant":
+            raise ValueError(
+                f"megatron_cfg.scheduler.lr_decay_iters is None but lr_decay_style is {style!r}; "
+                "set lr_decay_iters (optimizer steps) or use 'constant'"
+            )
+        decay = warmup + 1
+    if decay <= warmup:
+        raise ValueError(
+            f"megatron_cfg.scheduler.lr_decay_iters ({decay}) must exceed lr_warmup_iters "
+            f"({warmup})"
+        )
+    wd = float(opt_cfg["weight_decay"])
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else float(opt_cfg["lr"]),
+        max_lr=float(opt_cfg["lr"]),
+        min_lr=float(opt_cfg["min_lr"]),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=int(decay),
+        lr_decay_style=style,
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+def setup_policy_model(config: dict[str, Any], model_path: str, seed: int) -> PolicyModel:
+    """Process groups, model stage with HF weights, DDP, optimizer and scheduler for this rank.
+
+    Args:
+        config: ``PolicyConfig.model_dump()``.
+        model_path: local HF checkpoint folder.
+        seed: base seed of megatron's model-parallel RNG tracker.
+    """
+    mcfg = config["megatron_cfg"]
+    dtype = dtype_from_name(config["precision"])
+    layout = init_parallel_from_env(mcfg, seed)
+    model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
+    opt_cfg = dict(mcfg["optimizer"])
+    if apply_cpu_compat():
+        # megatron-core 0.16.1 without TransformerEngine/Apex cannot load a distributed
+        # optimizer's checkpoint (its torch-Adam "step" handling raises KeyError 'step'), so
+        # the CPU runs the plain optimizer; on GPU the config's choice stands.
+        opt_cfg["use_distributed_optimizer"] = False
+    ddp = wrap_ddp(model, tconfig, bool(opt_cfg["use_distributed_optimizer"]))
+    optimizer = build_optimizer(ddp, opt_cfg, dtype)
+    scheduler = build_scheduler(optimizer, opt_cfg, mcfg["scheduler"])
+    return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype)

@@ -1,0 +1,242 @@
+"""Global batches -> micro-batches -> forward/backward -> clip -> optimizer and scheduler step.
+
+One optimizer step per global batch. A rank's share of a global batch is ``gbs / DP`` rows
+(plain shards) or the rows between two ``global_batch_offsets`` of its micro-batch plan
+(dynamic batching / packing). Before any loss call, the valid tokens and sequences of the WHOLE
+global batch are summed over the data-parallel ranks, so the globally normalised micro-batch
+losses sum to the global loss however the batch is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nemo_rl.algorithms.loss.interfaces import LossInputType
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.policy.workers.megatron.forward import (
+    ModelInputs,
+    build_model_inputs,
+    logprobs_from_logits,
+    run_micro_batches,
+)
+from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+
+
+def micro_batches(
+    batch: BatchedDataDict, mbs: int, packing_enabled: bool
+) -> tuple[list[BatchedDataDict], bool]:
+    """The micro-batches of ``batch`` and whether they are to be packed.
+
+    A batch carrying a micro-batch plan is cut by the plan (dynamic: padded micro-batches of
+    their planned length; packed: bins); otherwise into ``mbs`` rows each.
+
+    Raises:
+        ValueError: a packing plan while ``sequence_packing.enabled`` is false (the model was
+            built without the packed-sequence attention).
+    """
+    plan = batch.micro_batch_plan
+    if plan is None:
+        return list(batch.make_microbatch_iterator(mbs)), False
+    if plan.kind == "dynamic":
+        return list(batch.make_microbatch_iterator_with_dynamic_shapes()), False
+    if not packing_enabled:
+        raise ValueError(
+            "the batch carries a sequence-packing plan but policy.sequence_packing.enabled is "
+            "false; enable it in the policy config (the model needs packed-sequence attention)"
+        )
+    return list(batch.make_microbatch_iterator_for_packable_sequences()), True
+
+
+def model_inputs(policy: PolicyModel, mbs: list[BatchedDataDict], packed: bool) -> list[ModelInputs]:
+    """Model inputs of every micro-batch on this rank (CP-split when CP > 1)."""
+    from megatron.core import parallel_state
+
+    cp_rank = parallel_state.get_context_parallel_rank()
+    device = next(policy.model.parameters()).device
+    return [
+        build_model_inputs(
+            {"input_ids": mb["input_ids"].to(device), "input_lengths": mb["input_lengths"]},
+            packed,
+            policy.layout.cp,
+            cp_rank,
+        )
+        for mb in mbs
+    ]
+
+
+def split_global_batches(data: BatchedDataDict, gbs: int, dp: int) -> list[BatchedDataDict]:
+    """This rank's part of each global batch of ``gbs`` rows (over all DP ranks).
+
+    Raises:
+        ValueError: ``gbs`` not a multiple of DP, or a plain shard whose size is not a
+            multiple of ``gbs / DP``.
+    """
+    if data.micro_batch_plan is not None:
+        return data.split_global_batches()
+    if gbs % dp:
+        raise ValueError(f"gbs ({gbs}) must be a multiple of the data-parallel size ({dp})")
+    local = gbs // dp
+    if data.size % local:
+        raise ValueError(
+            f"this rank's shard has {data.size} rows, not a multiple of gbs / DP = {local}; "
+            f"pass a batch of a whole number of global batches of {gbs}"
+        )
+    return [data.get_batch(i, local) for i in range(data.size // local)]
+
+
+def global_valid_counts(batch: BatchedDataDict, dp_group: Any) -> tuple[Tensor, Tensor]:
+    """Valid sequences and tokens of the global batch: ``sample_mask`` and
+    ``token_mask * sample_mask`` summed over this rank's rows, then over the DP ranks.
+
+    Raises:
+        ValueError: ``token_mask`` or ``sample_mask`` missing.
+    """
+    for key in ("token_mask", "sample_mask"):
+        if key not in batch:
+            raise ValueError(
+                f"training data needs '{key}' ({'[batch, seq]' if key == 'token_mask' else '[batch]'}); "
+                f"present keys: {sorted(batch.keys())}"
+            )
+    sample_mask = batch["sample_mask"].double().cpu()
+    counts = torch.stack(
+        [sample_mask.sum(), (batch["token_mask"].double().cpu() * sample_mask[:, None]).sum()]
+    )
+    dist.all_reduce(counts, group=dp_group)
+    return counts[0].float(), counts[1].float()
+
+
+def _share_from_last_stage(payload: dict[str, Any]) -> dict[str, Any]:
+    """The last pipeline stage's ``payload`` on every stage of this pipeline."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return payload
+    box = [payload]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def _sum_over_dp(values: dict[str, float], dp_group: Any) -> dict[str, float]:
+    keys = sorted(values)
+    if not keys:
+        return {}
+    totals = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals, group=dp_group)
+    return dict(zip(keys, totals.tolist()))
+
+
+def train_global_batch(
+    policy: PolicyModel,
+    batch: BatchedDataDict,
+    loss_fn: Any,
+    mbs: int,
+    packing_enabled: bool,
+    eval_mode: bool,
+) -> dict[str, Any]:
+    """One optimizer step (or, with ``eval_mode``, only the loss) on this rank's part of a
+    global batch.
+
+    Returns:
+        ``loss`` (global loss: micro-batch losses summed over micro-batches and DP ranks),
+        ``grad_norm`` (global L2 norm before clipping; None in eval mode), ``lr`` (learning
+        rate of this step), ``metrics`` (each loss metric summed over micro-batches and DP
+        ranks), ``num_micro_batches`` (this rank's).
+    """
+    from megatron.core import parallel_state
+
+    if loss_fn.input_type != LossInputType.LOGPROB:
+        raise ValueError(
+            f"the Megatron worker trains losses with input_type LOGPROB, got "
+            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, DPOLossFn)"
+        )
+    dp_group = parallel_state.get_data_parallel_group()
+    valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
+    mbs_data, packed = micro_batches(batch, mbs, packing_enabled)
+    inputs = model_inputs(policy, mbs_data, packed)
+
+    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=eval_mode)
+        loss, metrics = loss_fn(
+            mbs_data[index], valid_seqs, valid_toks, next_token_logprobs=logprobs
+        )
+        return loss, {"loss": float(loss.detach()), "metrics": metrics}
+
+    model = policy.model
+    model.train(not eval_mode)
+    lr = float(policy.optimizer.param_groups[0]["lr"])
+    model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    with torch.set_grad_enabled(not eval_mode):
+        outputs = run_micro_batches(model, inputs, eval_mode, on_logits)
+    grad_norm = None
+    if not eval_mode:
+        _, grad_norm, _ = policy.optimizer.step()
+        policy.scheduler.step(increment=1)
+        grad_norm = float(grad_norm)
+    summed: dict[str, float] = {"loss": sum(o["loss"] for o in outputs)}
+    for out in outputs:
+        for key, value in out["metrics"].items():
+            summed[f"metrics/{key}"] = summed.get(f"metrics/{key}", 0.0) + float(value)
+    is_last = parallel_state.is_pipeline_last_stage()
+    summed = _share_from_last_stage(_sum_over_dp(summed, dp_group) if is_last else {})
+    loss = summed.pop("loss")
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "metrics": {k.removeprefix("metrics/"): v for k, v in summed.items()},
+        "num_micro_batches": len(inputs),
+    }
+
+
+def compute_logprobs(
+    policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
+) -> Tensor | None:
+    """``[B, S]`` float32 logprobs of ``data`` in its row order (no grad).
+
+    Returns:
+        The logprobs on the last pipeline stage, None on the others.
+    """
+    from megatron.core import parallel_state
+
+    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
+    inputs = model_inputs(policy, mbs_data, packed)
+
+    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=True)
+        return logits.new_zeros(()), {"logprobs": logprobs}
+
+    policy.model.eval()
+    with torch.no_grad():
+        outputs = run_micro_batches(policy.model, inputs, True, on_logits)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    seq = data["input_ids"].shape[1]
+    rows = []
+    for out in outputs:
+        lp = out["logprobs"].float().cpu()
+        rows.append(torch.nn.functional.pad(lp, (0, seq - lp.shape[1])) if lp.shape[1] < seq else lp[:, :seq])
+    return torch.cat(rows, dim=0)
+
+
+def iterate_steps(
+    policy: PolicyModel,
+    data: BatchedDataDict,
+    loss_fn: Any,
+    gbs: int,
+    mbs: int,
+    packing_enabled: bool,
+    eval_mode: bool,
+) -> Iterator[dict[str, Any]]:
+    """:func:`train_global_batch` over every global batch of ``data``, in order."""
+    for batch in split_global_batches(data, gbs, policy.layout.dp):
+        yield train_global_batch(policy, batch, loss_fn, mbs, packing_enabled, eval_mode)

@@ -1,0 +1,145 @@
+"""``MegatronPolicyWorker``: one rank of a Megatron-Core policy, as a Ray actor.
+
+Wiring only; each concern lives in :mod:`nemo_rl.models.policy.workers.megatron`. The driver
+(``lm_policy.Policy``) starts one actor per rank with ``RayWorkerGroup`` (which sets the
+rendezvous environment) and calls these methods on every rank, giving each data-parallel
+replica its shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.megatron import destroy_megatron_parallel
+from nemo_rl.models.policy.workers.megatron import checkpointing, offload
+from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
+from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
+
+
+class MegatronPolicyWorker:
+    """One TP x PP x CP x DP rank of the policy.
+
+    Args:
+        config: ``PolicyConfig.model_dump()``.
+        model_path: local HF checkpoint folder.
+        init_reference_model: keep the initial weights on the CPU as the reference policy.
+        seed: base seed of megatron's model-parallel RNG tracker.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model_path: str,
+        init_reference_model: bool = True,
+        seed: int = 42,
+    ) -> None:
+        self.config = config
+        self.policy = setup_policy_model(config, model_path, seed)
+        self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
+        self.step = 0
+        self._packing = bool(config["sequence_packing"]["enabled"])
+        self._host_params: dict[int, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- scoring
+
+    def get_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``logprobs`` ``[B, S]`` float32 in ``data``'s row order (last PP stage; an empty
+        dict on the other stages)."""
+        mbs = micro_batch_size or self.config["logprob_batch_size"]
+        logprobs = compute_logprobs(self.policy, data, mbs, self._packing)
+        return BatchedDataDict() if logprobs is None else BatchedDataDict(logprobs=logprobs)
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``reference_logprobs`` ``[B, S]`` under the initial weights (as :meth:`get_logprobs`).
+
+        Raises:
+            RuntimeError: the worker was made with ``init_reference_model=False``.
+        """
+        if self.reference is None:
+            raise RuntimeError(
+                "no reference model: create the worker with init_reference_model=True"
+            )
+        with self.reference.swapped_in(self.policy.model.module):
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict(reference_logprobs=out["logprobs"]) if "logprobs" in out else out
+
+    # ---------------------------------------------------------------- training
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Train on this rank's shard: one optimizer step per global batch of ``gbs`` rows
+        (over all DP ranks); ``eval_mode`` only computes loss and metrics.
+
+        Returns:
+            Per optimizer step, lists: ``loss`` (global loss), ``grad_norm`` (before
+            clipping; None in eval mode), ``lr``; ``metrics``: name -> per-step values summed
+            over micro-batches and DP ranks; ``num_micro_batches`` (this rank's, per step).
+        """
+        gbs = gbs or self.config["train_global_batch_size"]
+        mbs = mbs or self.config["train_micro_batch_size"]
+        steps = list(
+            iterate_steps(self.policy, data, loss_fn, gbs, mbs, self._packing, eval_mode)
+        )
+        if not eval_mode:
+            self.step += len(steps)
+        metrics: dict[str, list[float]] = {}
+        for step in steps:
+            for key, value in step["metrics"].items():
+                metrics.setdefault(key, []).append(value)
+        return {
+            "loss": [s["loss"] for s in steps],
+            "grad_norm": [s["grad_norm"] for s in steps],
+            "lr": [s["lr"] for s in steps],
+            "metrics": metrics,
+            "num_micro_batches": [s["num_micro_batches"] for s in steps],
+        }
+
+    def get_train_step(self) -> int:
+        """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
+        return self.step
+
+    def prepare_for_training(self) -> None:
+        """Bring parameters, gradient buffers and optimizer state back to the device."""
+        offload.reload_all(self.policy, self._host_params)
+
+    def finish_training(self) -> None:
+        """Nothing to release between training and scoring: buffers are reused in place."""
+
+    # ---------------------------------------------------------------- memory around refit
+
+    def offload_before_refit(self) -> int:
+        """Optimizer state to the CPU, gradient buffers freed; returns the bytes."""
+        return offload.offload_optimizer_and_grads(self.policy)
+
+    def offload_after_refit(self) -> int:
+        """Parameters to the CPU; returns the bytes."""
+        return offload.offload_params(self.policy, self._host_params)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler, RNG and step into the new folder ``path``."""
+        checkpointing.save_training_checkpoint(self.policy, path, self.step)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` folder (saved at any TP/PP/DP layout)."""
+        self.step = checkpointing.load_training_checkpoint(self.policy, path)
+
+    def shutdown(self) -> bool:
+        """Tear down the process groups; True when done."""
+        destroy_megatron_parallel()
+        return True
