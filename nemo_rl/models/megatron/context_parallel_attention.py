@@ -10,8 +10,13 @@ Layout (the one megatron's rotary embeddings and TransformerEngine use): the ful
 ``2 * CP - 1 - r``, so every rank gets the same share of causal-attention work. For packed
 sequences (``thd``) the same cut is applied to every sequence of the pack separately.
 
-Algorithm: all-gather K and V over the CP group (their backward reduce-scatters the gradients),
-then compute plain softmax attention of the local queries against all keys. The mask is built
+On one rank (CP size 1) plain causal attention, packed or not, runs torch's fused
+``scaled_dot_product_attention`` (per sequence when packed): no ``[S, S]`` scores are
+materialised, and packs cost the sum of their sequences' squared lengths, not the pack's.
+
+Algorithm under CP (and for masks the fused kernel does not take): all-gather K and V over the
+CP group (their backward reduce-scatters the gradients), then compute plain softmax attention
+of the local queries against all keys. The mask is built
 from the global position (and sequence id, when packed) of every query and key token, so the
 gathered keys need no reordering. Scores for ``[batch, heads, S / CP, S]`` are materialised:
 memory grows with ``S**2 / CP``, which suits tests and moderate lengths, not long-context runs
@@ -284,6 +289,9 @@ class ContextParallelDotProductAttention(MegatronModule):
                 )
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
 
+        if self._causal_kernel_applies(mask_type, attention_mask, query.size(0), key.size(0)):
+            return self._causal_sdpa(query, key, value, packed_seq_params if packed else None)
+
         if self.cp_size > 1:
             # One collective for K and V: [s, 2, b, ng, hn] -> [CP * s, 2, b, ng, hn].
             key, value = all_gather_context_parallel(
@@ -330,6 +338,63 @@ class ContextParallelDotProductAttention(MegatronModule):
         context = torch.bmm(probs.view(b * heads, sq, sk), v)  # [b * np, sq, hn]
         context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
+
+    def _causal_kernel_applies(
+        self, mask_type: AttnMaskType, attention_mask: Optional[Tensor], sq: int, sk: int
+    ) -> bool:
+        """True when the attention is plain causal softmax attention on one rank: then torch's
+        fused ``scaled_dot_product_attention`` computes it without materialising scores."""
+        return (
+            self.cp_size == 1
+            and sq == sk
+            and mask_type == AttnMaskType.causal
+            and attention_mask is None
+            and self.window_size is None
+            and self.score_coeff is None
+            and self.softmax_offset is None
+            and not (self.training and self.attention_dropout.p > 0)
+        )
+
+    def _causal_sdpa(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        packed_seq_params: Optional[PackedSeqParams],
+    ) -> Tensor:
+        """Causal attention with torch's fused kernel, per sequence when packed.
+
+        Args:
+            query: [s, b, np, hn] (packed: b = 1, sequences back to back along s).
+            key, value: [s, b, ng, hn].
+            packed_seq_params: ``thd`` description of the pack (each sequence attends only to
+                itself; padding at a sequence's end is after its real tokens, so causal
+                attention keeps it out of their outputs), or None.
+
+        Returns:
+            [s, b, np * hn] (packed: [s, 1, np * hn]); rows past the last sequence are zero.
+        """
+        s, b = query.shape[:2]
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        gqa = q.size(1) != k.size(1)
+
+        def attend(lo: int, hi: int) -> Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi],
+                is_causal=True, scale=self.softmax_scale, enable_gqa=gqa,
+            )
+
+        if packed_seq_params is None:
+            context = attend(0, s)
+        else:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
+            parts = [attend(lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
+            if cu[-1] < s:
+                parts.append(q.new_zeros(b, q.size(1), s - cu[-1], q.size(-1)))
+            context = torch.cat(parts, dim=2)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
     def _softmax(self, scores: Tensor, mask: Optional[Tensor]) -> Tensor:
         """fp32 masked softmax of scores [b, np, sq, sk] over the last dimension."""

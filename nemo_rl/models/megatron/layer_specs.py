@@ -1,8 +1,9 @@
 """GPT layer specs for our Megatron models, and the CP split of inputs and outputs.
 
 With TransformerEngine importable (GPU machines) megatron's TE spec is used: it has its own
-context-parallel attention. Without it the local spec is used, and for context parallelism its
-``core_attention`` is swapped for :class:`ContextParallelDotProductAttention`.
+context-parallel attention. Without it the local spec is used with its ``core_attention``
+swapped for :class:`ContextParallelDotProductAttention`, which adds context parallelism and
+packed sequences and runs torch's fused attention kernel where the mask allows.
 
 Under CP every rank feeds the model its two chunks of each sequence (see
 :func:`split_for_context_parallel`) and gets back per-token outputs (logits, logprobs) for those
@@ -34,17 +35,12 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def get_gpt_layer_spec(
-    use_te: bool | None = None, context_parallel: bool = False, qk_layernorm: bool = False
-) -> ModuleSpec:
+def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> ModuleSpec:
     """The transformer-layer spec for a GPT model.
 
     Args:
         use_te: use TransformerEngine modules; None picks them when TransformerEngine is
             importable. True without TransformerEngine raises.
-        context_parallel: the model will run with context_parallel_size > 1. Only changes the
-            local spec, whose attention is then :class:`ContextParallelDotProductAttention`
-            (at CP size 1 megatron's local attention is kept: it computes the same function).
         qk_layernorm: apply layer norm to queries and keys.
 
     Raises:
@@ -61,10 +57,7 @@ def get_gpt_layer_spec(
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
-    if context_parallel:
-        spec.submodules.self_attention.submodules.core_attention = (
-            ContextParallelDotProductAttention
-        )
+    spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
     return spec
 
 

@@ -228,17 +228,13 @@ def test_split_layout_and_errors() -> None:
 
 
 def test_layer_spec_selection() -> None:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     def core_attention(spec):
         return spec.submodules.self_attention.submodules.core_attention
 
     if transformer_engine_available():
         pytest.skip("the local-spec choice is only made without TransformerEngine")
-    assert core_attention(get_gpt_layer_spec()) is DotProductAttention
-    assert core_attention(get_gpt_layer_spec(context_parallel=True)) is (
-        ContextParallelDotProductAttention
-    )
+    assert core_attention(get_gpt_layer_spec()) is ContextParallelDotProductAttention
+    assert core_attention(get_gpt_layer_spec(use_te=False)) is ContextParallelDotProductAttention
     with pytest.raises(ValueError, match="transformer_engine"):
         get_gpt_layer_spec(use_te=True)
 
@@ -266,7 +262,7 @@ def tiny_gpt(cp: int):
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_spec(use_te=False, context_parallel=cp > 1),
+        transformer_layer_spec=get_gpt_layer_spec(use_te=False),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",

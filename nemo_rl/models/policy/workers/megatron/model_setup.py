@@ -98,8 +98,8 @@ def build_gpt_stage(
 ) -> tuple[torch.nn.Module, BridgeConfig, Any]:
     """This rank's GPTModel stage with the HF weights of ``model_path`` loaded.
 
-    Uses the CP-capable attention spec when CP > 1 or sequences are packed (megatron's local
-    attention supports neither). Mirrors :func:`megatron_bridge.build_gpt_model` plus the CP
+    Without TransformerEngine the layer spec's attention is our CP- and packing-capable one
+    (megatron's local attention supports neither). Mirrors :func:`megatron_bridge.build_gpt_model` plus the CP
     size, activation recomputation and the loss-scaling flags training needs.
 
     Returns:
@@ -131,10 +131,7 @@ def build_gpt_stage(
         moe_token_dispatcher_type="alltoall",
         **recompute,
     )
-    packing = bool(config.get("sequence_packing", {}).get("enabled", False))
-    spec = get_gpt_layer_spec(
-        context_parallel=layout.cp > 1 or packing, qk_layernorm=tconfig.qk_layernorm
-    )
+    spec = get_gpt_layer_spec(qk_layernorm=tconfig.qk_layernorm)
     model = GPTModel(
         config=tconfig,
         transformer_layer_spec=spec,
