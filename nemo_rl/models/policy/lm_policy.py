@@ -19,8 +19,8 @@ from nemo_rl.distributed.batched_data_dict import (
 )
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.interfaces import (
+    ColocatablePolicyInterface,
     LogprobOutputSpec,
-    PolicyInterface,
     ReferenceLogprobOutputSpec,
 )
 from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
@@ -30,6 +30,7 @@ from nemo_rl.models.tiny import resolve_model_path
 if TYPE_CHECKING:
     from nemo_rl.algorithms.loss.interfaces import LossFunction
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+    from nemo_rl.models.generation.refit.buckets import RefitInfo
     from nemo_rl.models.policy.config import PolicyConfig
 
 # Sequence dimension that dynamic batching / packing plan over (token ids and their lengths).
@@ -37,7 +38,7 @@ _INPUT_KEY = "input_ids"
 _LENGTHS_KEY = "input_lengths"
 
 
-class Policy(PolicyInterface):
+class Policy(ColocatablePolicyInterface):
     """Megatron-Core policy spread over the bundles of ``cluster``.
 
     Args:
@@ -60,6 +61,10 @@ class Policy(PolicyInterface):
         self.layout: ParallelLayout = plan_parallel_layout(
             config, self.model_path, cluster.world_size()
         )
+        # The refit group rank 0 joined ((ip, port, world_size)) and the refit info per
+        # export dtype (see the refit section below).
+        self.refit_group: Optional[tuple[str, int, int]] = None
+        self._refit_infos: dict[Optional[str], RefitInfo] = {}
         self.worker_group = RayWorkerGroup(
             cluster,
             ray.remote(MegatronPolicyWorker),
@@ -180,6 +185,74 @@ class Policy(PolicyInterface):
 
     def shutdown(self) -> bool:
         return self.worker_group.shutdown(cleanup_method="shutdown")
+
+    # ---- refit ---------------------------------------------------------------------------
+    # Every rank takes part (the export is collective over TP/PP); rank 0 sends and answers.
+    # The whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
+
+    def _refit_call(self, method: str, *args: Any) -> Any:
+        """``method`` on every rank; rank 0's result."""
+        return self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data(method, *args)
+        )[0]
+
+    def prepare_refit_info(self, dtype: Optional[str] = None) -> RefitInfo:
+        """``{hf_name: (shape, dtype)}`` of the weights a refit sends, in export order, exported
+        in ``dtype`` (e.g. "bfloat16"; None: the parameters' dtype). Exports once per dtype."""
+        if dtype not in self._refit_infos:
+            self._refit_infos[dtype] = self._refit_call("prepare_refit_info", dtype)
+        return self._refit_infos[dtype]
+
+    def prepare_weights_for_ipc(self, bucket_bytes: int) -> list[list[str]]:
+        """Open a colocated refit stream; the weight names per bucket of ``bucket_bytes``."""
+        return self._refit_call("prepare_weights_for_ipc", bucket_bytes)
+
+    def get_weights_ipc_handles(self, keys: list[str]) -> list[ray.ObjectRef]:
+        """Export and pack the next bucket (``keys``: its entry of the plan) into the send
+        buffer ``k % 2``, without waiting; one future per rank. Rank 0's (the first)
+        resolves to the bucket's ``IpcBucket`` (header and buffer handle, never the
+        bytes): hand that future to the engines as is, so they start as soon as it is packed.
+        Ask for bucket ``k + 2`` only after the engines acknowledged bucket ``k``."""
+        return self.worker_group.run_all_workers_single_data("get_weights_ipc_handles", keys)
+
+    def finish_weights_ipc(self) -> dict[str, float]:
+        """End the colocated stream (the send buffers stay for the next refit); rank 0's
+        timings in seconds (``export_s``, ``pack_s``, ``stream_s``)."""
+        return self._refit_call("finish_weights_ipc")
+
+    def refit_collective_address(self) -> tuple[str, int]:
+        """Address of rank 0's node and a port free there, for :meth:`init_collective`."""
+        return self.worker_group.cluster.get_master_address_and_port()
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
+    ) -> list[ray.ObjectRef]:
+        """Rank 0 joins the refit group (as its rank 0, with the engines); one future per
+        rank. Wait for them together with the engines' ``init_collective``."""
+        self.refit_group = (ip, port, world_size)
+        return self.worker_group.run_all_workers_single_data(
+            "init_collective", ip, port, world_size, timeout_s
+        )
+
+    def broadcast_weights_for_collective(self, bucket_bytes: int) -> list[ray.ObjectRef]:
+        """Broadcast every weight over the refit group; one future per rank (rank 0's
+        resolves to its timings). Wait for them together with the engines' receives."""
+        return self.worker_group.run_all_workers_single_data(
+            "broadcast_weights_for_collective", bucket_bytes
+        )
+
+    def close_collective(self) -> None:
+        """Rank 0 leaves the refit group."""
+        self.refit_group = None
+        self._refit_call("close_collective")
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state and gradients off the device before the engines wake up."""
+        self._refit_call("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        """Parameters off the device once the engines hold the new weights."""
+        self._refit_call("offload_after_refit")
 
 
 def aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:

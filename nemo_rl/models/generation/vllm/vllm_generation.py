@@ -29,6 +29,8 @@ from nemo_rl.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from nemo_rl.models.generation.refit.buckets import RefitInfo
+from nemo_rl.models.generation.refit.ipc import IpcBucket
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
 
 
@@ -86,6 +88,10 @@ class VllmGeneration(GenerationInterface):
         # Number of generate() calls so far; part of every request's seed. Restore it when
         # resuming a run to continue the same random sequence.
         self.sampling_step = 0
+        # What the engines were last given by prepare_refit_info, and the refit group they
+        # joined ((ip, port, world_size); None: none).
+        self.refit_info: RefitInfo | None = None
+        self.refit_group: tuple[str, int, int] | None = None
         # Public for the weight-refit layer, which talks to the workers directly.
         self.worker_group = RayWorkerGroup(
             cluster,
@@ -144,6 +150,80 @@ class VllmGeneration(GenerationInterface):
     def shutdown(self) -> bool:
         """Drop the engines and end their actors; the cluster's bundles stay reserved."""
         return self.worker_group.shutdown(cleanup_method="shutdown")
+
+    # ------------------------------------------------------------------ weight refit
+    # The whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
+
+    def prepare_refit_info(self, info: RefitInfo) -> None:
+        """Give every engine the policy's ``{hf_name: (shape, dtype)}``.
+
+        Raises:
+            RefitError: the info does not match the engines' checkpoint.
+        """
+        ray.get(self.worker_group.run_all_workers_single_data("prepare_refit_info", info))
+        self.refit_info = dict(info)
+
+    def update_weights_from_ipc_handles(
+        self, bucket: IpcBucket | ray.ObjectRef
+    ) -> list[ray.ObjectRef]:
+        """Have every engine stage one colocated bucket (or the future of one: the engines
+        then wait for the sender themselves); returns one future per engine, resolving to
+        True once it has copied the bucket out (the sender may then reuse the buffer)."""
+        return self.worker_group.run_all_workers_single_data(
+            "update_weights_from_ipc_handles", bucket
+        )
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
+    ) -> list[ray.ObjectRef]:
+        """Have engine ``r`` join the refit group at ``ip:port`` as rank ``r + 1`` (the
+        trainer is rank 0); returns one future per engine.
+
+        Raises:
+            ValueError: ``world_size`` is not 1 + the number of engines.
+        """
+        if world_size != 1 + self.num_replicas:
+            raise ValueError(
+                f"world_size={world_size}, but the refit group is the trainer plus "
+                f"{self.num_replicas} engines: use {1 + self.num_replicas}"
+            )
+        self.refit_group = (ip, port, world_size)
+        return [
+            worker.init_collective.remote(ip, port, world_size, rank + 1, timeout_s)
+            for rank, worker in enumerate(self.worker_group.workers)
+        ]
+
+    def update_weights_from_collective(self, bucket_bytes: int) -> list[ray.ObjectRef]:
+        """Have every engine stage the refit broadcast over the refit group; one future
+        per engine."""
+        return self.worker_group.run_all_workers_single_data(
+            "update_weights_from_collective", bucket_bytes
+        )
+
+    def close_collective(self) -> None:
+        """Have every engine leave the refit group."""
+        self.refit_group = None
+        ray.get(self.worker_group.run_all_workers_single_data("close_collective"))
+
+    def commit_weight_update(self) -> list[dict[str, float | int]]:
+        """Load the staged refit into every engine; per engine ``version``, ``receive_s``,
+        ``load_s``."""
+        return ray.get(self.worker_group.run_all_workers_single_data("commit_weight_update"))
+
+    def abort_weight_update(self) -> None:
+        """Drop a staged or partial refit on every engine (they keep their weights)."""
+        ray.get(self.worker_group.run_all_workers_single_data("abort_weight_update"))
+
+    def weight_version(self) -> int:
+        """The engines' weight version (committed refits; 0: the checkpoint).
+
+        Raises:
+            RuntimeError: the engines hold different versions.
+        """
+        versions = ray.get(self.worker_group.run_all_workers_single_data("report_weight_version"))
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"the engines hold different weight versions: {versions}")
+        return versions[0]
 
 
 def _validate_batch(data: BatchedDataDict[Any]) -> int:

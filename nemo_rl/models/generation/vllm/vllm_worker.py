@@ -14,20 +14,28 @@ prefix cache: cached KV blocks were computed with the current weights and must n
 after a weight update that may follow. Either way a sleeping worker refuses to generate, so
 code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on GPU.
 
-Weight refit is not done here; the seams it uses are ``self.llm`` (the in-process engine) and
-``self.weight_version`` (reported by :meth:`~VllmGenerationWorker.report_weight_version`).
+Weight refit. The refit methods delegate to a
+:class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which stages a whole refit
+and checks it before it touches the engine; loading then goes through vLLM's
+``reload_weights`` (the same per-layer loader and post-processing as start-up, which is what
+re-packs the CPU backend's linear weights), called in-process so the staged tensors are passed
+by reference. ``weight_version`` counts committed refits (0: the checkpoint's weights).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
+from nemo_rl.models.generation.refit.buckets import RefitInfo
+from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.receiver import RefitReceiver
 
 # Environment every worker needs before vLLM is imported: the engine core runs in-process.
 WORKER_ENV_VARS: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -85,8 +93,17 @@ class VllmGenerationWorker:
         eos = self.llm.get_tokenizer().eos_token_id
         stop_ids = list(config.stop_token_ids or []) + ([eos] if eos is not None else [])
         self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
-        self.weight_version = 0
         self.asleep = False
+        self.refit = RefitReceiver(
+            self._load_weights,
+            device=torch.device("cuda") if use_gpu else torch.device("cpu"),
+            expected_shapes=_checkpoint_shapes(model_path),
+        )
+
+    @property
+    def weight_version(self) -> int:
+        """Committed refits (0: the checkpoint's weights)."""
+        return self.refit.version
 
     # ------------------------------------------------------------------ generation
 
@@ -187,17 +204,75 @@ class VllmGenerationWorker:
         self.asleep = False
         return True
 
+    # ------------------------------------------------------------------ weight refit
+
+    def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load a complete set of HF-named tensors into the engine (called at commit)."""
+        if self.asleep and self.sleep_mode:
+            raise RuntimeError(
+                "the engine is asleep (weights offloaded); call prepare_for_generation() "
+                "before committing a refit"
+            )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    def prepare_refit_info(self, info: RefitInfo) -> None:
+        """Accept the policy's ``{hf_name: (shape, dtype)}`` (checked against the checkpoint)."""
+        self.refit.prepare_refit_info(info)
+
+    def update_weights_from_ipc_handles(self, bucket: IpcBucket) -> bool:
+        """Stage one colocated bucket; returning True acknowledges it (its buffer may be
+        reused). The engine is untouched until :meth:`commit_weight_update`."""
+        self.refit.receive_ipc_bucket(bucket)
+        return True
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, rank: int, timeout_s: float = 300.0
+    ) -> None:
+        """Join the refit group as ``rank`` (1..world_size-1; rank 0 is the trainer)."""
+        self.refit.init_collective(ip, port, world_size, rank, timeout_s)
+
+    def update_weights_from_collective(self, bucket_bytes: int) -> bool:
+        """Stage a whole refit broadcast over the refit group (blocks until it ends)."""
+        self.refit.receive_collective(bucket_bytes)
+        return True
+
+    def close_collective(self) -> None:
+        """Leave the refit group (idempotent)."""
+        self.refit.close_collective()
+
+    def commit_weight_update(self) -> dict[str, float | int]:
+        """Load the staged refit into the engine; returns ``version``, ``receive_s``,
+        ``load_s``. On failure the engine keeps its weights and version."""
+        return self.refit.commit()
+
+    def abort_weight_update(self) -> None:
+        """Drop a staged or partial refit; the engine keeps its weights and version."""
+        self.refit.abort()
+
     def report_weight_version(self) -> int:
         """How many weight updates this engine has received (0: the checkpoint's weights)."""
         return self.weight_version
 
     def shutdown(self) -> bool:
         """Drop the engine and free its memory; the actor itself is ended by its group."""
+        self.refit.close()
         self.llm = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
+    """``{hf_name: shape}`` of a local safetensors checkpoint; None for a hub name."""
+    if not Path(model_path).is_dir():
+        return None
+    from megatron_bridge.load import SafetensorsReader
+
+    reader = SafetensorsReader(model_path)
+    return {name: reader.shape(name) for name in reader.names()}
 
 
 def _assemble_outputs(

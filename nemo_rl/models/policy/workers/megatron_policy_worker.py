@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
+from megatron_bridge import dtype_from_name, export_hf_weights
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.refit.buckets import RefitInfo
+from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.megatron import destroy_megatron_parallel
 from nemo_rl.models.policy.workers.megatron import checkpointing, offload
 from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
@@ -43,6 +47,7 @@ class MegatronPolicyWorker:
         self.step = 0
         self._packing = bool(config["sequence_packing"]["enabled"])
         self._host_params: dict[int, torch.Tensor] = {}
+        self._refit: RefitSender | None = None
 
     # ---------------------------------------------------------------- scoring
 
@@ -129,6 +134,62 @@ class MegatronPolicyWorker:
         """Parameters to the CPU; returns the bytes."""
         return offload.offload_params(self.policy, self._host_params)
 
+    # ---------------------------------------------------------------- weight refit
+    # Logic in nemo_rl.models.generation.refit.sender; every rank is called, rank 0 sends.
+
+    def _refit_sender(self) -> RefitSender:
+        if self._refit is None:
+            from megatron.core import parallel_state
+
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+            policy = self.policy
+            self._refit = RefitSender(
+                lambda dtype: export_hf_weights(policy.model.module, policy.bridge, dtype),
+                exports=parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
+                is_source=torch.distributed.get_rank() == 0,
+                device=device,
+            )
+        return self._refit
+
+    def prepare_refit_info(self, dtype: str | None = None) -> RefitInfo | None:
+        """``{hf_name: (shape, dtype)}`` of the weights a refit sends, exported in ``dtype``
+        (e.g. "bfloat16"; None: the parameters' dtype) now and in later refits."""
+        return self._refit_sender().prepare_refit_info(
+            None if dtype is None else dtype_from_name(dtype)
+        )
+
+    def prepare_weights_for_ipc(self, bucket_bytes: int) -> list[list[str]] | None:
+        """Open a colocated refit stream; rank 0 returns the weight names per bucket."""
+        return self._refit_sender().start_stream(bucket_bytes)
+
+    def get_weights_ipc_handles(self, keys: list[str]) -> IpcBucket | None:
+        """Export and pack the next bucket (``keys``); rank 0 returns its header and buffer
+        handle. Do not ask for bucket k + 2 before the engines acknowledged bucket k."""
+        return self._refit_sender().next_bucket(keys)
+
+    def finish_weights_ipc(self) -> dict[str, float] | None:
+        """End the colocated stream (its buffers stay for the next refit); rank 0 returns
+        its timings (s)."""
+        return self._refit_sender().finish_stream()
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
+    ) -> None:
+        """Rank 0 joins the refit group (rank 0 of ``world_size``) with the engines."""
+        self._refit_sender().init_collective(ip, port, world_size, timeout_s)
+
+    def broadcast_weights_for_collective(self, bucket_bytes: int) -> dict[str, float] | None:
+        """Broadcast every weight over the refit group; rank 0 returns its timings (s)."""
+        return self._refit_sender().broadcast(bucket_bytes)
+
+    def close_collective(self) -> None:
+        """Leave the refit group (idempotent)."""
+        self._refit_sender().close_collective()
+
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, path: str) -> None:
@@ -141,5 +202,7 @@ class MegatronPolicyWorker:
 
     def shutdown(self) -> bool:
         """Tear down the process groups; True when done."""
+        if self._refit is not None:
+            self._refit.close()
         destroy_megatron_parallel()
         return True

@@ -1,0 +1,18 @@
+"""Weight refit: stream the policy's HF-named weights into the generation engines.
+
+Modules, one concern each:
+    buckets: stream layout, bucket packing (sender) and staging (receiver), checksums.
+    shared_memory / cuda_ipc / ipc: the colocated transport (two alternating shared buffers).
+    collective: the non-colocated transport (a broadcast group of its own).
+    sender / receiver: what a policy rank and an engine do (the workers only wire them up).
+    orchestrate: the driver's sequence, :func:`refit_policy_generation`.
+"""
+
+from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.orchestrate import (
+    DEFAULT_BUCKET_BYTES,
+    RefitResult,
+    refit_policy_generation,
+)
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "RefitError", "RefitResult", "refit_policy_generation"]

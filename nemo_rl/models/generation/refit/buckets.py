@@ -1,0 +1,454 @@
+"""Pack a stream of HF-named tensors into fixed-size byte buckets and stage them back.
+
+The stream is laid out once, from the refit info (``{hf_name: (shape, dtype)}`` in export
+order): every tensor gets a byte range of one flat stream starting at a multiple of
+:data:`ALIGNMENT` bytes, and the stream ends padded to that multiple. Bucket ``k`` is the window
+``[k * bucket_bytes, min((k + 1) * bucket_bytes, total_bytes))`` of the stream, so a tensor
+larger than a bucket simply spans consecutive buckets. The receiver copies each bucket to its
+window of one flat staging buffer; once all have arrived every tensor is a view of staging.
+
+Each bucket travels with a :class:`BucketHeader`: the refit version, its index and the bucket
+count, its length, a 64-bit additive checksum of its bytes, and its manifest (which byte range
+of which tensor sits where in it). Both sides build the same :class:`StreamLayout` from the
+refit info; the sender checks every exported tensor against it and the receiver checks every
+header against it, so a stream that disagrees with the refit info is refused, not loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from nemo_rl.models.generation.refit.errors import RefitError
+
+# Byte alignment of every tensor in the stream (and of bucket sizes): covers every dtype's
+# element size and keeps staged tensors aligned for vectorised loads.
+ALIGNMENT = 64
+
+_MASK64 = (1 << 64) - 1
+
+# Bytes copied and checksummed at a time (fits the last-level cache).
+_CHUNK = 4 * 1024**2
+
+# {hf_name: (shape, dtype)}, in export order.
+RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """64-bit additive checksum: the sum of ``data``'s little-endian 8-byte words, mod 2**64.
+
+    Args:
+        data: uint8 tensor [nbytes], nbytes a multiple of 8, 8-byte aligned (any device).
+
+    Catches flipped, zeroed and truncated bytes at about memory-read speed (one pass, no
+    copy); not a cryptographic hash.
+    """
+    if data.numel() % 8:
+        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {data.numel()}")
+    if data.numel() == 0:
+        return 0
+    # int64 addition wraps in two's complement, i.e. it is addition mod 2**64 in any order.
+    return int(data.view(torch.int64).sum().item()) & _MASK64
+
+
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Copy ``src`` to the start of ``dst`` and return :func:`bucket_checksum` of ``dst``.
+
+    Works in chunks of :data:`_CHUNK` bytes, summing each right after copying it while it is
+    still in cache, instead of reading the whole destination a second time.
+
+    Args:
+        dst: uint8 [n], n a multiple of 8, 8-byte aligned; bytes past ``src`` are summed as
+            they are (callers zero them).
+        src: uint8 [<= n].
+    """
+    checksum = 0
+    for start in range(0, dst.numel(), _CHUNK):
+        chunk = dst[start : start + _CHUNK]
+        if start < src.numel():
+            piece = src[start : start + _CHUNK]
+            chunk[: piece.numel()].copy_(piece)
+        checksum += bucket_checksum(chunk)
+    return checksum & _MASK64
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlot:
+    """One tensor's place in the flat stream (``offset``, ``nbytes`` in bytes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestEntry:
+    """Bytes ``[tensor_offset, tensor_offset + length)`` of tensor ``name`` lie at
+    ``[bucket_offset, bucket_offset + length)`` of a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket_offset: int
+    tensor_offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketHeader:
+    """Everything a receiver needs to place and check one bucket.
+
+    Attributes:
+        version: refit version the bucket belongs to.
+        index: position of the bucket in the stream (0-based).
+        num_buckets: buckets in the whole stream.
+        bucket_bytes: the stream's bucket size (every bucket but the last is this long).
+        nbytes: length of the bucket's payload in bytes.
+        checksum: :func:`bucket_checksum` of the payload.
+        manifest: the tensor pieces in the payload, in stream order.
+    """
+
+    version: int
+    index: int
+    num_buckets: int
+    bucket_bytes: int
+    nbytes: int
+    checksum: int
+    manifest: tuple[ManifestEntry, ...]
+
+
+class StreamLayout:
+    """Byte layout of a refit stream and its cut into buckets.
+
+    Args:
+        info: ``{hf_name: (shape, dtype)}`` in the order the sender exports them.
+        bucket_bytes: bucket size in bytes; a positive multiple of :data:`ALIGNMENT`.
+
+    Raises:
+        ValueError: empty ``info`` or a bad ``bucket_bytes``.
+    """
+
+    def __init__(self, info: RefitInfo, bucket_bytes: int) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or (
+            bucket_bytes <= 0 or bucket_bytes % ALIGNMENT
+        ):
+            raise ValueError(
+                f"bucket_bytes={bucket_bytes!r} must be a positive multiple of {ALIGNMENT} "
+                f"bytes, e.g. {256 * 1024**2} (256 MiB)"
+            )
+        if not info:
+            raise ValueError("the refit info is empty: the policy exported no tensors")
+        self.bucket_bytes = bucket_bytes
+        slots, offset = [], 0
+        for name, (shape, dtype) in info.items():
+            shape = tuple(int(d) for d in shape)
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            slots.append(TensorSlot(name, shape, dtype, offset, nbytes))
+            offset = _align(offset + nbytes)
+        self.slots: tuple[TensorSlot, ...] = tuple(slots)
+        self.total_bytes: int = offset
+        self.num_buckets: int = max(1, -(-offset // bucket_bytes))
+        self._manifests = self._cut()
+        self._plan = [list(dict.fromkeys(e.name for e in m)) for m in self._manifests]
+
+    def _cut(self) -> list[tuple[ManifestEntry, ...]]:
+        manifests: list[list[ManifestEntry]] = [[] for _ in range(self.num_buckets)]
+        size = self.bucket_bytes
+        for slot in self.slots:
+            first = min(slot.offset // size, self.num_buckets - 1)
+            last = first if slot.nbytes == 0 else (slot.offset + slot.nbytes - 1) // size
+            for k in range(first, last + 1):
+                lo = max(slot.offset, k * size)
+                hi = min(slot.offset + slot.nbytes, (k + 1) * size)
+                manifests[k].append(
+                    ManifestEntry(
+                        slot.name, slot.shape, slot.dtype, lo - k * size, lo - slot.offset, hi - lo
+                    )
+                )
+        return [tuple(m) for m in manifests]
+
+    def span(self, index: int) -> tuple[int, int]:
+        """``[start, stop)`` of bucket ``index`` in the stream, bytes."""
+        if not 0 <= index < self.num_buckets:
+            raise IndexError(f"bucket {index} outside [0, {self.num_buckets})")
+        start = index * self.bucket_bytes
+        return start, min(start + self.bucket_bytes, self.total_bytes)
+
+    def manifest(self, index: int) -> tuple[ManifestEntry, ...]:
+        """The tensor pieces of bucket ``index``, in stream order."""
+        self.span(index)
+        return self._manifests[index]
+
+    def plan(self) -> list[list[str]]:
+        """Per bucket, the names of the tensors (or tensor pieces) it carries."""
+        return [list(names) for names in self._plan]
+
+    def bucket_names(self, index: int) -> list[str]:
+        """The names of the tensors (or tensor pieces) bucket ``index`` carries."""
+        self.span(index)
+        return list(self._plan[index])
+
+    def tensors(self, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view)`` of every tensor in ``flat`` (uint8 [>= total_bytes]), stream order."""
+        for s in self.slots:
+            yield s.name, flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+@dataclasses.dataclass
+class PackTimings:
+    """Seconds the sender spent, summed over buckets: waiting for the export to yield
+    tensors (``export_s``), copying them into buckets and checksumming them (``pack_s``)."""
+
+    export_s: float = 0.0
+    pack_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+class BucketPacker:
+    """Sender side: fills buckets, in order, from the exported ``(name, tensor)`` stream.
+
+    Args:
+        layout: the stream layout (from the same refit info the receiver got).
+        stream: the exported tensors, in layout order (e.g. ``export_hf_weights(...)``).
+        version: refit version stamped on every header.
+    """
+
+    def __init__(
+        self, layout: StreamLayout, stream: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        self.layout = layout
+        self.version = version
+        self.timings = PackTimings()
+        self._iter = iter(stream)
+        self._next_index = 0
+        self._slot = 0
+        self._current: torch.Tensor | None = None  # bytes of the tensor now being packed
+
+    @property
+    def next_index(self) -> int:
+        """The bucket the next :meth:`fill` / :meth:`advance` must ask for."""
+        return self._next_index
+
+    @property
+    def done(self) -> bool:
+        """Every bucket has been filled."""
+        return self._next_index == self.layout.num_buckets
+
+    def _check_order(self, index: int) -> None:
+        if index != self._next_index:
+            raise RefitError(
+                f"bucket {index} requested but the stream is at bucket {self._next_index}; "
+                "buckets are filled in order, each once"
+            )
+
+    def advance(self, index: int) -> None:
+        """Consume (and check) the exported tensors of bucket ``index`` without packing them:
+        what a rank that exports but does not send does, to stay in step with the sender's
+        collectives inside the export."""
+        self._check_order(index)
+        for entry in self.layout.manifest(index):
+            if entry.tensor_offset == 0:
+                self._tensor_bytes(entry)
+        self._next_index += 1
+        if self.done:
+            self._expect_end()
+
+    def fill(self, index: int, out: torch.Tensor) -> BucketHeader:
+        """Write bucket ``index`` into ``out`` (uint8, >= bucket_bytes) and describe it.
+
+        Raises:
+            RefitError: buckets requested out of order, or the export disagrees with the
+                refit info (name, shape or dtype, or the number of tensors).
+        """
+        self._check_order(index)
+        start, stop = self.layout.span(index)
+        if out.dtype != torch.uint8 or out.numel() < stop - start:
+            raise ValueError(f"bucket {index} needs a uint8 buffer of >= {stop - start} bytes")
+        dest = out[: stop - start]
+        cursor = checksum = 0
+        for entry in self.layout.manifest(index):
+            source = self._tensor_bytes(entry)
+            tick = time.perf_counter()
+            # Padding is zero, so the bucket's checksum is the sum of its pieces' (each
+            # taken over whole 8-byte words, zero tail included).
+            if entry.bucket_offset > cursor:
+                dest[cursor : entry.bucket_offset].zero_()
+            end = entry.bucket_offset + entry.length
+            cursor = -(-end // 8) * 8
+            dest[end:cursor].zero_()
+            checksum += copy_with_checksum(
+                dest[entry.bucket_offset : cursor],
+                source[entry.tensor_offset : entry.tensor_offset + entry.length],
+            )
+            self.timings.pack_s += time.perf_counter() - tick
+        if cursor < dest.numel():
+            dest[cursor:].zero_()
+        checksum &= _MASK64
+        self._next_index += 1
+        if self.done:
+            self._expect_end()
+        return BucketHeader(
+            self.version, index, self.layout.num_buckets, self.layout.bucket_bytes,
+            dest.numel(), checksum, self.layout.manifest(index),
+        )
+
+    def _tensor_bytes(self, entry: ManifestEntry) -> torch.Tensor:
+        """Flat bytes of ``entry``'s tensor, pulling it from the export at its first piece."""
+        if entry.tensor_offset == 0:
+            slot = self.layout.slots[self._slot]
+            self._slot += 1
+            tick = time.perf_counter()
+            item = next(self._iter, None)
+            self.timings.export_s += time.perf_counter() - tick
+            if item is None:
+                raise RefitError(
+                    f"the export ended before {slot.name!r}; it yields fewer tensors than the "
+                    "refit info lists (prepare the refit info again after changing the model)"
+                )
+            name, tensor = item
+            if (name, tuple(tensor.shape), tensor.dtype) != (slot.name, slot.shape, slot.dtype):
+                raise RefitError(
+                    f"the export yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} where the "
+                    f"refit info has {slot.name!r} {slot.shape} {slot.dtype}"
+                )
+            self._current = tensor.contiguous().reshape(-1).view(torch.uint8)
+        assert self._current is not None
+        return self._current
+
+    def _expect_end(self) -> None:
+        tick = time.perf_counter()
+        extra = next(self._iter, None)
+        self.timings.export_s += time.perf_counter() - tick
+        self._current = None
+        if extra is not None:
+            raise RefitError(
+                f"the export yielded {extra[0]!r} after the last tensor of the refit info; "
+                "prepare the refit info again after changing the model"
+            )
+
+
+class StagingArea:
+    """Receiver side: checks each bucket against the layout and stages it at its window.
+
+    Args:
+        layout: the stream layout built from the refit info this receiver was given.
+        buffer: uint8 staging memory of >= ``layout.total_bytes`` to reuse; None allocates.
+        device: where to allocate the staging buffer when ``buffer`` is None.
+    """
+
+    def __init__(
+        self,
+        layout: StreamLayout,
+        buffer: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layout = layout
+        if buffer is None or buffer.numel() < layout.total_bytes:
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.buffer = buffer
+        self.version: int | None = None
+        self._next_index = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every bucket has been staged and verified."""
+        return self._next_index == self.layout.num_buckets
+
+    def destination(self, header: BucketHeader) -> torch.Tensor:
+        """The staging window for ``header``'s payload, after checking the header.
+
+        Raises:
+            RefitError: the bucket is out of order or from another version, or its size or
+                manifest disagrees with the refit info.
+        """
+        expected = self._next_index
+        if self.complete:
+            raise RefitError(f"bucket {header.index} arrived after the last bucket")
+        if header.index != expected:
+            raise RefitError(
+                f"bucket {header.index} arrived where bucket {expected} was expected: a bucket "
+                "is missing or out of order"
+            )
+        if self.version is not None and header.version != self.version:
+            raise RefitError(
+                f"bucket {header.index} belongs to refit version {header.version}, the buckets "
+                f"before it to version {self.version}"
+            )
+        if (header.num_buckets, header.bucket_bytes) != (
+            self.layout.num_buckets, self.layout.bucket_bytes
+        ):
+            raise RefitError(
+                f"the sender streams {header.num_buckets} buckets of {header.bucket_bytes} "
+                f"bytes, the refit info gives {self.layout.num_buckets} of "
+                f"{self.layout.bucket_bytes}: both sides need the same refit info"
+            )
+        start, stop = self.layout.span(header.index)
+        if header.nbytes != stop - start:
+            raise RefitError(
+                f"bucket {header.index} has {header.nbytes} bytes, the refit info gives "
+                f"{stop - start}"
+            )
+        mine = self.layout.manifest(header.index)
+        if header.manifest != mine:
+            raise RefitError(
+                f"bucket {header.index} disagrees with the refit info: "
+                f"{_first_difference(header.manifest, mine)}"
+            )
+        self.version = header.version
+        return self.buffer[start:stop]
+
+    def verify(self, header: BucketHeader, checksum: int | None = None) -> None:
+        """Check the staged payload of ``header`` (after :meth:`destination` and the copy)
+        against its checksum; ``checksum`` is the staged bytes' own, when already known.
+
+        Raises:
+            RefitError: the checksum differs (the bucket was corrupted in transit).
+        """
+        start, stop = self.layout.span(header.index)
+        if checksum is None:
+            checksum = bucket_checksum(self.buffer[start:stop])
+        if checksum != header.checksum:
+            raise RefitError(
+                f"bucket {header.index} of refit version {header.version} is corrupt: its "
+                f"checksum is {checksum:#018x}, the sender's {header.checksum:#018x}"
+            )
+        self._next_index += 1
+
+    def receive(self, header: BucketHeader, payload: torch.Tensor) -> None:
+        """Check, stage and verify one bucket (``payload``: uint8 [>= header.nbytes])."""
+        target = self.destination(header)
+        self.verify(header, copy_with_checksum(target, payload[: header.nbytes]))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view into staging)`` of every tensor, once all buckets are staged.
+
+        Raises:
+            RefitError: buckets are still missing.
+        """
+        if not self.complete:
+            raise RefitError(
+                f"only {self._next_index} of {self.layout.num_buckets} buckets arrived; the "
+                "refit is incomplete"
+            )
+        return self.layout.tensors(self.buffer)
+
+
+def _first_difference(got: tuple[ManifestEntry, ...], want: tuple[ManifestEntry, ...]) -> str:
+    for g, w in zip(got, want):
+        if g != w:
+            return (
+                f"the sender has {g.name!r} {g.shape} {g.dtype} at byte {g.bucket_offset} where "
+                f"the refit info has {w.name!r} {w.shape} {w.dtype} at byte {w.bucket_offset}"
+            )
+    return f"the sender lists {len(got)} tensor pieces, the refit info {len(want)}"

@@ -1,0 +1,220 @@
+"""The non-colocated transport: one process group over the trainer's rank 0 and every engine.
+
+:class:`RefitCollective` builds its own ``TCPStore`` (hosted by group rank 0, the trainer, on a
+socket bound to the given address) and a process group constructed directly on it: gloo on CPU
+(its pairs bound to the same address), NCCL on GPU. Nothing is registered with
+``torch.distributed``'s default group, so the Megatron worker's own groups are untouched and a
+vLLM worker needs no default group at all.
+
+Protocol, per bucket, all broadcasts from group rank 0: the header's length (int64 [1]), the
+pickled :class:`~.buckets.BucketHeader` (uint8), then the payload. A length of -1 instead means
+the sender gave up (its export disagreed with the refit info): receivers stop at once. The
+sender packs bucket ``k + 1`` into its second buffer while bucket ``k`` is being broadcast from
+the first, and waits for that broadcast before refilling a buffer. Receivers broadcast straight
+into their staging window. A receiver that finds a bad bucket keeps receiving (into scratch
+memory) to the end of the stream, so the group stays in step, and raises then.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StagingArea
+from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.ipc import synchronize
+
+# Header length that tells the receivers the sender abandoned the stream.
+_ABORTED = -1
+
+
+class RefitCollective:
+    """A broadcast group: rank 0 sends the refit stream, ranks 1..world_size-1 receive it.
+
+    Args:
+        ip: address of group rank 0's node; rank 0 binds the store there.
+        port: free TCP port on that node for the store.
+        world_size: 1 + the number of engines.
+        rank: this process's rank in the group (0: the trainer).
+        device: where this process's buffers live (cpu: gloo; cuda: NCCL).
+        timeout_s: seconds any rendezvous or broadcast may take before it fails.
+
+    Raises:
+        RefitError: the group could not be formed in time.
+    """
+
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"a refit group needs world_size >= 2 (trainer + engines) and 0 <= rank < "
+                f"world_size, got world_size={world_size}, rank={rank}"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.broken = False  # a broadcast failed: the group is unusable, form a new one
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            self._store = self._make_store(ip, port, world_size, rank, timeout)
+            self._group = self._make_group(ip, timeout)
+        except (RuntimeError, OSError) as err:
+            raise RefitError(
+                f"rank {rank} could not join the refit group at {ip}:{port} (world size "
+                f"{world_size}) within {timeout_s:g} s: {err}"
+            ) from err
+
+    @staticmethod
+    def _make_store(
+        ip: str, port: int, world_size: int, rank: int, timeout: timedelta
+    ) -> dist.TCPStore:
+        if rank != 0:
+            return dist.TCPStore(ip, port, world_size, False, timeout)
+        # Bind the listening socket ourselves so the store serves on `ip` only.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((ip, port))
+            listener.listen(world_size * 4)
+        except OSError:
+            listener.close()
+            raise
+        return dist.TCPStore(
+            ip, port, world_size, True, timeout,
+            wait_for_workers=False, master_listen_fd=listener.detach(),
+        )
+
+    def _make_group(self, ip: str, timeout: timedelta) -> dist.ProcessGroup:
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, options)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+        return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, options)
+
+    # ------------------------------------------------------------------ primitives
+
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        return self._group.broadcast([tensor], options)
+
+    def _send_header(self, header: BucketHeader | None) -> None:
+        """Broadcast ``header``; None tells the receivers the sender gave up (length -1)."""
+        if header is None:
+            self._broadcast(torch.tensor([_ABORTED], device=self.device)).wait()
+            return
+        data = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
+        self._broadcast(torch.tensor([data.numel()], device=self.device)).wait()
+        self._broadcast(data.to(self.device)).wait()
+
+    def _receive_header(self) -> BucketHeader:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(length).wait()
+        if int(length.item()) == _ABORTED:
+            raise RefitError(
+                "the sender gave up on the refit stream (its error is in the policy's result)"
+            )
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._broadcast(data).wait()
+        return pickle.loads(data.cpu().numpy().tobytes())
+
+    # ------------------------------------------------------------------ streams
+
+    def send(self, packer: BucketPacker, buffers: list[torch.Tensor]) -> None:
+        """Rank 0: broadcast every bucket ``packer`` fills, alternating the two ``buffers``.
+
+        Raises:
+            RefitError: a broadcast failed (a receiver died) or timed out.
+        """
+        if self.rank != 0:
+            raise RuntimeError("only group rank 0 (the trainer) sends the refit stream")
+        pending: dist.Work | None = None
+        try:
+            for index in range(packer.layout.num_buckets):
+                buffer = buffers[index % 2]
+                try:
+                    header = packer.fill(index, buffer)
+                except RefitError:  # the export disagrees: release the waiting receivers
+                    if pending is not None:
+                        pending.wait()
+                    self._send_header(None)
+                    raise
+                synchronize(self.device)
+                if pending is not None:
+                    pending.wait()
+                self._send_header(header)
+                pending = self._broadcast(buffer[: header.nbytes])
+            if pending is not None:
+                pending.wait()
+        except RefitError:
+            raise
+        except RuntimeError as err:
+            self.broken = True
+            raise RefitError(
+                f"broadcasting the refit stream failed (a receiver died or timed out): {err}"
+            ) from err
+
+    def receive(self, staging: StagingArea) -> None:
+        """Ranks >= 1: receive a whole stream into ``staging``, checking every bucket.
+
+        Raises:
+            RefitError: a bucket was corrupt or disagreed with the refit info (raised after
+                the stream ended), or the sender died or timed out.
+        """
+        if self.rank == 0:
+            raise RuntimeError("group rank 0 sends the refit stream; receivers have rank >= 1")
+        first_error: RefitError | None = None
+        try:
+            while True:
+                header = self._receive_header()
+                target = None
+                if first_error is None:
+                    try:
+                        target = staging.destination(header)
+                    except RefitError as err:
+                        first_error = err
+                if target is None:  # keep the group in step; discard the bytes
+                    target = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
+                self._broadcast(target).wait()
+                if first_error is None:
+                    try:
+                        staging.verify(header)
+                    except RefitError as err:
+                        first_error = err
+                if header.index >= header.num_buckets - 1:
+                    break
+        except RefitError:
+            raise
+        except RuntimeError as err:
+            self.broken = True
+            raise RefitError(
+                f"receiving the refit stream failed (the sender died or timed out): {err}"
+            ) from err
+        if first_error is not None:
+            raise first_error
+
+    def close(self) -> None:
+        """Leave the group (idempotent)."""
+        group = getattr(self, "_group", None)
+        if group is not None and hasattr(group, "shutdown"):
+            try:
+                group.shutdown()
+            except RuntimeError:
+                pass
+        self._group = None
+        self._store = None

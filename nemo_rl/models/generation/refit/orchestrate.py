@@ -1,0 +1,234 @@
+"""The driver's side of a refit: one call that moves the policy's weights into the engines.
+
+The driver sends only control messages (refit info, bucket headers and buffer handles, Ray
+object refs); weight bytes go from the trainer's rank 0 to the engines directly, through shared
+buffers (colocated) or a broadcast group (not colocated).
+
+Colocated sequence: ``policy.offload_before_refit`` (optimizer state and gradients off the
+device), ``generation.prepare_for_generation`` (engines awake), the bucket stream,
+``generation.commit_weight_update``, ``policy.offload_after_refit``. The stream alternates the
+sender's two buffers: the sender packs bucket ``k + 1`` while the engines copy bucket ``k`` out,
+and the driver asks for bucket ``k + 2`` only after every engine acknowledged bucket ``k``. The
+engines receive the sender's future of each bucket, so the driver is never between the two.
+
+Either way the engines stage everything and check it before loading, and load only when
+every engine has staged the whole refit (two-phase): a failure anywhere before that aborts the
+refit on all engines, which keep their previous weights and version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from nemo_rl.models.generation.refit.buckets import StreamLayout
+from nemo_rl.models.generation.refit.errors import RefitError
+
+if TYPE_CHECKING:
+    from nemo_rl.models.generation.vllm import VllmGeneration
+    from nemo_rl.models.policy.lm_policy import Policy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What one refit did.
+
+    Attributes:
+        version: the weight version every engine now holds.
+        nbytes: bytes streamed (the weights in the export dtype, plus alignment padding).
+        num_buckets: buckets the stream was cut into.
+        seconds: wall times: ``total_s`` (the whole call), ``stream_s`` (export + transfer,
+            as the driver saw it), ``commit_s`` (engines loading); the sender's ``export_s``
+            (waiting for the export) and ``pack_s`` (copying and checksumming); and, slowest engine,
+            ``receive_s`` (staging and checking) and ``load_s`` (the engine's loader).
+    """
+
+    version: int
+    nbytes: int
+    num_buckets: int
+    seconds: dict[str, float]
+
+
+def refit_policy_generation(
+    policy: Policy,
+    generation: VllmGeneration,
+    colocated: bool,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = 600.0,
+) -> RefitResult:
+    """Copy the policy's current weights into every generation engine.
+
+    Weights are exported in the engines' precision (``vllm_cfg.precision``). The first call
+    exports the refit info once and hands it to the engines (which check it against their
+    checkpoint); a non-colocated first call also forms the broadcast group.
+
+    Args:
+        policy: the trained policy (its rank 0 sends).
+        generation: the engines to update.
+        colocated: True when both share devices (shared-memory / CUDA IPC buffers),
+            False for a broadcast over a process group.
+        bucket_bytes: bucket size in bytes, a positive multiple of 64; the sender holds two
+            buckets, each engine one copy of the whole model for staging.
+        timeout_s: seconds any single step (a bucket, the broadcast, the load) may take.
+
+    Returns:
+        The new version, the bytes and buckets streamed, and where the time went.
+
+    Raises:
+        RefitError: the refit failed; the engines keep their previous weights and version.
+    """
+    start = time.perf_counter()
+    info = policy.prepare_refit_info(generation.config.vllm_cfg.precision)
+    if generation.refit_info != info:
+        generation.prepare_refit_info(info)
+    layout = StreamLayout(info, bucket_bytes)
+    if colocated:
+        policy.offload_before_refit()
+        generation.prepare_for_generation()
+        tick = time.perf_counter()
+        sender = _stream_ipc(policy, generation, bucket_bytes, timeout_s)
+    else:
+        _ensure_group(policy, generation, timeout_s)
+        tick = time.perf_counter()
+        sender = _stream_collective(policy, generation, bucket_bytes, timeout_s)
+    stream_s = time.perf_counter() - tick
+    tick = time.perf_counter()
+    engines = _commit(generation)
+    commit_s = time.perf_counter() - tick
+    if colocated:
+        policy.offload_after_refit()
+    seconds = {
+        "total_s": time.perf_counter() - start,
+        "stream_s": stream_s,
+        "commit_s": commit_s,
+        **{k: v for k, v in sender.items() if k != "stream_s"},
+        "receive_s": max(float(e["receive_s"]) for e in engines),
+        "load_s": max(float(e["load_s"]) for e in engines),
+    }
+    return RefitResult(int(engines[0]["version"]), layout.total_bytes, layout.num_buckets, seconds)
+
+
+def _wait(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
+    """Results of ``refs`` in their order, once all finished; raises RefitError naming every
+    failure."""
+    refs = list(refs)
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    failures = [f"{what} did not finish within {timeout_s:g} s"] if pending else []
+    finished = set(ready)
+    results = []
+    for ref in refs:  # in the callers' order
+        if ref not in finished:
+            continue
+        try:
+            results.append(ray.get(ref))
+        except Exception as err:  # a worker's error or its death
+            failures.append(_describe(err))
+    if failures:
+        raise RefitError("; ".join(failures))
+    return results
+
+
+def _describe(err: BaseException) -> str:
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _abort(generation: VllmGeneration) -> None:
+    try:
+        generation.abort_weight_update()
+    except Exception as err:  # an engine that died cannot abort; the others did
+        logger.warning("aborting the refit on the engines failed: %s", err)
+
+
+def _stream_ipc(
+    policy: Policy, generation: VllmGeneration, bucket_bytes: int, timeout_s: float
+) -> dict[str, float]:
+    """Stream every bucket through the sender's two shared buffers; the sender's timings."""
+    # Per bucket: the futures of every policy rank's packing and every engine's copy. The
+    # engines get the sender's future itself, so no bucket waits for a driver round trip.
+    pending: list[list[ray.ObjectRef]] = []
+    try:
+        plan = policy.prepare_weights_for_ipc(bucket_bytes)
+        for index, keys in enumerate(plan):
+            if index >= 2:  # bucket index reuses the buffer of bucket index - 2
+                _wait(pending[index - 2], timeout_s, f"bucket {index - 2}")
+            packed = policy.get_weights_ipc_handles(keys)
+            pending.append(packed + generation.update_weights_from_ipc_handles(packed[0]))
+        for index in range(max(0, len(pending) - 2), len(pending)):
+            _wait(pending[index], timeout_s, f"bucket {index}")
+    except Exception as err:
+        _abort(generation)
+        if isinstance(err, RefitError):
+            raise
+        raise RefitError(f"the colocated refit stream failed: {_describe(err)}") from err
+    finally:
+        try:
+            timings = policy.finish_weights_ipc()
+        except Exception as err:  # the sender died: its buffers are swept on the next create
+            logger.warning("closing the refit stream on the policy failed: %s", err)
+            timings = {}
+    return timings
+
+
+def _ensure_group(policy: Policy, generation: VllmGeneration, timeout_s: float) -> None:
+    """Form the broadcast group (trainer rank 0 + every engine) unless it exists."""
+    if generation.refit_group is not None and generation.refit_group == policy.refit_group:
+        return
+    ip, port = policy.refit_collective_address()
+    world_size = 1 + generation.num_replicas
+    refs = policy.init_collective(ip, port, world_size, timeout_s)
+    refs += generation.init_collective(ip, port, world_size, timeout_s)
+    try:
+        _wait(refs, timeout_s + 30, "forming the refit group")
+    except RefitError:
+        _close_group(policy, generation)
+        raise
+
+
+def _close_group(policy: Policy, generation: VllmGeneration) -> None:
+    for side in (policy, generation):
+        try:
+            side.close_collective()
+        except Exception as err:  # a dead side; the live ones have left
+            logger.warning("leaving the refit group failed: %s", err)
+
+
+def _stream_collective(
+    policy: Policy, generation: VllmGeneration, bucket_bytes: int, timeout_s: float
+) -> dict[str, float]:
+    """Broadcast every bucket over the refit group; the sender's timings."""
+    send = policy.broadcast_weights_for_collective(bucket_bytes)
+    receive = generation.update_weights_from_collective(bucket_bytes)
+    try:
+        results = _wait(send + receive, timeout_s, "the refit broadcast")
+    except RefitError:
+        _abort(generation)
+        # after a failed broadcast the group may be out of step or broken: form it anew
+        _close_group(policy, generation)
+        raise
+    return results[0] or {}
+
+
+def _commit(generation: VllmGeneration) -> list[dict[str, float | int]]:
+    """Every engine loads its staged refit; all must end on the same version."""
+    try:
+        results = generation.commit_weight_update()
+    except Exception as err:
+        _abort(generation)
+        raise RefitError(f"committing the refit failed: {_describe(err)}") from err
+    versions = {int(r["version"]) for r in results}
+    if len(versions) != 1:
+        raise RefitError(f"the engines committed different versions: {sorted(versions)}")
+    return results

@@ -1,0 +1,354 @@
+"""Bucket packing and staging, the shared-memory buffers and the broadcast group of the refit
+package, without Ray or vLLM (the end-to-end refit is in test_refit.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_rl.models.generation.refit import RefitError
+from nemo_rl.models.generation.refit.buckets import (
+    ALIGNMENT,
+    BucketPacker,
+    RefitInfo,
+    StagingArea,
+    StreamLayout,
+    bucket_checksum,
+    copy_with_checksum,
+)
+from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
+from nemo_rl.models.generation.refit.shared_memory import (
+    PREFIX,
+    SharedMemoryBuffer,
+    remove_stale_segments,
+)
+
+
+def named_tensors() -> dict[str, torch.Tensor]:
+    """Mixed dtypes and sizes, including odd byte counts, a scalar and an empty tensor."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(33, 17, generator=gen),
+        "norm_bf16": torch.randn(37, generator=gen).to(torch.bfloat16),
+        "half": torch.randn(5, 3, generator=gen).to(torch.float16),
+        "ids": torch.randint(-(2**40), 2**40, (7,), generator=gen),
+        "flags": torch.rand(13, generator=gen) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.zeros(0, 4),
+        "big": torch.randn(700, generator=gen),  # 2800 bytes
+    }
+
+
+def info_of(tensors: dict[str, torch.Tensor]) -> RefitInfo:
+    return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+
+def transfer(
+    tensors: dict[str, torch.Tensor], bucket_bytes: int, version: int = 1
+) -> tuple[StagingArea, list]:
+    """Pack every bucket into one reused buffer and stage it, as a colocated refit does."""
+    layout = StreamLayout(info_of(tensors), bucket_bytes)
+    packer = BucketPacker(layout, iter(tensors.items()), version)
+    staging = StagingArea(StreamLayout(info_of(tensors), bucket_bytes))
+    buffer = torch.empty(bucket_bytes, dtype=torch.uint8)
+    headers = []
+    for index in range(layout.num_buckets):
+        header = packer.fill(index, buffer)
+        staging.receive(header, buffer)
+        headers.append(header)
+    assert packer.done
+    return staging, headers
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
+
+
+# ------------------------------------------------------------------------------ layout and packing
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 128, 1024, 1 << 20])
+def test_round_trip_is_bitwise_exact(bucket_bytes):
+    tensors = named_tensors()
+    staging, headers = transfer(tensors, bucket_bytes)
+    out = dict(staging.tensors())
+    assert list(out) == list(tensors)
+    for name, tensor in tensors.items():
+        assert_bitwise_equal(out[name], tensor)
+    assert all(h.version == 1 and h.num_buckets == len(headers) for h in headers)
+
+
+def test_bucket_boundaries_and_alignment():
+    tensors = named_tensors()
+    layout = StreamLayout(info_of(tensors), 256)
+    assert layout.total_bytes % ALIGNMENT == 0
+    assert all(s.offset % ALIGNMENT == 0 for s in layout.slots)
+    assert layout.num_buckets == -(-layout.total_bytes // 256)
+    spans = [layout.span(k) for k in range(layout.num_buckets)]
+    assert spans[0][0] == 0 and spans[-1][1] == layout.total_bytes
+    assert all(stop - start == 256 for start, stop in spans[:-1])
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # every byte of every tensor is in exactly one manifest piece, in order
+    covered: dict[str, int] = {}
+    for k in range(layout.num_buckets):
+        for e in layout.manifest(k):
+            assert covered.get(e.name, 0) == e.tensor_offset
+            assert 0 <= e.bucket_offset and e.bucket_offset + e.length <= spans[k][1] - spans[k][0]
+            covered[e.name] = e.tensor_offset + e.length
+    assert covered == {s.name: s.nbytes for s in layout.slots}
+    # a tensor cut by a boundary is named by both buckets
+    assert layout.plan()[0][-1] == layout.plan()[1][0] == "embed"
+
+
+def test_oversize_tensor_spans_many_buckets():
+    big = {"huge": torch.arange(10_000, dtype=torch.float32), "after": torch.ones(3)}
+    staging, headers = transfer(big, 1024)
+    assert len(headers) == 40
+    assert [e.name for e in headers[5].manifest] == ["huge"]
+    out = dict(staging.tensors())
+    assert torch.equal(out["huge"], big["huge"]) and torch.equal(out["after"], big["after"])
+
+
+def test_checksum_is_the_wrapping_sum_of_words():
+    data = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    words = [int.from_bytes(bytes(data[i : i + 8].tolist()), "little") for i in range(0, 4096, 8)]
+    assert bucket_checksum(data) == sum(words) % 2**64
+    with pytest.raises(ValueError, match="multiple of 8"):
+        bucket_checksum(data[:7])
+
+
+def test_chunked_copy_checksums_what_it_copied():
+    src = torch.randint(0, 256, (9 * 1024**2 + 5,), dtype=torch.uint8)  # > 2 chunks
+    dst = torch.full((9 * 1024**2 + 8,), 0, dtype=torch.uint8)
+    checksum = copy_with_checksum(dst, src)
+    assert torch.equal(dst[: src.numel()], src) and (dst[src.numel() :] == 0).all()
+    assert checksum == bucket_checksum(dst)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 100, -64, 64.0])
+def test_bad_bucket_size_names_the_field(bucket_bytes):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        StreamLayout(info_of(named_tensors()), bucket_bytes)
+
+
+# ------------------------------------------------------------------------------ sender checks
+
+
+def packer_for(stream: Iterator, bucket_bytes: int = 1 << 20) -> BucketPacker:
+    return BucketPacker(StreamLayout(info_of(named_tensors()), bucket_bytes), stream, 1)
+
+
+def test_export_with_a_wrong_shape_is_refused():
+    tensors = named_tensors()
+    tensors["half"] = torch.zeros(3, 5, dtype=torch.float16)
+    with pytest.raises(RefitError, match="'half' \\(3, 5\\).*refit info has 'half' \\(5, 3\\)"):
+        packer_for(iter(tensors.items())).fill(0, torch.empty(1 << 20, dtype=torch.uint8))
+
+
+def test_export_with_too_many_or_too_few_tensors_is_refused():
+    items = list(named_tensors().items())
+    with pytest.raises(RefitError, match="after the last tensor"):
+        packer_for(iter(items + [("extra", torch.ones(1))])).fill(
+            0, torch.empty(1 << 20, dtype=torch.uint8)
+        )
+    with pytest.raises(RefitError, match="ended before 'big'"):
+        packer_for(iter(items[:-1])).fill(0, torch.empty(1 << 20, dtype=torch.uint8))
+
+
+def test_advance_consumes_the_same_tensors_as_fill():
+    pulled: list[str] = []
+
+    def stream():
+        for name, t in named_tensors().items():
+            pulled.append(name)
+            yield name, t
+
+    packer = packer_for(stream(), bucket_bytes=256)
+    for index in range(3):
+        packer.advance(index)
+    starting = [e.name for k in range(3) for e in packer.layout.manifest(k) if e.tensor_offset == 0]
+    assert pulled == starting
+    with pytest.raises(RefitError, match="requested but the stream is at bucket 3"):
+        packer.fill(1, torch.empty(256, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------------------ receiver checks
+
+
+def staged_pair(bucket_bytes: int = 256) -> tuple[BucketPacker, StagingArea, torch.Tensor]:
+    tensors = named_tensors()
+    layout = StreamLayout(info_of(tensors), bucket_bytes)
+    return (
+        BucketPacker(layout, iter(tensors.items()), 7),
+        StagingArea(layout),
+        torch.empty(bucket_bytes, dtype=torch.uint8),
+    )
+
+
+def test_corrupt_bucket_is_refused():
+    packer, staging, buffer = staged_pair()
+    header = packer.fill(0, buffer)
+    buffer[10] ^= 0x40
+    with pytest.raises(RefitError, match="bucket 0 of refit version 7 is corrupt"):
+        staging.receive(header, buffer)
+
+
+def test_missing_bucket_is_refused_and_incomplete_stream_cannot_be_read():
+    packer, staging, buffer = staged_pair()
+    staging.receive(packer.fill(0, buffer), buffer)
+    packer.fill(1, buffer)  # lost in transit
+    with pytest.raises(RefitError, match="bucket 2 arrived where bucket 1 was expected"):
+        staging.receive(packer.fill(2, buffer), buffer)
+    with pytest.raises(RefitError, match="only 1 of"):
+        staging.tensors()
+
+
+def test_stream_that_disagrees_with_the_receivers_refit_info_is_refused():
+    tensors = named_tensors()
+    packer, _, buffer = staged_pair()
+    other = {**info_of(tensors), "half": ((3, 5), torch.float16)}
+    staging = StagingArea(StreamLayout(other, 256))
+    with pytest.raises(RefitError, match="has 'half' \\(5, 3\\).*refit info has 'half' \\(3, 5\\)"):
+        for index in range(packer.layout.num_buckets):
+            staging.receive(packer.fill(index, buffer), buffer)
+    wider = StagingArea(StreamLayout(info_of(tensors), 512))
+    packer, _, buffer = staged_pair()
+    with pytest.raises(RefitError, match="both sides need the same refit info"):
+        wider.receive(packer.fill(0, buffer), buffer)
+
+
+# ------------------------------------------------------------------------------ shared memory
+
+
+_CHILD = """
+import sys
+from nemo_rl.models.generation.refit.shared_memory import SharedMemoryBuffer, SharedMemoryHandle
+buf = SharedMemoryBuffer.attach(SharedMemoryHandle(sys.argv[1], int(sys.argv[2])))
+print(int(buf.tensor.sum()))
+buf.tensor[:4] = 7
+buf.close()
+"""
+
+
+def test_shared_memory_is_shared_across_processes_and_unlinked_on_close():
+    owner = SharedMemoryBuffer.create(4096)
+    try:
+        owner.tensor[:] = 1
+        handle = owner.handle
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, handle.path, str(handle.nbytes)],
+            capture_output=True, text=True, check=True, timeout=120,
+        )
+        assert out.stdout.strip() == "4096"
+        assert owner.tensor[:5].tolist() == [7, 7, 7, 7, 1]  # the child's writes
+        assert Path(handle.path).exists()
+    finally:
+        owner.close()
+    assert not Path(handle.path).exists()
+    with pytest.raises(RuntimeError, match="the sender closed it or died"):
+        SharedMemoryBuffer.attach(handle)
+
+
+def test_segments_of_dead_processes_are_removed(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    ns = SharedMemoryBuffer.create(64, tmp_path)
+    ns.close()
+    namespace = ns.path.name.split("_")[-3]
+    stale = tmp_path / f"{PREFIX}_{namespace}_{child.pid}_deadbeef"
+    live = tmp_path / f"{PREFIX}_{namespace}_{os.getpid()}_cafe"
+    elsewhere = tmp_path / f"{PREFIX}_1{namespace}_{child.pid}_deadbeef"  # other pid namespace
+    for path in (stale, live, elsewhere):
+        path.write_bytes(b"x")
+    assert remove_stale_segments(tmp_path) == [stale.name]
+    assert live.exists() and elsewhere.exists() and not stale.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_ipc_fails_clearly_without_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA.*shared-memory transport"):
+        CudaIpcBuffer.create(1024, torch.device("cuda"))
+
+
+# ------------------------------------------------------------------------------ broadcast group
+
+
+def _collective_rank(rank: int, port: int, info: RefitInfo, queue: multiprocessing.Queue) -> None:
+    """Two streams: a good one, then one whose export breaks off at the 'big' tensor."""
+    from nemo_rl.models.generation.refit.collective import RefitCollective
+
+    try:
+        group = RefitCollective("127.0.0.1", port, 3, rank, torch.device("cpu"), timeout_s=60)
+        tensors = named_tensors()
+        broken = {**tensors, "big": torch.zeros(3)}
+        for stream in (tensors, broken):
+            if rank == 0:
+                layout = StreamLayout(info_of(tensors), 256)
+                packer = BucketPacker(layout, iter(stream.items()), 3)
+                try:
+                    group.send(packer, [torch.empty(256, dtype=torch.uint8) for _ in range(2)])
+                    outcome: Any = "sent"
+                except RefitError as err:
+                    outcome = f"RefitError: {err}"
+                queue.put((rank, outcome, torch.distributed.is_initialized()))
+            else:
+                staging = StagingArea(StreamLayout(info, 256))
+                try:
+                    group.receive(staging)
+                    queue.put((rank, dict(staging.tensors()), torch.distributed.is_initialized()))
+                except RefitError as err:
+                    queue.put((rank, f"RefitError: {err}", group.broken))
+        group.close()
+    except Exception as err:  # report instead of hanging the parent
+        queue.put((rank, f"{type(err).__name__}: {err}", None))
+
+
+@pytest.mark.slow
+def test_broadcast_group_delivers_exact_buckets_and_failures_stay_contained():
+    tensors = named_tensors()
+    wrong = {**info_of(tensors), "half": ((3, 5), torch.float16)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    infos = [None, info_of(tensors), wrong]
+    procs = [
+        ctx.Process(target=_collective_rank, args=(r, port, infos[r], queue)) for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, list] = {0: [], 1: [], 2: []}
+    try:
+        for _ in range(6):
+            rank, out, flag = queue.get(timeout=120)
+            results[rank].append((out, flag))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    # stream 1: exact on the receiver with the right info; the other drains and refuses
+    assert results[0][0] == ("sent", False)  # the default process group was never created
+    received, default_group = results[1][0]
+    assert default_group is False
+    for name, tensor in tensors.items():
+        assert_bitwise_equal(received[name], tensor)
+    message, broken = results[2][0]
+    assert "disagrees with the refit info" in message
+    assert broken is False  # it drained the stream: the group is still usable
+    # stream 2: the sender's export breaks off; every receiver is released at once
+    assert "the export yielded 'big' (3,)" in results[0][1][0]
+    for rank in (1, 2):
+        message, broken = results[rank][1]
+        assert "the sender gave up" in message and broken is False
