@@ -21,6 +21,10 @@ COMMON = [
     "pydantic>=2.7",
     "rich>=13.0",
     "tensorboard>=2.16",
+    "wandb>=0.19",
+    "mlflow-skinny>=3.0",
+    "matplotlib>=3.8",
+    "torchdata>=0.11",
     "math-verify>=0.7",
     "numpy>=1.26",
 ]

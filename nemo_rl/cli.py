@@ -20,7 +20,7 @@ from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.utils.config import ConfigError, config_to_yaml, load_typed_config
 
 # Subcommand -> (module, function) called with the validated config.
-ENTRY_POINTS: dict[str, tuple[str, str]] = {"grpo": ("nemo_rl.smoke", "run")}
+ENTRY_POINTS: dict[str, tuple[str, str]] = {"grpo": ("nemo_rl.algorithms.grpo", "run")}
 
 SCHEMAS: dict[str, type[BaseModel]] = {"grpo": GRPOMasterConfig}
 

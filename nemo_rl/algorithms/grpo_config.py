@@ -10,8 +10,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from nemo_rl.data.config import SyntheticArithmeticConfig
+from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
+from nemo_rl.utils.logger import LoggerConfig
 
 
 class GRPOConfig(ConfigModel):
@@ -154,57 +158,74 @@ class ClusterConfig(ConfigModel):
         description="Logical CPUs each machine offers Ray for scheduling actors (may exceed "
         "the physical cores; actors take fractions of them).",
     )
-
-
-class LoggerConfig(ConfigModel):
-    """Metric logging (``logger``)."""
-
-    log_dir: str = Field(default="logs", description="Folder for logs and metric files.")
-    tensorboard_enabled: bool = Field(default=False, description="Write TensorBoard events.")
-    wandb_enabled: bool = Field(default=False, description="Log to Weights & Biases.")
-    mlflow_enabled: bool = Field(default=False, description="Log to MLflow.")
-
-
-class CheckpointingConfig(ConfigModel):
-    """Checkpoint saving and retention (``checkpointing``)."""
-
-    enabled: bool = Field(default=False, description="Save checkpoints.")
-    checkpoint_dir: str = Field(default="checkpoints", description="Folder checkpoints go to.")
-    metric_name: str = Field(
-        default="val_reward", description="Validation metric that ranks checkpoints."
+    cpu_bundles_per_node: int = Field(
+        default=1,
+        ge=1,
+        description="CPU runs (gpus_per_node 0): worker slots per machine; each policy rank "
+        "and each generation engine takes one. Ignored when gpus_per_node > 0 (one per GPU).",
     )
-    higher_is_better: bool = Field(
-        default=True, description="Whether a larger metric_name is a better checkpoint."
-    )
-    keep_top_k: int | None = Field(
-        default=3, ge=1, description="Checkpoints kept, best by metric_name. None: keep all."
-    )
-    save_period: int = Field(default=10, ge=1, description="Save every this many steps.")
 
 
 class DataConfig(ConfigModel):
-    """Prompt data (``data``)."""
+    """Prompt data (``data``); built by :func:`nemo_rl.data.datasets.setup_datasets`."""
 
     dataset_name: str = Field(
         default="synthetic_arithmetic",
         min_length=1,
-        description="Dataset to train on: a registered name, or a format read from "
+        description='Dataset to train on: "synthetic_arithmetic" (built in, see data.synthetic), '
+        "or an HF datasets name / local dataset folder for the splits without a "
         "train_path/val_path.",
     )
+    dataset_subset: str | None = Field(
+        default=None, description="HF datasets config (subset) name of dataset_name. None: none."
+    )
     train_path: str | None = Field(
-        default=None, description="Local training file. None: the dataset's own train split."
+        default=None,
+        description="Local training file (.jsonl, .json or .parquet). None: dataset_name's "
+        "train_split.",
     )
     val_path: str | None = Field(
-        default=None, description="Local validation file. None: the dataset's own split."
+        default=None,
+        description="Local validation file (.jsonl, .json or .parquet). None: dataset_name's "
+        "val_split.",
+    )
+    train_split: str = Field(default="train", description="HF split used for training.")
+    val_split: str | None = Field(
+        default=None, description="HF split used for validation. None: no validation set "
+        "unless val_path is set (the synthetic task always has one)."
     )
     prompt_key: str = Field(
         default="prompt", min_length=1, description="Field of a record holding the prompt text."
     )
+    answer_key: str | None = Field(
+        default="answer",
+        description="Field of a record holding the ground-truth answer. None: no answers.",
+    )
+    task_name: str | None = Field(
+        default=None,
+        description="Task (processor and environment) of rows without a task_name field. "
+        'None: "math".',
+    )
+    prompt_file: str | None = Field(
+        default=None,
+        description="File holding a prompt template with a {} placeholder for the prompt text. "
+        "None: the prompt as is (the synthetic task adds an answer-format instruction).",
+    )
+    system_prompt_file: str | None = Field(
+        default=None, description="File holding the system prompt. None: no system message."
+    )
+    shuffle: bool = Field(
+        default=True, description="Shuffle the training prompts every epoch (seeded by grpo.seed)."
+    )
+    synthetic: SyntheticArithmeticConfig = Field(
+        default_factory=SyntheticArithmeticConfig,
+        description="The built-in synthetic_arithmetic task (used when dataset_name is it).",
+    )
     max_input_seq_length: int | None = Field(
         default=None,
         ge=1,
-        description="Prompts longer than this many tokens are dropped. "
-        "None: policy.max_total_sequence_length.",
+        description="Prompts longer than this many tokens are truncated to it and kept out of "
+        "the loss (loss_multiplier 0). None: policy.max_total_sequence_length.",
     )
 
 
@@ -217,6 +238,9 @@ class GRPOMasterConfig(ConfigModel):
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    env: EnvConfigs = Field(
+        default_factory=EnvConfigs, description="Environments, by task name."
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines.")
     logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Metric logging.")
     checkpointing: CheckpointingConfig = Field(

@@ -33,7 +33,7 @@ def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]
     assert printed["policy"]["megatron_cfg"]["tensor_model_parallel_size"] == 2
     assert printed["grpo"]["seed"] == 123
     # Resolved: the recipe's ${policy.max_total_sequence_length} and schema defaults appear.
-    assert printed["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 256
+    assert printed["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 64
     assert printed["loss_fn"]["ratio_clip_max"] == GRPOMasterConfig().loss_fn.ratio_clip_max
 
 

@@ -349,9 +349,9 @@ def test_tiny_cpu_recipe_values() -> None:
     cfg = load_typed_config(REPO / "configs/grpo_tiny_cpu.yaml", [], GRPOMasterConfig)
     assert cfg.policy.model_name == "tiny-llama"
     assert cfg.cluster.gpus_per_node == 0
-    assert cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes == 64 * 2**20
-    assert cfg.policy.max_total_sequence_length == 256
-    assert cfg.policy.generation.vllm_cfg.max_model_len == 256
+    assert cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes == 32 * 2**20
+    assert cfg.policy.max_total_sequence_length == 64
+    assert cfg.policy.generation.vllm_cfg.max_model_len == 64
     assert cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt == 32
 
 

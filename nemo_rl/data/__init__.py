@@ -1,0 +1,1 @@
+"""Prompt data: datasets, prompt templates, task processors and the data loader."""

@@ -1,0 +1,140 @@
+"""Per-task processors: one dataset row -> one :class:`~nemo_rl.data.interfaces.DatumSpec`.
+
+Rows reaching a processor carry the canonical keys ``"prompt"`` (and ``"answer"`` when the
+dataset has answers) whatever the source's own column names were (see
+:mod:`nemo_rl.data.datasets`). A prompt longer than ``max_seq_length`` tokens is cut to
+``max_seq_length`` and gets ``loss_multiplier`` 0, so it never trains the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_rl.data.interfaces import (
+    DatumSpec,
+    LLMMessageLogType,
+    Message,
+    TaskDataProcessFnCallable,
+    TaskDataSpec,
+)
+from nemo_rl.data.templates import build_prompt_message_log, tokenize_text, truncate_message_log
+
+
+def message_log_length(message_log: LLMMessageLogType) -> int:
+    """Total tokens of a conversation."""
+    return sum(int(m["token_ids"].numel()) for m in message_log)
+
+
+def _prompt_datum(
+    datum_dict: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+    extra_env_info: dict[str, Any],
+) -> DatumSpec:
+    message_log = build_prompt_message_log(
+        tokenizer, datum_dict["prompt"], task_data_spec["prompt"], task_data_spec["system_prompt"]
+    )
+    length = message_log_length(message_log)
+    loss_multiplier = 1.0
+    if length > max_seq_length:
+        message_log = truncate_message_log(message_log, max_seq_length, tokenizer)
+        length, loss_multiplier = max_seq_length, 0.0
+    return DatumSpec(
+        message_log=message_log,
+        length=length,
+        extra_env_info=extra_env_info,
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=datum_dict.get("task_name") or task_data_spec["task_name"],
+        stop_strings=None,
+    )
+
+
+def math_data_processor(
+    datum_dict: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """A math problem: the prompt, judged against ``extra_env_info["ground_truth"]``.
+
+    Raises:
+        KeyError: when the row has no ``"answer"`` (set ``data.answer_key``).
+    """
+    if datum_dict.get("answer") is None:
+        raise KeyError(
+            f"row {idx} has no answer; the math task needs one (set data.answer_key to the "
+            "field holding the ground truth)"
+        )
+    info = {"ground_truth": str(datum_dict["answer"])}
+    return _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, info)
+
+
+def prompt_only_processor(
+    datum_dict: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """A prompt with no ground truth (environments that judge on their own, e.g. games);
+    every other field of the row goes to ``extra_env_info``."""
+    info = {k: v for k, v in datum_dict.items() if k not in ("prompt", "task_name")}
+    return _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, info)
+
+
+def sft_data_processor(
+    datum_dict: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """A prompt plus its reference reply ``datum_dict["response"]`` as an assistant message
+    (ending with the tokenizer's eos token), for supervised warm-start.
+
+    Train on it with :func:`nemo_rl.data.llm_message_utils.message_logs_to_flat`, whose
+    ``token_mask`` selects the assistant tokens.
+    """
+    if datum_dict.get("response") is None:
+        raise KeyError(f"row {idx} has no 'response'; an SFT row needs the reference reply")
+    datum = _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, {})
+    if datum["loss_multiplier"] == 0.0:
+        return datum
+    reply = datum_dict["response"] + (tokenizer.eos_token or "")
+    message = Message(role="assistant", content=reply, token_ids=tokenize_text(tokenizer, reply))
+    log = datum["message_log"] + [message]
+    if message_log_length(log) > max_seq_length:
+        datum["message_log"] = truncate_message_log(log, max_seq_length, tokenizer)
+        datum["length"], datum["loss_multiplier"] = max_seq_length, 0.0
+    else:
+        datum["message_log"], datum["length"] = log, message_log_length(log)
+    if "answer" in datum_dict:
+        datum["extra_env_info"] = {"ground_truth": str(datum_dict["answer"])}
+    return datum
+
+
+# task name -> processor; a row's task_name picks its processor and its environment.
+PROCESSORS: dict[str, TaskDataProcessFnCallable] = {
+    "math": math_data_processor,
+    "prompt": prompt_only_processor,
+    "sft": sft_data_processor,
+}
+
+
+def get_processor(task_name: str) -> TaskDataProcessFnCallable:
+    """The processor registered for ``task_name``.
+
+    Raises:
+        KeyError: naming the unknown task and the registered ones.
+    """
+    if task_name not in PROCESSORS:
+        raise KeyError(
+            f"unknown task name {task_name!r}: no data processor is registered for it "
+            f"(registered: {sorted(PROCESSORS)}); fix the row's task_name or register one in "
+            "nemo_rl.data.processors.PROCESSORS"
+        )
+    return PROCESSORS[task_name]

@@ -1,0 +1,138 @@
+"""Prompt templates, system prompts and chat-template rendering into tokenized messages.
+
+A prompt becomes a list of :class:`~nemo_rl.data.interfaces.Message` whose ``content`` is the
+text exactly as it appears in the model's input and whose ``token_ids`` are that text's tokens.
+With a chat template, each message's text is the part the template adds for it (rendering the
+conversation one message longer each time); the last user message also carries the generation
+prompt (e.g. ``<|im_start|>assistant\\n``). Without one, the system prompt and the prompt are
+joined as plain text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from nemo_rl.data.interfaces import LLMMessageLogType, Message
+
+
+def load_prompt_file(path: Optional[str], config_key: str) -> Optional[str]:
+    """Text of a prompt file (``data.prompt_file`` / ``data.system_prompt_file``), or None.
+
+    Raises:
+        FileNotFoundError: naming ``config_key`` when the file does not exist.
+    """
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{config_key}: file {path!r} does not exist; fix the path or set null"
+        )
+    return file.read_text(encoding="utf-8")
+
+
+def apply_prompt_template(template: Optional[str], prompt: str) -> str:
+    """``template`` with its ``{}`` placeholder replaced by ``prompt``; ``prompt`` if None.
+
+    Raises:
+        ValueError: when the template has no ``{}`` placeholder or other unescaped braces.
+    """
+    if template is None:
+        return prompt
+    if "{}" not in template:
+        raise ValueError(
+            f"prompt template {template[:60]!r} has no '{{}}' placeholder for the prompt; "
+            "add one (write literal braces as '{{' and '}}')"
+        )
+    try:
+        return template.format(prompt)
+    except (IndexError, KeyError, ValueError) as err:
+        raise ValueError(
+            f"prompt template {template[:60]!r} is not a valid str.format template with one "
+            f"'{{}}' ({err}); write literal braces as '{{{{' and '}}}}'"
+        ) from err
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` renders conversations with a chat template."""
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def render_prompt_texts(
+    tokenizer: Any, user_text: str, system_prompt: Optional[str]
+) -> list[tuple[str, str]]:
+    """(role, rendered text) per prompt message; the texts concatenate to the model's input.
+
+    With a chat template the conversation is rendered one message longer each time and each
+    message gets the added text; if the template does not render prefixes consistently (e.g.
+    it injects a default system prompt), the whole rendering becomes one ``user`` message.
+    Without a chat template: the system prompt plus a blank line, then the user text; the
+    tokenizer's bos token, if any, starts the first message.
+    """
+    chat = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    chat.append({"role": "user", "content": user_text})
+    if not has_chat_template(tokenizer):
+        bos = getattr(tokenizer, "bos_token", None) or ""
+        texts = [(m["role"], m["content"]) for m in chat]
+        if system_prompt is not None:
+            texts[0] = ("system", system_prompt + "\n\n")
+        texts[0] = (texts[0][0], bos + texts[0][1])
+        return texts
+    full = _render(tokenizer, chat, generation_prompt=True)
+    texts, previous = [], ""
+    for end in range(1, len(chat) + 1):
+        rendered = full if end == len(chat) else _render(tokenizer, chat[:end], False)
+        if not rendered.startswith(previous):
+            return [("user", full)]
+        texts.append((chat[end - 1]["role"], rendered[len(previous):]))
+        previous = rendered
+    return texts
+
+
+def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
+    """``[n]`` int64 token ids of ``text`` without added special tokens (the text has them)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def build_prompt_message_log(
+    tokenizer: Any, prompt: str, prompt_template: Optional[str], system_prompt: Optional[str]
+) -> LLMMessageLogType:
+    """The tokenized prompt messages of one row: template applied, then chat-rendered."""
+    user_text = apply_prompt_template(prompt_template, prompt)
+    return [
+        Message(role=role, content=text, token_ids=tokenize_text(tokenizer, text))
+        for role, text in render_prompt_texts(tokenizer, user_text, system_prompt)
+    ]
+
+
+def truncate_message_log(
+    message_log: LLMMessageLogType, max_tokens: int, tokenizer: Any
+) -> LLMMessageLogType:
+    """Keep the first ``max_tokens`` tokens of the conversation (later messages cut first);
+    a cut message's ``content`` is re-decoded from its kept tokens, emptied messages are dropped."""
+    kept: LLMMessageLogType = []
+    budget = max_tokens
+    for message in message_log:
+        if budget <= 0:
+            break
+        n = int(message["token_ids"].numel())
+        if n <= budget:
+            kept.append(message)
+        else:
+            ids = message["token_ids"][:budget]
+            cut = Message(role=message["role"], content=tokenizer.decode(ids), token_ids=ids)
+            if "generation_logprobs" in message:
+                cut["generation_logprobs"] = message["generation_logprobs"][:budget]
+            kept.append(cut)
+        budget -= min(n, budget)
+    return kept

@@ -1,0 +1,59 @@
+"""The environment protocol: judge the latest turn of a batch of conversations.
+
+Environments run as Ray actors; a rollout groups samples by ``task_name`` and calls the
+matching environment's :meth:`EnvironmentInterface.step` on its samples only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from nemo_rl.data.interfaces import LLMMessageLogType
+
+
+class EnvironmentReturn(NamedTuple):
+    """What an environment says about each sample of a step (all lists of length B).
+
+    Attributes:
+        observations: the message appended to each conversation next, as
+            ``{"role": ..., "content": ...}`` (role "environment", "user" or "tool"); content
+            may be "" when there is nothing to say.
+        metadata: per-sample state carried to the next step (None when the episode ended).
+        next_stop_strings: stop strings for each sample's next generation turn, or None.
+        rewards: ``[B]`` float32 reward of this turn.
+        terminateds: ``[B]`` bool, True when the episode ended (answered, solved, failed).
+        answers: the answer the environment extracted from the response, or None.
+    """
+
+    observations: list[dict[str, str]]
+    metadata: list[Optional[dict[str, Any]]]
+    next_stop_strings: list[Optional[list[str]]]
+    rewards: torch.Tensor
+    terminateds: torch.Tensor
+    answers: list[Optional[str]]
+
+
+class EnvironmentInterface(ABC):
+    """A task's judge (and, for multi-turn tasks, its other party)."""
+
+    @abstractmethod
+    def step(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        """Judge the last assistant turn of each conversation.
+
+        Args:
+            message_log_batch: B conversations, each ending with an assistant message.
+            metadata: B dicts: the sample's ``extra_env_info`` on the first turn, then what
+                the previous step returned.
+        """
+
+    @abstractmethod
+    def global_post_process_and_metrics(
+        self, batch: Any
+    ) -> tuple[Any, dict[str, float]]:
+        """After a whole rollout: adjust the final batch if needed and return task metrics
+        (e.g. accuracy) as ``(batch, {name: value})``."""

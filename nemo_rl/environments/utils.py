@@ -1,0 +1,167 @@
+"""Starting environments as Ray actors, and stepping them so that a failing one cannot stop a run.
+
+:func:`safe_env_step` is what a rollout calls: an environment that raises, hangs past the
+timeout or answers with the wrong shape scores its samples 0, ends their episodes, and is
+counted; the run goes on. A timed-out actor is killed and restarted by Ray (environments keep
+their per-sample state in the metadata, so a fresh actor continues where the old one was).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Union
+
+import ray
+import torch
+
+from nemo_rl.data.interfaces import LLMMessageLogType
+from nemo_rl.environments.calculator_environment import CalculatorEnvironment
+from nemo_rl.environments.config import EnvActorConfig, EnvConfigs
+from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl.environments.math_environment import MathEnvironment
+from nemo_rl.environments.number_guess_environment import NumberGuessEnvironment
+
+logger = logging.getLogger(__name__)
+
+# Environment class of each ``env`` config section (the section name is the task name).
+ENVIRONMENT_CLASSES: dict[str, type[EnvironmentInterface]] = {
+    "math": MathEnvironment,
+    "number_guess": NumberGuessEnvironment,
+    "calculator": CalculatorEnvironment,
+}
+
+# How often Ray restarts an environment actor that died or was killed after a timeout.
+MAX_ACTOR_RESTARTS = 3
+
+
+def remote_environment(cls: type[EnvironmentInterface], cfg: EnvActorConfig) -> Any:
+    """Start ``cls(cfg)`` as a Ray actor reserving ``cfg.num_cpus`` logical CPUs.
+
+    The actor is restartable (``MAX_ACTOR_RESTARTS``), so :func:`safe_env_step` can replace a
+    hung one. Ray must be initialised (``nemo_rl.distributed.ray_bootstrap.init_ray``).
+
+    Returns:
+        The actor handle; call ``handle.step.remote(message_logs, metadata)``.
+    """
+    actor_cls = ray.remote(num_cpus=cfg.num_cpus, max_restarts=MAX_ACTOR_RESTARTS)(cls)
+    return actor_cls.remote(cfg)
+
+
+def create_environments(env_cfgs: Union[EnvConfigs, dict[str, Any]]) -> dict[str, Any]:
+    """One environment actor per configured section of ``env``.
+
+    Args:
+        env_cfgs: the ``env`` section, as :class:`EnvConfigs` or a plain dict of it.
+
+    Returns:
+        ``{task_name: actor handle}`` for every section that is not None.
+    """
+    if not isinstance(env_cfgs, EnvConfigs):
+        env_cfgs = EnvConfigs.model_validate(env_cfgs)
+    actors = {}
+    for task_name, cls in ENVIRONMENT_CLASSES.items():
+        cfg = getattr(env_cfgs, task_name)
+        if cfg is not None:
+            actors[task_name] = remote_environment(cls, cfg)
+    return actors
+
+
+def shutdown_environments(task_to_env: dict[str, Any]) -> None:
+    """Kill every environment actor of ``task_to_env`` (in-process environments are skipped)."""
+    for handle in task_to_env.values():
+        if isinstance(handle, ray.actor.ActorHandle):
+            ray.kill(handle, no_restart=True)
+
+
+def failed_step_return(size: int) -> EnvironmentReturn:
+    """What a failed environment step gives its ``size`` samples: reward 0, episode over,
+    an empty observation, no metadata, stop strings or answer."""
+    return EnvironmentReturn(
+        observations=[{"role": "environment", "content": ""} for _ in range(size)],
+        metadata=[None] * size,
+        next_stop_strings=[None] * size,
+        rewards=torch.zeros(size, dtype=torch.float32),
+        terminateds=torch.ones(size, dtype=torch.bool),
+        answers=[None] * size,
+    )
+
+
+def _check_return(result: Any, size: int) -> EnvironmentReturn:
+    """Raise ValueError unless ``result`` is an EnvironmentReturn with ``size`` samples."""
+    if not isinstance(result, EnvironmentReturn):
+        raise ValueError(f"step returned {type(result).__name__}, not EnvironmentReturn")
+    lengths = {name: len(value) for name, value in result._asdict().items()}
+    wrong = {name: n for name, n in lengths.items() if n != size}
+    if wrong:
+        raise ValueError(f"step returned fields of the wrong length for {size} samples: {wrong}")
+    return result
+
+
+def _actor_step(
+    env: Any,
+    message_logs: list[LLMMessageLogType],
+    metadata: list[dict[str, Any]],
+    timeout_s: float,
+) -> Any:
+    """``env.step`` on a Ray actor within ``timeout_s``, resubmitted while Ray restarts the
+    actor (an environment step is a pure function of its inputs, so a rerun is harmless).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the step ran past ``timeout_s``.
+        TimeoutError: the actor was still restarting when ``timeout_s`` had passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ref = env.step.remote(message_logs, metadata)
+        try:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"environment actor still restarting after {timeout_s:g} s"
+                ) from None
+            time.sleep(0.2)
+
+
+def safe_env_step(
+    env: Any,
+    message_logs: list[LLMMessageLogType],
+    metadata: list[Optional[dict[str, Any]]],
+    timeout_s: float,
+) -> tuple[EnvironmentReturn, int]:
+    """Step an environment, turning its failures into zero-reward, terminated samples.
+
+    Args:
+        env: a Ray actor handle of an environment, or an in-process
+            :class:`EnvironmentInterface` (then no timeout applies).
+        message_logs: B conversations, each ending with an assistant turn.
+        metadata: B per-sample metadata dicts.
+        timeout_s: seconds to wait for a Ray actor's answer.
+
+    Returns:
+        ``(env_return, num_errors)``: the environment's answer and 0, or, when it raised, timed
+        out or answered with the wrong shape, :func:`failed_step_return` and B (every sample of
+        the call counts as one error). A timed-out actor is killed so that Ray restarts it;
+        a call that finds the actor restarting resubmits until ``timeout_s`` has passed.
+    """
+    size = len(message_logs)
+    if size == 0:
+        return failed_step_return(0), 0
+    metadata = [dict(m or {}) for m in metadata]
+    is_actor = isinstance(env, ray.actor.ActorHandle)
+    try:
+        if is_actor:
+            result = _actor_step(env, message_logs, metadata, timeout_s)
+        else:
+            result = env.step(message_logs, metadata)
+        return _check_return(result, size), 0
+    except ray.exceptions.GetTimeoutError:
+        logger.error(
+            "environment %r did not answer %d samples within %g s; scoring them 0 and "
+            "restarting the actor", env, size, timeout_s,
+        )
+        ray.kill(env, no_restart=False)
+    except Exception as err:  # noqa: BLE001 - any environment failure must not stop the run
+        logger.error("environment %r failed on %d samples: %r; scoring them 0", env, size, err)
+    return failed_step_return(size), size

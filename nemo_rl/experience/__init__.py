@@ -1,0 +1,1 @@
+"""Experience collection: rollouts of the policy against environments."""

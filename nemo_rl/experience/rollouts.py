@@ -1,0 +1,310 @@
+"""Rollouts: the policy generates, environments answer, until every sample is done.
+
+A batch of samples (``DatumSpec`` rows: ``message_log``, ``extra_env_info``, ``task_name``,
+optional ``stop_strings``) goes through turns. Each turn the active samples' conversations are
+flattened into prompts, the generation backend answers each with one assistant message (its
+token ids and the engine's logprobs are kept with the message), and each sample's environment
+(``task_to_env[task_name]``, a Ray actor) judges it. A sample leaves the active set when its
+environment ends the episode, when its conversation reaches ``max_seq_len`` tokens (truncated;
+the environment still judges the response cut to fit), or after ``max_rollout_turns``. A turn
+that stops at ``max_new_tokens`` does not end the episode: the environment judges it. Observations of samples that go on are tokenized and appended as
+messages, and the environment's stop strings apply to the sample's next turn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from nemo_rl.data.interfaces import LLMMessageLogType, Message
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl.environments.utils import safe_env_step
+from nemo_rl.models.generation.interfaces import GenerationInterface
+
+# Seconds an environment may take for one step of its samples before they score 0.
+ENV_STEP_TIMEOUT_S = 300.0
+
+
+def _flat_ids(message_log: LLMMessageLogType) -> torch.Tensor:
+    """``[n]`` token ids of a whole conversation."""
+    return torch.cat([m["token_ids"].to(torch.long) for m in message_log])
+
+
+def _generation_input(
+    message_logs: list[LLMMessageLogType],
+    stop_strings: list[Optional[list[str]]],
+    pad_token_id: int,
+) -> BatchedDataDict:
+    """Right-padded prompts ``input_ids`` ``[B, S]``, ``input_lengths`` ``[B]`` and per-sample
+    ``stop_strings`` of the conversations so far."""
+    ids = [_flat_ids(log) for log in message_logs]
+    lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
+    padded = torch.full((len(ids), int(lengths.max())), pad_token_id, dtype=torch.long)
+    for row, t in enumerate(ids):
+        padded[row, : t.numel()] = t
+    return BatchedDataDict(input_ids=padded, input_lengths=lengths, stop_strings=list(stop_strings))
+
+
+def generate_responses(
+    policy_generation: GenerationInterface,
+    generation_input_data: BatchedDataDict,
+    batch: BatchedDataDict,
+    tokenizer: Any,
+    input_lengths: torch.Tensor,
+    include_logprobs: bool = True,
+    greedy: bool = False,
+) -> tuple[BatchedDataDict, list[torch.Tensor], dict[str, float]]:
+    """Generate one assistant turn per row and append it to ``batch["message_log"]``.
+
+    Args:
+        policy_generation: the generation backend.
+        generation_input_data: ``input_ids`` ``[B, S]``, ``input_lengths`` ``[B]`` and optional
+            ``stop_strings`` of the rows' conversations.
+        batch: the rows (``message_log`` per row), changed in place and returned.
+        tokenizer: decodes the generated ids into the message text.
+        input_lengths: ``[B]`` prompt lengths in tokens.
+        include_logprobs: keep the engine's logprob of each generated token in the message
+            (``generation_logprobs``, ``[n]`` float32).
+        greedy: argmax decoding.
+
+    Returns:
+        ``(batch, generated_ids, metrics)``: ``generated_ids`` one ``[n_i]`` tensor per row;
+        ``batch["truncated"]`` ``[B]`` bool is set (generation hit the token limit);
+        metrics: ``mean_generation_length`` (tokens) and ``max_generation_length``.
+    """
+    output = policy_generation.generate(generation_input_data, greedy=greedy)
+    generated: list[torch.Tensor] = []
+    for row, log in enumerate(batch["message_log"]):
+        start = int(input_lengths[row])
+        end = start + int(output["generation_lengths"][row])
+        ids = output["output_ids"][row, start:end].to(torch.long)
+        message: Message = {
+            "role": "assistant",
+            "content": tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+            "token_ids": ids,
+        }
+        if include_logprobs:
+            message["generation_logprobs"] = output["logprobs"][row, start:end].float()
+        log.append(message)
+        generated.append(ids)
+    batch["truncated"] = output["truncated"].bool()
+    lengths = output["generation_lengths"].float()
+    metrics = {
+        "mean_generation_length": float(lengths.mean()) if lengths.numel() else 0.0,
+        "max_generation_length": float(lengths.max()) if lengths.numel() else 0.0,
+    }
+    return batch, generated, metrics
+
+
+def _metadata(batch: BatchedDataDict, row: int) -> dict[str, Any]:
+    return dict(batch["extra_env_info"][row] or {})
+
+
+def calculate_rewards(
+    batch: BatchedDataDict,
+    task_to_env: dict[str, EnvironmentInterface],
+    metadata: Optional[list[dict[str, Any]]] = None,
+) -> tuple[EnvironmentReturn, int]:
+    """Ask each row's environment about its last assistant turn.
+
+    Rows are grouped by ``task_name`` and each group goes to its environment in one call; an
+    environment that raises or times out scores its rows 0 and ends their episodes.
+
+    Args:
+        batch: rows with ``message_log``, ``task_name`` and ``extra_env_info``.
+        task_to_env: environment (Ray actor handle) per task name.
+        metadata: per-row environment state from the previous turn; None: ``extra_env_info``.
+
+    Returns:
+        ``(env_return, num_errors)`` with the rows in ``batch`` order.
+
+    Raises:
+        KeyError: a row's ``task_name`` has no environment (names the row and the known tasks).
+    """
+    size = len(batch["message_log"])
+    metadata = metadata if metadata is not None else [_metadata(batch, r) for r in range(size)]
+    rows_by_task: dict[str, list[int]] = {}
+    for row, task in enumerate(batch["task_name"]):
+        if task not in task_to_env:
+            raise KeyError(
+                f"row {row} has task_name {task!r} but no environment is configured for it; "
+                f"known tasks: {sorted(task_to_env)}"
+            )
+        rows_by_task.setdefault(task, []).append(row)
+
+    observations: list[Any] = [None] * size
+    new_metadata: list[Any] = [None] * size
+    stop_strings: list[Any] = [None] * size
+    answers: list[Any] = [None] * size
+    rewards = torch.zeros(size, dtype=torch.float32)
+    terminateds = torch.zeros(size, dtype=torch.bool)
+    errors = 0
+    for task, rows in rows_by_task.items():
+        result, task_errors = safe_env_step(
+            task_to_env[task],
+            [batch["message_log"][r] for r in rows],
+            [metadata[r] for r in rows],
+            ENV_STEP_TIMEOUT_S,
+        )
+        errors += task_errors
+        for i, row in enumerate(rows):
+            observations[row] = result.observations[i]
+            new_metadata[row] = result.metadata[i]
+            stop_strings[row] = result.next_stop_strings[i]
+            answers[row] = result.answers[i]
+        rewards[rows] = result.rewards.float()
+        terminateds[rows] = result.terminateds.bool()
+    return (
+        EnvironmentReturn(observations, new_metadata, stop_strings, rewards, terminateds, answers),
+        errors,
+    )
+
+
+def _observation_message(observation: dict[str, str], tokenizer: Any) -> Message:
+    content = observation.get("content", "")
+    ids = tokenizer(content, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    return {"role": observation.get("role", "environment"), "content": content, "token_ids": ids}
+
+
+def run_multi_turn_rollout(
+    policy_generation: GenerationInterface,
+    input_batch: BatchedDataDict,
+    tokenizer: Any,
+    task_to_env: dict[str, EnvironmentInterface],
+    max_seq_len: int,
+    max_rollout_turns: int = 999999,
+    greedy: bool = False,
+) -> tuple[BatchedDataDict, dict[str, float]]:
+    """Roll every sample of ``input_batch`` out against its environment.
+
+    Args:
+        policy_generation: the generation backend (awake).
+        input_batch: ``DatumSpec`` rows (``message_log``, ``extra_env_info``, ``task_name``,
+            optional ``stop_strings``); not modified.
+        tokenizer: decodes responses and tokenizes observations.
+        task_to_env: environment per task name.
+        max_seq_len: most tokens a conversation may hold; a sample reaching it stops
+            (truncated) and a response is cut to fit.
+        max_rollout_turns: most assistant turns per sample.
+        greedy: argmax decoding.
+
+    Returns:
+        ``(batch, metrics)``. ``batch`` is a copy of ``input_batch`` whose ``message_log`` holds
+        the whole interaction, plus ``total_reward`` ``[B]`` float32 (sum over turns),
+        ``truncated`` ``[B]`` bool (reached ``max_seq_len``), ``terminated`` ``[B]`` bool (the environment ended the
+        episode) and ``num_turns`` ``[B]`` int64. Metrics: ``mean_turns_per_sample``,
+        ``total_generated_tokens``, ``mean_generated_tokens_per_sample``, ``truncation_rate``,
+        ``max_new_tokens_hit_rate`` (turns that stopped at the per-turn token limit),
+        ``natural_termination_rate``, ``env_time_s``, ``generation_time_s``, ``env_errors``,
+        ``reward_mean``, ``reward_std``.
+
+    Raises:
+        ValueError: a prompt already holds ``max_seq_len`` tokens or more (names the row).
+    """
+    size = len(input_batch["message_log"])
+    batch = BatchedDataDict(
+        {
+            key: ([list(log) for log in value] if key == "message_log" else value)
+            for key, value in input_batch.items()
+        }
+    )
+    for row, log in enumerate(batch["message_log"]):
+        length = int(_flat_ids(log).numel())
+        if length >= max_seq_len:
+            raise ValueError(
+                f"row {row}: the prompt has {length} tokens, not below max_seq_len={max_seq_len}; "
+                "raise policy.max_total_sequence_length or shorten the prompt "
+                "(data.max_input_seq_length)"
+            )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    metadata = [_metadata(batch, r) for r in range(size)]
+    stop_strings: list[Optional[list[str]]] = list(batch.get("stop_strings", [None] * size))
+    total_reward = torch.zeros(size, dtype=torch.float32)
+    truncated = torch.zeros(size, dtype=torch.bool)
+    terminated = torch.zeros(size, dtype=torch.bool)
+    num_turns = torch.zeros(size, dtype=torch.long)
+    generated_tokens = 0
+    env_time = gen_time = 0.0
+    env_errors = 0
+    turns_at_token_limit = total_turns = 0
+    active = list(range(size))
+
+    for _turn in range(max_rollout_turns):
+        if not active:
+            break
+        logs = [batch["message_log"][r] for r in active]
+        gen_input = _generation_input(logs, [stop_strings[r] for r in active], pad)
+        sub = BatchedDataDict(message_log=logs)
+        start = time.perf_counter()
+        sub, _, _ = generate_responses(
+            policy_generation, gen_input, sub, tokenizer, gen_input["input_lengths"], greedy=greedy
+        )
+        gen_time += time.perf_counter() - start
+        at_limit = []
+        for i, row in enumerate(active):
+            num_turns[row] += 1
+            prompt_len = int(gen_input["input_lengths"][i])
+            room = max_seq_len - prompt_len
+            message = logs[i][-1]
+            if message["token_ids"].numel() > room:
+                message["token_ids"] = message["token_ids"][:room]
+                message["generation_logprobs"] = message["generation_logprobs"][:room]
+                message["content"] = tokenizer.decode(message["token_ids"].tolist())
+            generated_tokens += int(message["token_ids"].numel())
+            at_limit.append(prompt_len + int(message["token_ids"].numel()) >= max_seq_len)
+        turns_at_token_limit += int(sub["truncated"].sum())
+        total_turns += len(active)
+
+        env_batch = BatchedDataDict(
+            message_log=logs, task_name=[batch["task_name"][r] for r in active]
+        )
+        start = time.perf_counter()
+        env_return, errors = calculate_rewards(
+            env_batch, task_to_env, [metadata[r] for r in active]
+        )
+        env_time += time.perf_counter() - start
+        env_errors += errors
+
+        still_active = []
+        for i, row in enumerate(active):
+            total_reward[row] += float(env_return.rewards[i])
+            metadata[row] = env_return.metadata[i] or {}
+            if env_return.terminateds[i]:
+                terminated[row] = True
+                continue
+            if at_limit[i]:
+                truncated[row] = True
+                continue
+            observation = env_return.observations[i]
+            if observation and observation.get("content"):
+                obs_message = _observation_message(observation, tokenizer)
+                length = int(_flat_ids(logs[i]).numel()) + int(obs_message["token_ids"].numel())
+                if length >= max_seq_len:
+                    truncated[row] = True
+                    continue
+                logs[i].append(obs_message)
+            stop_strings[row] = env_return.next_stop_strings[i]
+            still_active.append(row)
+        active = still_active
+
+    batch["total_reward"] = total_reward
+    batch["truncated"] = truncated
+    batch["terminated"] = terminated
+    batch["num_turns"] = num_turns
+    metrics = {
+        "mean_turns_per_sample": float(num_turns.float().mean()),
+        "total_generated_tokens": float(generated_tokens),
+        "mean_generated_tokens_per_sample": generated_tokens / max(size, 1),
+        "truncation_rate": float(truncated.float().mean()),
+        "max_new_tokens_hit_rate": turns_at_token_limit / max(total_turns, 1),
+        "natural_termination_rate": float(terminated.float().mean()),
+        "env_time_s": env_time,
+        "generation_time_s": gen_time,
+        "env_errors": float(env_errors),
+        "reward_mean": float(total_reward.mean()),
+        "reward_std": float(total_reward.std()) if size > 1 else 0.0,
+    }
+    return batch, metrics

@@ -1,0 +1,185 @@
+"""Prompt datasets from the synthetic task, JSONL/Parquet files and HF dataset folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nemo_rl.algorithms.grpo_config import DataConfig, GRPOMasterConfig
+from nemo_rl.data.dataloader import StatefulPromptLoader
+from nemo_rl.data.datasets import (
+    PromptDataset,
+    check_prompt_lengths,
+    check_rows_have,
+    load_rows,
+    setup_datasets,
+    setup_synthetic_sft_dataset,
+)
+from nemo_rl.data.interfaces import TaskDataSpec
+from nemo_rl.data.llm_message_utils import message_logs_to_flat, rl_collate_fn
+
+ROWS = [{"question": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(6)]
+SPEC = TaskDataSpec(task_name="math", prompt=None, system_prompt=None)
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_jsonl_parquet_and_dataset_folder_give_the_same_rows(tmp_path: Path) -> None:
+    jsonl = _jsonl(tmp_path / "train.jsonl", ROWS)
+    parquet = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    folder = tmp_path / "my_dataset"  # a dataset name resolved like a hub name
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", ROWS)
+    for source in (jsonl, parquet, folder):
+        assert [dict(r) for r in load_rows(str(source))] == ROWS
+
+
+def test_unsupported_suffix(tmp_path: Path) -> None:
+    csv = tmp_path / "rows.csv"
+    csv.write_text("a\n1\n")
+    with pytest.raises(ValueError, match="unsupported data file suffix '.csv'"):
+        load_rows(str(csv))
+
+
+def test_custom_keys(chat_tokenizer: Any, tmp_path: Path) -> None:
+    rows = load_rows(str(_jsonl(tmp_path / "t.jsonl", ROWS)))
+    ds = PromptDataset(
+        rows, chat_tokenizer, SPEC, 128, prompt_key="question", answer_key="solution"
+    )
+    assert len(ds) == 6
+    datum = ds[2]
+    assert datum["idx"] == 2 and datum["extra_env_info"] == {"ground_truth": "3"}
+    assert "What is 2 + 1?" in datum["message_log"][0]["content"]
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_row_without_prompt_names_row_and_key(
+    chat_tokenizer: Any, tmp_path: Path, from_file: bool
+) -> None:
+    rows: Any = [dict(r) for r in ROWS]
+    del rows[4]["question"]
+    rows[4]["query"] = "What is 4 + 1?"
+    source = "rows"
+    if from_file:
+        source = str(_jsonl(tmp_path / "bad.jsonl", rows))
+        rows = load_rows(source)
+    with pytest.raises(KeyError, match=r"row 4 has no field 'question' \(data.prompt_key\)"):
+        PromptDataset(rows, chat_tokenizer, SPEC, 128, prompt_key="question", source=source)
+
+
+def test_unknown_task_in_a_row(chat_tokenizer: Any) -> None:
+    rows = [{"prompt": "p", "answer": "1", "task_name": "chess"}]
+    ds = PromptDataset(rows, chat_tokenizer, SPEC, 64, source="mix.jsonl")
+    with pytest.raises(KeyError, match="mix.jsonl: row 0: unknown task name 'chess'"):
+        ds[0]
+
+
+def test_check_rows_have_on_lists() -> None:
+    check_rows_have([{"a": 1}], "a", "data.answer_key", "x")
+    with pytest.raises(KeyError, match="row 1 has no field 'a' .*fields are \\['b'\\]"):
+        check_rows_have([{"a": 1}, {"b": 2}], "a", "data.answer_key", "x")
+
+
+def test_check_prompt_lengths(chat_tokenizer: Any) -> None:
+    rows = [
+        {"prompt": "What is 1 + 1?", "answer": "2"},
+        {"prompt": "What is 1 + 1? " * 5, "answer": "2"},
+    ]
+    ds = PromptDataset(rows, chat_tokenizer, SPEC, 16)
+    short, long = ds.prompt_length(0), ds.prompt_length(1)
+    assert short < long and ds[1]["length"] == 16 and ds[1]["loss_multiplier"] == 0.0
+    stats = check_prompt_lengths(ds, long + 1)
+    assert stats == {
+        "min_prompt_tokens": short,
+        "max_prompt_tokens": long,
+        "num_too_long": 0,
+        "num_checked": 2,
+    }
+    message = f"policy.max_total_sequence_length \\({long}\\).*row 1 has {long}"
+    with pytest.raises(ValueError, match=message):
+        check_prompt_lengths(ds, long)
+    assert check_prompt_lengths(ds, long, allow_truncation=True)["num_too_long"] == 1
+    with pytest.raises(ValueError, match="data.max_input_seq_length \\(4\\).*2 of 2"):
+        check_prompt_lengths(ds, 4, "data.max_input_seq_length", allow_truncation=True)
+
+
+def test_default_config_is_the_synthetic_task(chat_tokenizer: Any) -> None:
+    cfg = GRPOMasterConfig()
+    train, val, spec = setup_datasets(cfg.data, chat_tokenizer)
+    assert cfg.data.dataset_name == "synthetic_arithmetic"
+    assert len(train) == cfg.data.synthetic.num_train and len(val) == cfg.data.synthetic.num_val
+    assert spec["task_name"] == "math"
+    assert "Give the answer as \\boxed{N}." in train[0]["message_log"][0]["content"]
+    check_prompt_lengths(train, cfg.policy.max_total_sequence_length)
+    loader = StatefulPromptLoader(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed)
+    batch = next(iter(loader))
+    assert batch.size == cfg.grpo.num_prompts_per_step
+    for log, info in zip(batch["message_log"], batch["extra_env_info"]):
+        a, b = log[0]["content"].split("What is ")[1].split("?")[0].split(" + ")
+        assert info["ground_truth"] == str(int(a) + int(b))
+
+
+def test_files_templates_and_system_prompt(chat_tokenizer: Any, tmp_path: Path) -> None:
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Solve: {}", encoding="utf-8")
+    system_file = tmp_path / "system.txt"
+    system_file.write_text("You add numbers.", encoding="utf-8")
+    cfg = DataConfig(
+        dataset_name="local",
+        train_path=str(_jsonl(tmp_path / "train.jsonl", ROWS)),
+        val_path=str(_jsonl(tmp_path / "val.jsonl", ROWS[:2])),
+        prompt_key="question",
+        answer_key="solution",
+        prompt_file=str(prompt_file),
+        system_prompt_file=str(system_file),
+        max_input_seq_length=128,
+    )
+    train, val, spec = setup_datasets(cfg, chat_tokenizer)
+    assert (len(train), len(val)) == (6, 2)
+    log = train[1]["message_log"]
+    assert [m["role"] for m in log] == ["system", "user"]
+    assert log[0]["content"] == "<|im_start|>system\nYou add numbers.<|im_end|>\n"
+    assert log[1]["content"] == (
+        "<|im_start|>user\nSolve: What is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_hf_name_split_and_missing_val(chat_tokenizer: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", ROWS)
+    _jsonl(folder / "test.jsonl", ROWS[:3])
+    cfg = DataConfig(
+        dataset_name=str(folder), prompt_key="question", answer_key="solution",
+        val_split="test", max_input_seq_length=64,
+    )
+    train, val, _ = setup_datasets(cfg, chat_tokenizer)
+    assert (len(train), len(val)) == (6, 3)
+    no_val = cfg.model_copy(update={"val_split": None})
+    assert setup_datasets(no_val, chat_tokenizer)[1] is None
+
+
+def test_synthetic_sft_set_masks_exactly_the_reply(chat_tokenizer: Any) -> None:
+    cfg = GRPOMasterConfig()
+    sft = setup_synthetic_sft_dataset(cfg.data, chat_tokenizer, 8)
+    train, _, _ = setup_datasets(cfg.data, chat_tokenizer)
+    batch = rl_collate_fn([sft[i] for i in range(len(sft))])
+    flat = message_logs_to_flat(batch["message_log"], chat_tokenizer.pad_token_id)
+    for row in range(8):
+        prompt_log = train[row]["message_log"]
+        assert batch["message_log"][row][:-1][0]["content"] == prompt_log[0]["content"]
+        n = int(flat["input_lengths"][row])
+        reply = chat_tokenizer.decode(flat["input_ids"][row, :n][flat["token_mask"][row, :n] == 1])
+        answer = batch["extra_env_info"][row]["ground_truth"]
+        assert reply == f"\\boxed{{{answer}}}<|im_end|>"
+    with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' only"):
+        setup_synthetic_sft_dataset(DataConfig(dataset_name="x", max_input_seq_length=8), None, 1)

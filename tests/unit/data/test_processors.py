@@ -1,0 +1,75 @@
+"""Task processors: DatumSpec fields, truncation, SFT rows, the processor registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nemo_rl.data.interfaces import TaskDataSpec
+from nemo_rl.data.processors import (
+    get_processor,
+    math_data_processor,
+    message_log_length,
+    prompt_only_processor,
+    sft_data_processor,
+)
+
+SPEC = TaskDataSpec(
+    task_name="math", prompt="{} Give the answer as \\boxed{{N}}.", system_prompt=None
+)
+
+
+def test_math_processor(chat_tokenizer: Any) -> None:
+    row = {"prompt": "What is 3 + 4?", "answer": 7}
+    datum = math_data_processor(row, SPEC, chat_tokenizer, 256, 5)
+    assert datum["extra_env_info"] == {"ground_truth": "7"}
+    assert datum["idx"] == 5 and datum["task_name"] == "math" and datum["stop_strings"] is None
+    assert datum["loss_multiplier"] == 1.0
+    assert datum["length"] == message_log_length(datum["message_log"]) < 256
+    assert "What is 3 + 4? Give the answer as \\boxed{N}." in datum["message_log"][0]["content"]
+
+
+def test_row_task_name_wins(chat_tokenizer: Any) -> None:
+    row = {"prompt": "p", "answer": "1", "task_name": "other"}
+    assert math_data_processor(row, SPEC, chat_tokenizer, 64, 0)["task_name"] == "other"
+
+
+def test_math_processor_without_answer(chat_tokenizer: Any) -> None:
+    with pytest.raises(KeyError, match="row 9 .*data.answer_key"):
+        math_data_processor({"prompt": "p"}, SPEC, chat_tokenizer, 64, 9)
+
+
+def test_overlong_prompt_is_truncated_and_masked(chat_tokenizer: Any) -> None:
+    row = {"prompt": "What is 3 + 4?", "answer": "7"}
+    full = math_data_processor(row, SPEC, chat_tokenizer, 10_000, 0)
+    cut = math_data_processor(row, SPEC, chat_tokenizer, full["length"] - 5, 0)
+    assert cut["loss_multiplier"] == 0.0
+    assert cut["length"] == full["length"] - 5 == message_log_length(cut["message_log"])
+    kept = full["message_log"][0]["token_ids"][:-5]
+    assert cut["message_log"][0]["token_ids"].tolist() == kept.tolist()
+    exact = math_data_processor(row, SPEC, chat_tokenizer, full["length"], 0)
+    assert exact["loss_multiplier"] == 1.0
+
+
+def test_prompt_only_processor_passes_fields(chat_tokenizer: Any) -> None:
+    datum = prompt_only_processor({"prompt": "Guess", "target": 42}, SPEC, chat_tokenizer, 64, 1)
+    assert datum["extra_env_info"] == {"target": 42}
+
+
+def test_sft_processor(chat_tokenizer: Any) -> None:
+    row = {"prompt": "What is 3 + 4?", "answer": "7", "response": "\\boxed{7}"}
+    datum = sft_data_processor(row, SPEC, chat_tokenizer, 256, 0)
+    reply = datum["message_log"][-1]
+    assert reply["role"] == "assistant" and reply["content"] == "\\boxed{7}<|im_end|>"
+    assert reply["token_ids"][-1].item() == chat_tokenizer.eos_token_id
+    assert datum["length"] == message_log_length(datum["message_log"])
+    assert datum["extra_env_info"] == {"ground_truth": "7"}
+    short = sft_data_processor(row, SPEC, chat_tokenizer, datum["length"] - 1, 0)
+    assert short["loss_multiplier"] == 0.0 and short["length"] == datum["length"] - 1
+
+
+def test_unknown_task_name() -> None:
+    assert get_processor("math") is math_data_processor
+    with pytest.raises(KeyError, match="unknown task name 'chess'.*registered"):
+        get_processor("chess")

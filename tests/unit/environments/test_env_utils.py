@@ -1,0 +1,121 @@
+"""Fault handling and environment actors: safe_env_step, create/shutdown_environments, config."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from nemo_rl.distributed.ray_bootstrap import ray_cluster
+from nemo_rl.environments.config import EnvConfigs
+from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl.environments.math_environment import MathEnvironment
+from nemo_rl.environments.utils import (
+    create_environments,
+    remote_environment,
+    safe_env_step,
+    shutdown_environments,
+)
+from nemo_rl.utils.config import ConfigError, validate_config
+
+
+def conversation(answer: str) -> list[dict]:
+    return [{"role": "assistant", "content": answer, "token_ids": torch.zeros(1, dtype=torch.long)}]
+
+
+class FlakyEnvironment(MathEnvironment):
+    """Math judge that raises on metadata ``{"fail": True}`` and hangs on ``{"hang": True}``."""
+
+    def step(self, message_log_batch, metadata):
+        if any(m.get("fail") for m in metadata):
+            raise RuntimeError("environment bug")
+        if any(m.get("hang") for m in metadata):
+            time.sleep(600)
+        return super().step(message_log_batch, metadata)
+
+
+class ShortEnvironment(MathEnvironment):
+    """Answers one sample fewer than asked."""
+
+    def step(self, message_log_batch, metadata):
+        return super().step(message_log_batch[1:], metadata[1:])
+
+
+def assert_failed(out: EnvironmentReturn, size: int) -> None:
+    assert out.rewards.tolist() == [0.0] * size
+    assert out.terminateds.tolist() == [True] * size
+    assert [o["content"] for o in out.observations] == [""] * size
+    assert out.metadata == [None] * size and out.answers == [None] * size
+
+
+def test_in_process_environment_failures_score_zero():
+    logs, meta = [conversation("1"), conversation("2")], [{"ground_truth": "1"}] * 2
+    out, errors = safe_env_step(MathEnvironment(), logs, meta, timeout_s=5)
+    assert errors == 0 and out.rewards.tolist() == [1.0, 0.0]
+    failing = [{"ground_truth": "1", "fail": True}] * 2
+    out, errors = safe_env_step(FlakyEnvironment(), logs, failing, timeout_s=5)
+    assert errors == 2
+    assert_failed(out, 2)
+    out, errors = safe_env_step(ShortEnvironment(), logs, meta, timeout_s=5)
+    assert errors == 2
+    assert_failed(out, 2)
+
+
+def test_env_configs_defaults_and_errors():
+    cfg = EnvConfigs()
+    assert cfg.math is not None and cfg.math.num_workers == 1
+    assert cfg.number_guess is None and cfg.calculator is None
+    with pytest.raises(ConfigError, match="math.num_workrs; did you mean math.num_workers"):
+        validate_config({"math": {"num_workrs": 2}}, EnvConfigs, source="env")
+
+
+def test_environments_implement_the_interface():
+    assert issubclass(MathEnvironment, EnvironmentInterface)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster(num_cpus=4):
+        yield
+
+
+@pytest.mark.slow
+def test_actors_from_config_step_and_shut_down(cluster):
+    envs = create_environments({"math": {}, "number_guess": {"max_turns": 2}})
+    try:
+        assert sorted(envs) == ["math", "number_guess"]
+        out, errors = safe_env_step(
+            envs["math"], [conversation("\\boxed{0.5}")], [{"ground_truth": "1/2"}], timeout_s=60
+        )
+        assert errors == 0 and out.rewards.tolist() == [1.0]
+        out, errors = safe_env_step(
+            envs["number_guess"], [conversation("<guess>3")], [{"secret": 5}], timeout_s=60
+        )
+        assert errors == 0 and out.observations[0]["content"] == "higher"
+        assert out.metadata == [{"secret": 5, "turn": 1}]
+    finally:
+        shutdown_environments(envs)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(envs["math"].step.remote([conversation("1")], [{"ground_truth": "1"}]), timeout=60)
+
+
+@pytest.mark.slow
+def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(cluster):
+    env = remote_environment(FlakyEnvironment, EnvConfigs().math)
+    try:
+        logs = [conversation("\\boxed{3}"), conversation("\\boxed{4}")]
+        out, errors = safe_env_step(env, logs, [{"ground_truth": "3", "fail": True}] * 2, 60)
+        assert errors == 2
+        assert_failed(out, 2)
+
+        out, errors = safe_env_step(env, logs, [{"ground_truth": "3", "hang": True}] * 2, 3)
+        assert errors == 2
+        assert_failed(out, 2)
+
+        # the hung actor was replaced: the next step is judged normally
+        out, errors = safe_env_step(env, logs, [{"ground_truth": "3"}] * 2, 120)
+        assert errors == 0 and out.rewards.tolist() == [1.0, 0.0]
+    finally:
+        shutdown_environments({"flaky": env})
