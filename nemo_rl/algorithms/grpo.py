@@ -32,17 +32,6 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.refit import refit_policy_generation
 
-# Keys of the flattened conversations the policy and the loss read.
-TRAIN_KEYS = (
-    "input_ids",
-    "input_lengths",
-    "token_mask",
-    "sample_mask",
-    "advantages",
-    "generation_logprobs",
-)
-
-
 def repeat_prompts(batch: BatchedDataDict, num_generations: int) -> tuple[BatchedDataDict, torch.Tensor]:
     """Each prompt row ``num_generations`` times in a row, and ``[B * n]`` group ids."""
     group_ids = torch.arange(batch.size).repeat_interleave(num_generations)
@@ -65,8 +54,8 @@ def build_train_data(
         pad_token_id: fills ``input_ids`` past each row's length.
 
     Returns:
-        ``(data, metrics)``: ``data`` holds :data:`TRAIN_KEYS` (``[B, S]`` tensors and
-        ``input_lengths``/``sample_mask`` ``[B]``); metrics: ``fraction_of_zero_std_groups``.
+        ``(data, metrics)``: ``data`` holds ``input_ids``, ``token_mask``, ``advantages``,
+        ``generation_logprobs`` (``[B, S]``) and ``input_lengths``, ``sample_mask`` (``[B]``); metrics: ``fraction_of_zero_std_groups``.
     """
     flat = message_logs_to_flat(rollout["message_log"], pad_token_id)
     rewards = rollout["total_reward"].float()

@@ -19,6 +19,8 @@ from typing import Any, Optional
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType, Message
+from nemo_rl.data.llm_message_utils import message_logs_to_flat
+from nemo_rl.data.processors import message_log_length
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.utils import safe_env_step
@@ -28,11 +30,6 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 ENV_STEP_TIMEOUT_S = 300.0
 
 
-def _flat_ids(message_log: LLMMessageLogType) -> torch.Tensor:
-    """``[n]`` token ids of a whole conversation."""
-    return torch.cat([m["token_ids"].to(torch.long) for m in message_log])
-
-
 def _generation_input(
     message_logs: list[LLMMessageLogType],
     stop_strings: list[Optional[list[str]]],
@@ -40,12 +37,12 @@ def _generation_input(
 ) -> BatchedDataDict:
     """Right-padded prompts ``input_ids`` ``[B, S]``, ``input_lengths`` ``[B]`` and per-sample
     ``stop_strings`` of the conversations so far."""
-    ids = [_flat_ids(log) for log in message_logs]
-    lengths = torch.tensor([t.numel() for t in ids], dtype=torch.long)
-    padded = torch.full((len(ids), int(lengths.max())), pad_token_id, dtype=torch.long)
-    for row, t in enumerate(ids):
-        padded[row, : t.numel()] = t
-    return BatchedDataDict(input_ids=padded, input_lengths=lengths, stop_strings=list(stop_strings))
+    flat = message_logs_to_flat(message_logs, pad_token_id)
+    return BatchedDataDict(
+        input_ids=flat["input_ids"],
+        input_lengths=flat["input_lengths"],
+        stop_strings=list(stop_strings),
+    )
 
 
 def generate_responses(
@@ -212,7 +209,7 @@ def run_multi_turn_rollout(
         }
     )
     for row, log in enumerate(batch["message_log"]):
-        length = int(_flat_ids(log).numel())
+        length = message_log_length(log)
         if length >= max_seq_len:
             raise ValueError(
                 f"row {row}: the prompt has {length} tokens, not below max_seq_len={max_seq_len}; "
@@ -281,7 +278,7 @@ def run_multi_turn_rollout(
             observation = env_return.observations[i]
             if observation and observation.get("content"):
                 obs_message = _observation_message(observation, tokenizer)
-                length = int(_flat_ids(logs[i]).numel()) + int(obs_message["token_ids"].numel())
+                length = message_log_length(logs[i]) + int(obs_message["token_ids"].numel())
                 if length >= max_seq_len:
                     truncated[row] = True
                     continue
