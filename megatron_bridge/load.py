@@ -260,7 +260,6 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
         ValueError: TP/PP sizes that do not fit the model (from validation, before building).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat
 
@@ -280,6 +279,16 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
         spec = get_gpt_layer_local_spec(
             normalization="RMSNorm", qk_layernorm=config.qk_layernorm
         )
+    return gpt_model_stage(bridge, config, spec, tp).eval()
+
+
+def gpt_model_stage(bridge: BridgeConfig, config: Any, spec: Any, tp: int) -> torch.nn.Module:
+    """This rank's pipeline stage of the GPTModel ``bridge`` describes, from a megatron
+    ``TransformerConfig`` and layer spec, with transformers' RoPE frequencies (uninitialised
+    weights)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -291,7 +300,7 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
     if inv_freq is not None:
         # Scaled RoPE: use transformers' exact frequencies instead of Megatron's own formula.
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
-    return model.eval()
+    return model
 
 
 @torch.no_grad()

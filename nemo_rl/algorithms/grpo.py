@@ -55,7 +55,8 @@ def build_train_data(
 
     Returns:
         ``(data, metrics)``: ``data`` holds ``input_ids``, ``token_mask``, ``advantages``,
-        ``generation_logprobs`` (``[B, S]``) and ``input_lengths``, ``sample_mask`` (``[B]``); metrics: ``fraction_of_zero_std_groups``.
+        ``generation_logprobs`` (``[B, S]``) and ``input_lengths``, ``sample_mask`` (``[B]``);
+        metrics: ``fraction_of_zero_std_groups``.
     """
     flat = message_logs_to_flat(rollout["message_log"], pad_token_id)
     rewards = rollout["total_reward"].float()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
+from megatron_bridge.load import gpt_model_stage
 from nemo_rl.models.megatron import apply_cpu_compat, initialize_megatron_parallel
 from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
 
@@ -99,15 +100,13 @@ def build_gpt_stage(
     """This rank's GPTModel stage with the HF weights of ``model_path`` loaded.
 
     Without TransformerEngine the layer spec's attention is our CP- and packing-capable one
-    (megatron's local attention supports neither). Mirrors :func:`megatron_bridge.build_gpt_model` plus the CP
-    size, activation recomputation and the loss-scaling flags training needs.
+    (megatron's local attention supports neither). Shares the construction with
+    :func:`megatron_bridge.build_gpt_model` (:func:`megatron_bridge.load.gpt_model_stage`) and
+    adds the CP size, activation recomputation and the loss-scaling flags training needs.
 
     Returns:
         ``(model, bridge, transformer_config)``.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     apply_cpu_compat()
     mcfg = config["megatron_cfg"]
     bridge = BridgeConfig.from_hf(
@@ -132,16 +131,7 @@ def build_gpt_stage(
         **recompute,
     )
     spec = get_gpt_layer_spec(qk_layernorm=tconfig.qk_layernorm)
-    model = GPTModel(
-        config=tconfig,
-        transformer_layer_spec=spec,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        **bridge.gpt_model_kwargs(layout.tp),
-    )
-    inv_freq = bridge.rope_inv_freq()
-    if inv_freq is not None:
-        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, bridge, model_path)
