@@ -11,4 +11,5 @@ demo: install
 	$(VENV)/bin/nemo-rl grpo --config configs/grpo_tiny_cpu.yaml
 
 test: install
+	bash scripts/setup_slurm.sh
 	$(VENV)/bin/python -m pytest tests

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--print-config", action="store_true", help="print the resolved config and exit"
         )
         sub.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)
+    # Listed for --help; main() hands `launch ...` to nemo_rl.launch.cli before parsing.
+    commands.add_parser("launch", help="run a command on Ray across slurm nodes or locally")
     return parser
 
 
@@ -62,6 +64,11 @@ def _entry_point(command: str) -> Callable[[Any], int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:
+        from nemo_rl.launch.cli import main as launch_main
+
+        return launch_main(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow or precede --print-config; argparse leaves trailing ones in `extra`.

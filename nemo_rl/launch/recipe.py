@@ -1,0 +1,66 @@
+"""What machines a ``nemo-rl <algorithm> --config RECIPE [overrides]`` driver command needs.
+
+Lets ``nemo-rl launch slurm`` take the node and GPU counts from the recipe, and refuse a
+mismatch before the job waits in the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.config import ConfigError
+
+
+@dataclass(frozen=True)
+class RecipeShape:
+    """Machines a recipe runs on.
+
+    Attributes:
+        nodes: Ray nodes (one per slurm node) the run places workers on.
+        gpus_per_node: GPUs used on each node (0: CPU only).
+        reason: how ``nodes`` follows from the recipe, for error messages.
+    """
+
+    nodes: int
+    gpus_per_node: int
+    reason: str
+
+
+def grpo_shape(cfg: GRPOMasterConfig) -> RecipeShape:
+    """Nodes of a GRPO run: ``cluster.num_nodes``, twice that when generation is not colocated
+    (``nemo_rl.algorithms.grpo.setup`` then gives the vLLM engines a cluster of the same shape
+    of their own)."""
+    nodes = cfg.cluster.num_nodes
+    reason = f"cluster.num_nodes={nodes}"
+    if not cfg.policy.generation.colocated.enabled:
+        nodes *= 2
+        reason += " x 2 for policy.generation.colocated.enabled=false"
+    return RecipeShape(nodes=nodes, gpus_per_node=cfg.cluster.gpus_per_node, reason=reason)
+
+
+def recipe_shape(command: list[str]) -> RecipeShape | None:
+    """The machines ``command`` needs when it is ``nemo-rl <algorithm> --config RECIPE ...``;
+    None for any other command.
+
+    Raises:
+        ConfigError: the recipe or its overrides do not load or validate (the same error the
+            driver would hit on the cluster).
+    """
+    from nemo_rl import cli
+
+    if len(command) < 2 or Path(command[0]).name != "nemo-rl" or command[1] not in cli.SCHEMAS:
+        return None
+    parser = cli.build_parser()
+    try:
+        args, extra = parser.parse_known_args(command[1:])
+    except SystemExit:
+        raise ConfigError(
+            f"cannot parse the driver command {' '.join(command)!r} (see the usage above)"
+        ) from None
+    overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
+    cfg = cli.load_typed_config(args.config, overrides, cli.SCHEMAS[args.command])
+    if isinstance(cfg, GRPOMasterConfig):
+        return grpo_shape(cfg)
+    raise ConfigError(f"nemo-rl launch does not know the machines of a {args.command!r} recipe")

@@ -1,0 +1,366 @@
+"""``nemo-rl launch slurm`` against a real two-node slurm on loopback.
+
+The fixture runs slurmctld and two slurmd (node1, node2; both 127.0.0.1, distinct ports) with
+munge inside a network namespace that has only ``lo``, so Ray cannot wander off to the machine's
+outward address and nothing listens outside the namespace. All state lives in a temporary folder;
+the daemons are stopped by the pids the fixture started. Needs root (network namespaces) and the
+Debian slurm packages (``scripts/setup_slurm.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.launch import exit_codes
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+SLURM_BINARIES = (
+    "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "munged"
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        any(shutil.which(b) is None for b in SLURM_BINARIES),
+        reason="slurm binaries absent (slurmctld, slurmd, slurm-client, munge): run "
+        "scripts/setup_slurm.sh",
+    ),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None,
+        reason="needs root, ip and nsenter for the loopback-only network namespace",
+    ),
+]
+
+# Wait bounds (seconds): generous, for a loaded 2-core machine.
+DAEMONS_UP_S = 60
+JOB_DONE_S = 240
+FAILURE_DONE_S = 90  # the job must end this soon after a Ray node's step is killed
+LEFTOVERS_GONE_S = 30
+
+
+@dataclass
+class LoopbackSlurm:
+    """A running two-node slurm: run client commands in its namespace with :meth:`run`."""
+
+    base: Path
+    netns: str
+    conf: Path
+    daemons: dict[str, subprocess.Popen[bytes]]
+    baseline: frozenset[int] = frozenset()  # the daemons' own helpers (slurmscriptd)
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "SLURM_CONF": str(self.conf),
+            "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+            "RAY_AUTH_MODE": "disabled",
+        }
+
+    def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["nsenter", f"--net=/run/netns/{self.netns}", *cmd],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.base,
+        )
+
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_job_done(self, job_id: str, timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            fields = self.job_fields(job_id)
+            if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
+                return fields
+            time.sleep(1)
+        fields = self.job_fields(job_id)
+        raise AssertionError(f"job {job_id} not done after {timeout_s} s: {fields}")
+
+    def namespace_processes(self) -> dict[int, str]:
+        """Processes in the namespace other than the daemons: ``{pid: command line}``."""
+        ns = os.readlink(f"/proc/{self.daemons['slurmctld'].pid}/ns/net")
+        daemon_pids = {p.pid for p in self.daemons.values()} | self.baseline
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in daemon_pids:
+                continue
+            try:
+                if os.readlink(entry / "ns/net") != ns:
+                    continue
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            # nsenter itself and the client commands of other fixture calls are not the job's.
+            if cmdline and not cmdline.startswith(("nsenter", "scontrol", "squeue")):
+                found[int(entry.name)] = cmdline
+        return found
+
+
+def _write_slurm_conf(base: Path) -> Path:
+    host = socket.gethostname().split(".")[0]
+    conf = base / "slurm.conf"
+    nodes = "\n".join(
+        f"NodeName=node{i} NodeAddr=127.0.0.1 NodeHostname={host} Port={6817 + i} CPUs=2 "
+        f"State=UNKNOWN"
+        for i in (1, 2)
+    )
+    conf.write_text(
+        textwrap.dedent(
+            f"""\
+            ClusterName=nrltest
+            SlurmctldHost={host}(127.0.0.1)
+            SlurmctldPort=6817
+            SlurmUser=root
+            SlurmdUser=root
+            AuthType=auth/munge
+            CredType=cred/munge
+            AuthInfo=socket={base}/munge/munge.sock
+            CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+            ProctrackType=proctrack/linuxproc
+            TaskPlugin=task/none
+            SelectType=select/cons_tres
+            SelectTypeParameters=CR_Core
+            SlurmdParameters=config_overrides
+            AccountingStorageType=accounting_storage/none
+            JobAcctGatherType=jobacct_gather/none
+            JobCompType=jobcomp/none
+            MpiDefault=none
+            ReturnToService=2
+            KillWait=30
+            StateSaveLocation={base}/state
+            SlurmdSpoolDir={base}/spool/%n
+            SlurmctldPidFile={base}/slurmctld.pid
+            SlurmdPidFile={base}/slurmd-%n.pid
+            SlurmctldLogFile={base}/log/slurmctld.log
+            SlurmdLogFile={base}/log/slurmd-%n.log
+            """
+        )
+        + nodes
+        + "\nPartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP\n"
+    )
+    return conf
+
+
+def _start_munge(base: Path) -> subprocess.Popen[bytes]:
+    munge_dir = base / "munge"  # munged wants its socket folder searchable by all, owned by it
+    munge_dir.mkdir(mode=0o755)
+    key = munge_dir / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    for path in (munge_dir, key):
+        shutil.chown(path, "munge", "munge")
+    key.chmod(0o400)
+    return subprocess.Popen(
+        ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", "munged", "-F",
+         f"--socket={munge_dir}/munge.sock", f"--key-file={key}",
+         f"--pid-file={munge_dir}/munged.pid", f"--seed-file={munge_dir}/seed",
+         f"--log-file={munge_dir}/munged.log"],
+        stdout=subprocess.DEVNULL,
+        stderr=open(base / "log/munged.out", "wb"),
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[LoopbackSlurm]:
+    base = Path(tempfile.mkdtemp(prefix="nrls", dir="/tmp"))  # short: Ray's socket paths
+    base.chmod(0o755)
+    for sub in ("state", "spool", "log", "logs"):
+        (base / sub).mkdir()
+    netns = f"nrl-slurm-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    daemons: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        inside = ["ip", "netns", "exec", netns, "ip"]
+        subprocess.run([*inside, "link", "set", "lo", "up"], check=True)
+        # slurmctld cannot resolve 127.0.0.1 in a namespace holding only that address.
+        subprocess.run([*inside, "addr", "add", "127.0.0.2/8", "dev", "lo"], check=True)
+        conf = _write_slurm_conf(base)
+        daemons["munged"] = _start_munge(base)
+        enter = ["nsenter", f"--net=/run/netns/{netns}"]  # `ip netns exec` remounts /sys
+        for name, cmd in (
+            ("slurmctld", ["slurmctld", "-D", "-f", str(conf)]),
+            ("node1", ["slurmd", "-D", "-f", str(conf), "-N", "node1"]),
+            ("node2", ["slurmd", "-D", "-f", str(conf), "-N", "node2"]),
+        ):
+            daemons[name] = subprocess.Popen(
+                [*enter, *cmd],
+                stdout=subprocess.DEVNULL,
+                stderr=open(base / f"log/{name}.out", "wb"),
+                env={**os.environ, "SLURM_CONF": str(conf)},
+            )
+        cluster = LoopbackSlurm(base=base, netns=netns, conf=conf, daemons=daemons)
+        deadline = time.monotonic() + DAEMONS_UP_S
+        while True:
+            states = cluster.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split()
+            if states.count("idle") == 2:
+                break
+            if time.monotonic() > deadline:
+                logs = (base / "log/slurmctld.log").read_text()[-2000:]
+                raise RuntimeError(f"slurm nodes not idle after {DAEMONS_UP_S} s: {states}\n{logs}")
+            time.sleep(0.5)
+        cluster.baseline = frozenset(cluster.namespace_processes())
+        yield cluster
+    finally:
+        for name in ("node1", "node2", "slurmctld", "munged"):
+            if name in daemons:
+                _stop(daemons[name])
+        subprocess.run(["ip", "netns", "del", netns], check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+DRIVER = '''\
+"""Tiny CPU driver: joins the job's Ray cluster, checks its 2 nodes, runs an actor on each."""
+import os
+import sys
+import time
+
+import ray
+
+from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
+from nemo_rl.launch.wait_for_nodes import registered_slurm_nodes, slurm_node_resource
+
+
+@ray.remote(num_cpus=0.1)
+class Probe:
+    def where(self):
+        return os.environ.get("SLURMD_NODENAME"), ray.get_runtime_context().get_node_id()
+
+
+def main() -> int:
+    init_ray()  # RAY_ADDRESS from the launcher
+    nodes = registered_slurm_nodes()
+    names = sorted(nodes)
+    print(f"DRIVER ray nodes: {names}", flush=True)
+    probes = [Probe.options(resources={slurm_node_resource(n): 0.01}).remote() for n in names]
+    seen = ray.get([p.where.remote() for p in probes], timeout=180)
+    print(f"DRIVER actors ran on: {[s[0] for s in seen]}", flush=True)
+    ok = names == ["node1", "node2"] and seen == [(n, nodes[n]) for n in names]
+    if sys.argv[1] == "hold":
+        print("DRIVER holding", flush=True)
+        time.sleep(600)
+    shutdown_ray()
+    return 7 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _submit(slurm: LoopbackSlurm, name: str, mode: str | None) -> tuple[str, Path]:
+    """Submit the tiny driver in ``mode`` ("exit" or "hold"), or an attach job (None)."""
+    driver = slurm.base / "driver.py"
+    driver.write_text(DRIVER)
+    log_dir = slurm.base / "logs"
+    command = ["--attach"] if mode is None else ["--", sys.executable, str(driver), mode]
+    proc = slurm.run(
+        str(VENV_BIN / "nemo-rl"), "launch", "slurm", "--nodes", "2", "--job-name", name,
+        "--time", "10", "--log-dir", str(log_dir), "--ray-port-base", "21000",
+        "--ray-worker-ports", "64", "--ray-num-cpus", "2", "--ray-temp-dir",
+        str(slurm.base / "ray"), "--head-timeout-s", "120", "--nodes-timeout-s", "120",
+        "--teardown-timeout-s", "20", *command,
+    )
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"submitted slurm job (\d+)", proc.stdout)
+    assert match, proc.stdout
+    return match.group(1), log_dir
+
+
+def _wait_for_line(path: Path, text: str, slurm: LoopbackSlurm, job_id: str) -> None:
+    deadline = time.monotonic() + JOB_DONE_S
+    while not (path.is_file() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"no {text!r} in {path}: {slurm.job_fields(job_id)}"
+        time.sleep(1)
+
+
+def _assert_no_job_processes(slurm: LoopbackSlurm) -> None:
+    deadline = time.monotonic() + LEFTOVERS_GONE_S
+    while (left := slurm.namespace_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"processes of the job remain: {left}"
+
+
+def test_driver_runs_across_two_nodes_and_its_exit_code_is_the_jobs(slurm: LoopbackSlurm) -> None:
+    job_id, log_dir = _submit(slurm, "nrl-ok", "exit")
+    fields = slurm.wait_job_done(job_id, JOB_DONE_S)
+    output = (log_dir / f"slurm-{job_id}.out").read_text()
+    driver_log = (log_dir / job_id / "driver.log").read_text()
+    assert fields["ExitCode"] == "7:0", output
+    assert "DRIVER ray nodes: ['node1', 'node2']" in driver_log, output
+    assert "DRIVER actors ran on: ['node1', 'node2']" in driver_log, output
+    assert "all 2 Ray node(s) registered" in output
+    assert "driver exited with code 7" in output
+    for log in ("ray-head-node1.log", "ray-worker-node2.log", "attach.sh", "sbatch.sh"):
+        assert (log_dir / job_id / log).is_file(), log
+    assert "--jobid=" + job_id in (log_dir / job_id / "attach.sh").read_text()
+    print(f"job {job_id}: {fields['StartTime']} -> {fields['EndTime']}")
+    _assert_no_job_processes(slurm)
+
+
+def test_killing_a_worker_nodes_step_ends_the_job_with_the_launchers_error(
+    slurm: LoopbackSlurm,
+) -> None:
+    job_id, log_dir = _submit(slurm, "nrl-kill", "hold")
+    _wait_for_line(log_dir / job_id / "driver.log", "DRIVER holding", slurm, job_id)
+    steps = slurm.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i %j").stdout.split("\n")
+    worker_step = next(s.split()[0] for s in steps if s.endswith(" ray-worker-node2"))
+    killed = time.monotonic()
+    assert slurm.run("scancel", worker_step).returncode == 0
+    fields = slurm.wait_job_done(job_id, FAILURE_DONE_S)
+    output = (log_dir / f"slurm-{job_id}.out").read_text()
+    assert fields["ExitCode"] == f"{exit_codes.NODE_DIED}:0", output
+    assert "error: the Ray worker step on node2 (step ray-worker-node2) ended" in output, output
+    print(f"job {job_id} ended {time.monotonic() - killed:.1f} s after its worker step was killed")
+    assert time.monotonic() - killed < FAILURE_DONE_S
+    _assert_no_job_processes(slurm)
+
+
+def test_attach_job_serves_shells_until_scancel(slurm: LoopbackSlurm) -> None:
+    job_id, log_dir = _submit(slurm, "nrl-attach", None)
+    output = log_dir / f"slurm-{job_id}.out"
+    _wait_for_line(output, "attach mode: Ray is up on 2 node(s)", slurm, job_id)
+    # attach.sh without a terminal: srun drops --pty and the shell reads these commands.
+    shell = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{slurm.netns}", "bash", str(log_dir / job_id / "attach.sh")],
+        input='echo "ATTACHED to=$RAY_ADDRESS on=$SLURMD_NODENAME"\n'
+        "ray status --address $RAY_ADDRESS | grep -c '^ 1 node_'\nexit\n",
+        capture_output=True, text=True, env=slurm.env(), timeout=120,
+    )
+    assert "ATTACHED to=127.0.0.1:21000 on=node1" in shell.stdout, shell.stderr
+    assert shell.stdout.strip().endswith("\n2"), shell.stdout  # two active Ray nodes
+    assert slurm.run("scancel", job_id).returncode == 0
+    fields = slurm.wait_job_done(job_id, FAILURE_DONE_S)
+    assert fields["ExitCode"] == "143:0"  # 128 + SIGTERM
+    assert "received SIGTERM (scancel, the time limit or Ctrl-C); stopping the job" in (
+        output.read_text()
+    )
+    _assert_no_job_processes(slurm)

@@ -1,0 +1,81 @@
+"""``nemo-rl launch``: option parsing, errors naming the flag, dry run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_rl import cli
+from nemo_rl.launch.cli import flag_name
+from nemo_rl.launch.config import SlurmLaunchConfig
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = str(REPO / "configs/grpo_tiny_cpu.yaml")
+
+
+def launch(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["launch", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_flags_follow_field_names() -> None:
+    assert flag_name("gpus_per_node", SlurmLaunchConfig) == "--gpus-per-node"
+    assert flag_name("sbatch_args", SlurmLaunchConfig) == "--sbatch-arg"
+    assert flag_name("container_mounts", SlurmLaunchConfig) == "--container-mount"
+    assert flag_name("env", SlurmLaunchConfig) == "--env"
+
+
+def test_dry_run_prints_the_script_for_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = launch(
+        ["slurm", "--dry-run", "--partition", "batch", "--time", "30", "--env", "HF_HOME=/hf",
+         "--env", "WANDB_API_KEY", "--no-exclusive", "--", "nemo-rl", "grpo", "--config", TINY,
+         "grpo.seed=3"],
+        capsys,
+    )
+    assert code == 0, err
+    assert out.startswith("#!/bin/bash\n")
+    assert "#SBATCH --nodes=1\n" in out and "#SBATCH --partition=batch\n" in out
+    assert "#SBATCH --exclusive" not in out
+    assert "export HF_HOME=/hf\n" in out
+    assert "NRL_ENV_PASSTHROUGH='HF_HOME WANDB_API_KEY'\n" in out
+    assert f"set -- nemo-rl grpo --config {TINY} grpo.seed=3\n" in out
+
+
+def test_option_errors_name_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = launch(
+        ["slurm", "--nodes", "0", "--time", "2h", "--env", "A B", "--", "python", "x.py"], capsys
+    )
+    assert code == 2 and out == ""
+    assert "nemo-rl launch slurm: invalid options: 3 problems:" in err
+    assert "  - --nodes: got 0; Input should be greater than or equal to 1" in err
+    assert "  - --time: got '2h'; '2h' is not a slurm time" in err
+    assert "  - --env: got ['A B']; 'A B' is not a variable name" in err
+    code, _, err = launch(
+        ["slurm", "--nodes", "1", "--container-mount", "/a:/a", "--", "x"], capsys
+    )
+    assert code == 2
+    assert "container_mounts / container_workdir need container_image; add --container-image" in err
+
+
+def test_recipe_errors_surface_before_submission(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = launch(
+        ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", TINY, "polcy.precision=x"],
+        capsys,
+    )
+    assert code == 2
+    assert err.startswith("nemo-rl launch slurm: unknown key polcy; did you mean policy?")
+
+
+def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = launch(["slurm", "--nodes", "2"], capsys)
+    assert (code, err.strip()) == (
+        2, "nemo-rl launch slurm: give the driver command after '--' (or use --attach)"
+    )
+    code, _, err = launch(["slurm", "--nodes", "2", "--attach", "--", "python"], capsys)
+    assert "--attach starts an interactive job and takes no driver command" in err
+    code, out, _ = launch(["slurm", "--nodes", "2", "--attach", "--dry-run"], capsys)
+    assert code == 0 and "NRL_ATTACH=1\n" in out and "\nset --\n" in out
+    code, _, err = launch(["local"], capsys)
+    assert (code, err.strip()) == (2, "nemo-rl launch local: give the command to run after '--'")

@@ -1,0 +1,67 @@
+"""Every recipe in configs/ loads and validates; the multi-node H100 recipes' parallel layouts
+fit their models and batch sizes, and the launcher asks for the nodes they need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.launch.recipe import grpo_shape
+from nemo_rl.models.megatron.layer_specs import transformer_engine_available
+from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
+from nemo_rl.utils.config import load_typed_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+RECIPES = sorted(CONFIGS.glob("*.yaml"))
+
+# Published config.json values of the models the H100 recipes train (what the layout checks read).
+ARCHITECTURES = {
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256,
+    },
+    "Qwen/Qwen2.5-32B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 64, "hidden_size": 5120,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
+        "vocab_size": 152064,
+    },
+}
+MULTI_NODE = {
+    "grpo_llama3.1_8b_2n8g.yaml": 2,
+    "grpo_qwen2.5_32b_4n8g.yaml": 4,
+    "grpo_llama3.1_8b_4n8g_noncolocated.yaml": 4,
+}
+
+
+def test_the_multi_node_recipes_exist() -> None:
+    assert set(MULTI_NODE) <= {p.name for p in RECIPES}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_validates(recipe: Path) -> None:
+    cfg = load_typed_config(recipe, [], GRPOMasterConfig)
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    assert samples % cfg.policy.train_global_batch_size == 0
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_NODE))
+def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Path) -> None:
+    cfg = load_typed_config(CONFIGS / name, [], GRPOMasterConfig)
+    assert grpo_shape(cfg).nodes == MULTI_NODE[name]
+    assert cfg.cluster.gpus_per_node == 8 and cfg.policy.precision == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES[cfg.policy.model_name]))
+    policy = cfg.policy.model_copy(deep=True)
+    if not transformer_engine_available():  # sequence parallelism needs it; checked on GPU
+        policy.megatron_cfg.sequence_parallel = False
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    layout = plan_parallel_layout(policy, tmp_path, world)
+    # Tensor parallelism stays inside a node (NVLink); vLLM engines too.
+    assert cfg.cluster.gpus_per_node % layout.tp == 0
+    vllm_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    assert cfg.cluster.gpus_per_node % vllm_tp == 0
+    assert ARCHITECTURES[cfg.policy.model_name]["num_key_value_heads"] % vllm_tp == 0
+    assert layout.dp * layout.tp * layout.pp * layout.cp == world
