@@ -1,8 +1,8 @@
 """Weight refit: stream the policy's HF-named weights into the generation engines.
 
 Modules, one concern each:
-    buckets: stream layout, bucket packing (sender) and staging (receiver), checksums.
-    shared_memory / cuda_ipc / ipc: the colocated transport (two alternating shared buffers).
+    buckets: stream layout, bucket packing (sender) and checking (receiver), checksums.
+    shared_memory / cuda_ipc / ipc: the colocated transport (one shared buffer of the stream).
     collective: the non-colocated transport (a broadcast group of its own).
     sender / receiver: what a policy rank and an engine do (the workers only wire them up).
     orchestrate: the driver's sequence, :func:`refit_policy_generation`.

@@ -1,11 +1,13 @@
-"""The colocated transport: buffers chosen by device, and the message the driver relays.
+"""The colocated transport: the sender's stream buffer, chosen by device, and the message the
+driver relays.
 
-A sender holds two buffers of ``bucket_bytes`` (bucket ``k`` goes to buffer ``k % 2``): it
-fills one while the receivers copy the other out, and it refills a buffer only after every
-receiver has acknowledged the bucket in it (the driver waits for those acknowledgements).
-CPU buffers are ``/dev/shm`` files (:mod:`.shared_memory`), CUDA buffers are CUDA IPC
-allocations (:mod:`.cuda_ipc`). The driver only relays :class:`IpcBucket` messages: a header
-and a handle, never the bytes.
+The sender holds one buffer of the whole stream (``StreamLayout.total_bytes``) and packs bucket
+``k`` into its window ``StreamLayout.span(k)``; each engine maps the same buffer, checks every
+bucket in place and, at commit, loads straight from it, so each byte is copied once (by the
+sender) before the engine's own load. The sender refills the buffer only in its next stream,
+after every engine has committed or aborted this one. CPU buffers are ``/dev/shm`` files
+(:mod:`.shared_memory`), CUDA buffers are CUDA IPC allocations (:mod:`.cuda_ipc`). The driver
+only relays :class:`IpcBucket` messages: a header and a handle, never the bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ IpcHandle = SharedMemoryHandle | CudaIpcHandle
 
 @dataclass(frozen=True)
 class IpcBucket:
-    """One bucket of a colocated refit: its header and the buffer its bytes are in."""
+    """One bucket of a colocated refit: its header and the stream buffer it lies in (at
+    ``StreamLayout.span(header.index)``)."""
 
     header: BucketHeader
     buffer: IpcHandle

@@ -6,14 +6,17 @@ buffers (colocated) or a broadcast group (not colocated).
 
 Colocated sequence: ``policy.offload_before_refit`` (optimizer state and gradients off the
 device), ``generation.prepare_for_generation`` (engines awake), the bucket stream,
-``generation.commit_weight_update``, ``policy.offload_after_refit``. The stream alternates the
-sender's two buffers: the sender packs bucket ``k + 1`` while the engines copy bucket ``k`` out,
-and the driver asks for bucket ``k + 2`` only after every engine acknowledged bucket ``k``. The
-engines receive the sender's future of each bucket, so the driver is never between the two.
+``generation.commit_weight_update``, ``policy.finish_weights_ipc``,
+``policy.offload_after_refit``. The sender packs the buckets one after another into their
+windows of one shared buffer of the stream's size while the engines check each bucket where it
+lies (the engines receive the sender's future of each bucket, so the driver is never between
+the two), and at commit the engines load straight from that buffer: every byte is copied once
+on its way into the engine. The commit (or the abort) is the engines' acknowledgement that the
+buffer may be refilled: the sender's next stream starts only after it.
 
-Either way the engines stage everything and check it before loading, and load only when
-every engine has staged the whole refit (two-phase): a failure anywhere before that aborts the
-refit on all engines, which keep their previous weights and version.
+Either way the engines check every bucket before loading, and load only when every engine
+has checked the whole refit (two-phase): a failure anywhere before that aborts the refit on all
+engines, which keep their previous weights and version.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import ray
 
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.utils.timer import Timer
 
 if TYPE_CHECKING:
     from nemo_rl.models.generation.vllm import VllmGeneration
@@ -48,8 +52,9 @@ class RefitResult:
         num_buckets: buckets the stream was cut into.
         seconds: wall times: ``total_s`` (the whole call), ``stream_s`` (export + transfer,
             as the driver saw it), ``commit_s`` (engines loading); the sender's ``export_s``
-            (waiting for the export) and ``pack_s`` (copying and checksumming); and, slowest engine,
-            ``receive_s`` (staging and checking) and ``load_s`` (the engine's loader).
+            (waiting for the export) and ``pack_s`` (copying and checksumming); and, slowest
+            engine, ``receive_s`` (receiving and checking the buckets) and ``load_s`` (the
+            engine's loader).
     """
 
     version: int
@@ -77,8 +82,9 @@ def refit_policy_generation(
         generation: the engines to update.
         colocated: True when both share devices (shared-memory / CUDA IPC buffers),
             False for a broadcast over a process group.
-        bucket_bytes: bucket size in bytes, a positive multiple of 64; the sender holds two
-            buckets, each engine one copy of the whole model for staging.
+        bucket_bytes: bucket size in bytes, a positive multiple of 64. Colocated, the sender
+            holds one buffer of the whole stream that every engine on its node reads; over a
+            broadcast, the sender holds two buckets and each engine the whole stream.
         timeout_s: seconds any single step (a bucket, the broadcast, the load) may take.
 
     Returns:
@@ -92,25 +98,27 @@ def refit_policy_generation(
     if generation.refit_info != info:
         generation.prepare_refit_info(info)
     layout = StreamLayout(info, bucket_bytes)
+    timer = Timer()
     if colocated:
         policy.offload_before_refit()
         generation.prepare_for_generation()
-        tick = time.perf_counter()
-        sender = _stream_ipc(policy, generation, bucket_bytes, timeout_s)
+        try:
+            with timer.time("stream_s"):
+                _stream_ipc(policy, generation, bucket_bytes, timeout_s)
+            with timer.time("commit_s"):
+                engines = _commit(generation)
+        finally:  # the engines are done with the sender's buffer (committed or aborted)
+            sender = _finish_ipc(policy)
+        policy.offload_after_refit()
     else:
         _ensure_group(policy, generation, timeout_s)
-        tick = time.perf_counter()
-        sender = _stream_collective(policy, generation, bucket_bytes, timeout_s)
-    stream_s = time.perf_counter() - tick
-    tick = time.perf_counter()
-    engines = _commit(generation)
-    commit_s = time.perf_counter() - tick
-    if colocated:
-        policy.offload_after_refit()
+        with timer.time("stream_s"):
+            sender = _stream_collective(policy, generation, bucket_bytes, timeout_s)
+        with timer.time("commit_s"):
+            engines = _commit(generation)
     seconds = {
         "total_s": time.perf_counter() - start,
-        "stream_s": stream_s,
-        "commit_s": commit_s,
+        **timer.summary(),
         **{k: v for k, v in sender.items() if k != "stream_s"},
         "receive_s": max(float(e["receive_s"]) for e in engines),
         "load_s": max(float(e["load_s"]) for e in engines),
@@ -154,32 +162,36 @@ def _abort(generation: VllmGeneration) -> None:
 
 def _stream_ipc(
     policy: Policy, generation: VllmGeneration, bucket_bytes: int, timeout_s: float
-) -> dict[str, float]:
-    """Stream every bucket through the sender's two shared buffers; the sender's timings."""
-    # Per bucket: the futures of every policy rank's packing and every engine's copy. The
-    # engines get the sender's future itself, so no bucket waits for a driver round trip.
-    pending: list[list[ray.ObjectRef]] = []
+) -> None:
+    """Have the sender pack every bucket into its shared buffer and every engine check it;
+    returns once all are checked. Raises RefitError, after aborting the engines, naming the
+    first bucket that failed."""
     try:
         plan = policy.prepare_weights_for_ipc(bucket_bytes)
-        for index, keys in enumerate(plan):
-            if index >= 2:  # bucket index reuses the buffer of bucket index - 2
-                _wait(pending[index - 2], timeout_s, f"bucket {index - 2}")
+        # Per bucket: the futures of every policy rank's packing and every engine's check.
+        # Every bucket has a window of its own, so all are requested at once; the engines
+        # get the sender's future itself, so no bucket waits for a driver round trip.
+        pending = []
+        for keys in plan:
             packed = policy.get_weights_ipc_handles(keys)
             pending.append(packed + generation.update_weights_from_ipc_handles(packed[0]))
-        for index in range(max(0, len(pending) - 2), len(pending)):
-            _wait(pending[index], timeout_s, f"bucket {index}")
+        for index, refs in enumerate(pending):
+            _wait(refs, timeout_s, f"bucket {index}")
     except Exception as err:
         _abort(generation)
         if isinstance(err, RefitError):
             raise
         raise RefitError(f"the colocated refit stream failed: {_describe(err)}") from err
-    finally:
-        try:
-            timings = policy.finish_weights_ipc()
-        except Exception as err:  # the sender died: its buffers are swept on the next create
-            logger.warning("closing the refit stream on the policy failed: %s", err)
-            timings = {}
-    return timings
+
+
+def _finish_ipc(policy: Policy) -> dict[str, float]:
+    """End the sender's stream; its timings (empty when the sender died: its buffer is
+    swept on the next create)."""
+    try:
+        return policy.finish_weights_ipc() or {}
+    except Exception as err:
+        logger.warning("closing the refit stream on the policy failed: %s", err)
+        return {}
 
 
 def _ensure_group(policy: Policy, generation: VllmGeneration, timeout_s: float) -> None:

@@ -1,4 +1,4 @@
-"""Engine side of a refit: stage the whole stream, check it, then load it in one go.
+"""Engine side of a refit: check the whole stream where it lies, then load it in one go.
 
 Nothing reaches the engine until every bucket has arrived and passed its checks (order,
 version, sizes, manifest against the refit info, checksum): :meth:`RefitReceiver.commit` then
@@ -6,17 +6,20 @@ hands all tensors to the engine's loader and only then takes the new version. A 
 fails before that (a missing or corrupt bucket, a sender that died, a stream that disagrees
 with the refit info) is discarded and leaves the engine on its previous weights and version.
 
-Staging is one flat buffer of the stream's size (the model's bytes in the export dtype). On
-CPU it is kept between refits (no page faults on the next one); on GPU it is freed after each
-refit, since colocated training needs that memory back. The sender's two shared buffers stay
-mapped between refits too; :meth:`RefitReceiver.close` releases all of it.
+Where the stream lies. Colocated, in the sender's shared buffer of the stream's size: each
+bucket is checked in place (one read) and the loader gets views of that buffer, so the bytes
+are copied once, by the sender, before the engine's own load. The sender writes the buffer
+again only in its next stream, which the driver opens after every engine has committed or
+aborted this one. Over a broadcast, in a staging buffer of the stream's size owned by the
+engine. On CPU the mapping of the sender's buffer and the staging buffer are kept between
+refits (no page faults on the next one); on GPU both are dropped after each refit, since
+colocated training needs that memory back. :meth:`RefitReceiver.close` releases all of it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -24,11 +27,18 @@ import torch
 from nemo_rl.models.generation.refit.buckets import RefitInfo, StagingArea, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
-from nemo_rl.models.generation.refit.ipc import IpcBuffer, IpcBucket, attach_ipc_buffer, synchronize
+from nemo_rl.models.generation.refit.ipc import (
+    IpcBucket,
+    IpcBuffer,
+    IpcHandle,
+    attach_ipc_buffer,
+    synchronize,
+)
 
 logger = logging.getLogger(__name__)
 
-# Loads every (hf_name, tensor) of a refit into the engine; the tensors are views of staging.
+# Loads every (hf_name, tensor) of a refit into the engine; the tensors are views of the
+# stream buffer (the sender's shared buffer or the engine's staging).
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 
 # Checkpoint tensors an engine recomputes instead of loading (absent from the export).
@@ -40,7 +50,7 @@ class RefitReceiver:
 
     Args:
         load_weights: loads a complete set of HF-named tensors into the engine.
-        device: where staging lives (the engine's device).
+        device: the engine's device (where broadcast staging is allocated).
         expected_shapes: ``{hf_name: shape}`` of the checkpoint the engine was built from;
             the refit info must name the same tensors with the same shapes. None skips
             that check.
@@ -59,8 +69,8 @@ class RefitReceiver:
         self.info: RefitInfo | None = None
         self._layouts: dict[int, StreamLayout] = {}
         self._staging: StagingArea | None = None
-        self._spare_buffer: torch.Tensor | None = None
-        self._attached: OrderedDict[object, IpcBuffer] = OrderedDict()
+        self._staging_buffer: torch.Tensor | None = None  # broadcasts land here (kept on CPU)
+        self._attached: tuple[IpcHandle, IpcBuffer] | None = None  # the sender's buffer
         self._receive_s = 0.0
         self._collective: RefitCollective | None = None
 
@@ -88,40 +98,44 @@ class RefitReceiver:
             self._layouts[bucket_bytes] = StreamLayout(self.info, bucket_bytes)
         return self._layouts[bucket_bytes]
 
-    def _begin(self, bucket_bytes: int) -> StagingArea:
+    def _begin(self, bucket_bytes: int, buffer: torch.Tensor) -> StagingArea:
         if self._staging is not None:
             logger.warning("a refit of version %s was abandoned unfinished", self._staging.version)
             self._discard()
-        self._staging = StagingArea(self._layout(bucket_bytes), self._spare_buffer, self.device)
+        self._staging = StagingArea(self._layout(bucket_bytes), buffer)
         self._receive_s = 0.0
         return self._staging
 
     # ------------------------------------------------------------------ colocated (IPC)
 
     def receive_ipc_bucket(self, bucket: IpcBucket) -> None:
-        """Stage one bucket from the sender's shared buffer; returning is the
-        acknowledgement that the buffer may be refilled.
+        """Check one bucket where the sender wrote it, in its shared buffer (no copy).
 
         Raises:
-            RefitError: the bucket is missing its predecessors, out of order, corrupt, or
-                disagrees with the refit info; the refit is discarded.
+            RefitError: the bucket is missing its predecessors, out of order, in another
+                buffer than the stream's first bucket, corrupt, or disagrees with the refit
+                info; the refit is discarded.
         """
         tick = time.perf_counter()
         header = bucket.header
         try:
             if header.index == 0:
-                staging = self._begin(header.bucket_bytes)
+                staging = self._begin(header.bucket_bytes, self._attach(bucket.buffer))
             elif self._staging is None:
                 raise RefitError(
                     f"bucket {header.index} of refit version {header.version} arrived with no "
                     "refit in progress: an earlier bucket failed or was never sent"
                 )
+            elif self._attached is None or bucket.buffer != self._attached[0]:
+                raise RefitError(
+                    f"bucket {header.index} of refit version {header.version} lies in another "
+                    "shared buffer than bucket 0: a stream keeps its bytes in one buffer"
+                )
             else:
                 staging = self._staging
-            buffer = self._attach(bucket)
-            assert buffer.tensor is not None
-            staging.receive(header, buffer.tensor)
+            staging.destination(header)
             synchronize(self.device)
+            staging.verify(header)
         except Exception as err:
             self._discard()
             if isinstance(err, RefitError):
@@ -129,17 +143,21 @@ class RefitReceiver:
             raise RefitError(f"receiving bucket {header.index} failed: {err}") from err
         self._receive_s += time.perf_counter() - tick
 
-    def _attach(self, bucket: IpcBucket) -> IpcBuffer:
-        """The mapped buffer of ``bucket``; the sender's two buffers stay mapped between
-        refits (mapping anew costs a page fault per page), older ones are dropped."""
-        key = bucket.buffer
-        if key in self._attached:
-            self._attached.move_to_end(key)
-        else:
-            self._attached[key] = attach_ipc_buffer(bucket.buffer)
-            while len(self._attached) > 2:
-                self._attached.popitem(last=False)[1].close()
-        return self._attached[key]
+    def _attach(self, handle: IpcHandle) -> torch.Tensor:
+        """The sender's buffer ``handle`` as a uint8 tensor; the mapping is kept (on CPU
+        between refits, as mapping anew costs a page fault per page) until the sender
+        switches to another buffer."""
+        if self._attached is None or self._attached[0] != handle:
+            self._detach()
+            self._attached = (handle, attach_ipc_buffer(handle))
+        tensor = self._attached[1].tensor
+        assert tensor is not None
+        return tensor
+
+    def _detach(self) -> None:
+        if self._attached is not None:
+            self._attached[1].close()
+            self._attached = None
 
     # ------------------------------------------------------------------ collective
 
@@ -159,7 +177,13 @@ class RefitReceiver:
         """
         if self._collective is None:
             raise RefitError("no refit group: call init_collective() first")
-        staging = self._begin(bucket_bytes)
+        layout = self._layout(bucket_bytes)
+        buffer = self._staging_buffer
+        if buffer is None or buffer.numel() < layout.total_bytes:
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cpu":
+            self._staging_buffer = buffer
+        staging = self._begin(bucket_bytes, buffer)
         tick = time.perf_counter()
         try:
             self._collective.receive(staging)
@@ -182,8 +206,8 @@ class RefitReceiver:
         """Load the staged refit into the engine and take its version.
 
         Returns:
-            ``version`` (the new one), ``receive_s`` (staging, summed over buckets) and
-            ``load_s`` (the engine's load), seconds.
+            ``version`` (the new one), ``receive_s`` (receiving and checking the buckets,
+            summed) and ``load_s`` (the engine's load), seconds.
 
         Raises:
             RefitError: nothing staged, the stream is incomplete (the engine is untouched and
@@ -217,19 +241,17 @@ class RefitReceiver:
         self._discard()
 
     def close(self) -> None:
-        """Release everything: a refit in progress, the mapped sender buffers, the staging
-        memory and the refit group. Idempotent."""
+        """Release everything: a refit in progress, the mapping of the sender's buffer, the
+        staging memory and the refit group. Idempotent."""
         self._discard()
-        for buffer in self._attached.values():
-            buffer.close()
-        self._attached.clear()
-        self._spare_buffer = None
+        self._detach()
+        self._staging_buffer = None
         self.close_collective()
 
     def _discard(self) -> None:
-        if self._staging is not None and self.device.type == "cpu":
-            self._spare_buffer = self._staging.buffer
         self._staging = None
+        if self.device.type == "cuda":  # the sender frees its buffer once no one maps it
+            self._detach()
 
 
 def _check_against_checkpoint(info: RefitInfo, expected: dict[str, tuple[int, ...]]) -> None:

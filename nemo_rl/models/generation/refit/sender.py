@@ -5,12 +5,13 @@ TP/PP ranks, so every rank of replica 0 runs it, in lockstep, bucket by bucket; 
 rank 0 (the *source*) packs and sends. Ranks of other replicas hold the same weights and do
 nothing.
 
-Colocated (IPC): :meth:`RefitSender.start_stream` opens a stream (a new version; two buffers on
-the source, made once and reused by later refits), each :meth:`RefitSender.next_bucket` packs
-the next bucket into buffer ``k % 2`` and returns its :class:`~.ipc.IpcBucket`,
-:meth:`RefitSender.finish_stream` ends it; :meth:`RefitSender.close` unlinks the buffers. Not
-colocated: :meth:`RefitSender.broadcast` streams everything over the
-:class:`~.collective.RefitCollective` joined with :meth:`RefitSender.init_collective`.
+Colocated (IPC): :meth:`RefitSender.start_stream` opens a stream (a new version; one shared
+buffer of the stream's size on the source), each :meth:`RefitSender.next_bucket` packs the next
+bucket into its window of that buffer and returns its :class:`~.ipc.IpcBucket`,
+:meth:`RefitSender.finish_stream` ends it once the engines have committed or aborted (they load
+straight from the buffer); :meth:`RefitSender.close` unlinks the buffer. Not colocated:
+:meth:`RefitSender.broadcast` streams everything over the :class:`~.collective.RefitCollective`
+joined with :meth:`RefitSender.init_collective`.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class RefitSender:
         self.info: RefitInfo | None = None
         self._dtype: torch.dtype | None = None
         self._packer: BucketPacker | None = None
-        self._ipc_buffers: list[IpcBuffer] = []  # kept between refits, see finish_stream
-        self._send_buffers: list[torch.Tensor] = []  # the same for broadcasts
+        self._ipc_buffer: IpcBuffer | None = None  # the stream's bytes, see finish_stream
+        self._send_buffers: list[torch.Tensor] = []  # two buckets, kept, for broadcasts
         self._stream_start = 0.0
+        self._stream_end: float | None = None  # when the last bucket was packed
         self._collective: RefitCollective | None = None
 
     # ------------------------------------------------------------------ refit info
@@ -78,7 +80,8 @@ class RefitSender:
     def start_stream(self, bucket_bytes: int) -> list[list[str]] | None:
         """Open an IPC stream; returns the names per bucket on the source (None elsewhere).
 
-        An unfinished earlier stream is closed first.
+        The previous stream is finished first: call this only once every engine has
+        committed or aborted it, since its buffer is about to be overwritten.
         """
         self.finish_stream()
         if not self.exports:
@@ -87,20 +90,17 @@ class RefitSender:
         self.version += 1
         self._packer = BucketPacker(layout, self._export(self._dtype), self.version)
         self._stream_start = time.perf_counter()
+        self._stream_end = None
         if not self.is_source:
             return None
-        size = min(bucket_bytes, layout.total_bytes)
-        if [b.nbytes for b in self._ipc_buffers] != [size, size]:
-            self._close_ipc_buffers()
-            self._ipc_buffers = [create_ipc_buffer(size, self.device) for _ in range(2)]
+        if self._ipc_buffer is None or self._ipc_buffer.nbytes != layout.total_bytes:
+            self._close_ipc_buffer()
+            self._ipc_buffer = create_ipc_buffer(layout.total_bytes, self.device)
         return layout.plan()
 
     def next_bucket(self, keys: list[str]) -> IpcBucket | None:
-        """Export and pack the next bucket (which must carry ``keys``); the source returns
-        its :class:`IpcBucket`, other ranks None.
-
-        The caller must not request bucket ``k + 2`` before every receiver has acknowledged
-        bucket ``k``: both use the same buffer.
+        """Export and pack the next bucket (which must carry ``keys``) into its window of the
+        stream buffer; the source returns its :class:`IpcBucket`, other ranks None.
 
         Raises:
             RefitError: no open stream, ``keys`` are not the next bucket's, or the export
@@ -121,31 +121,40 @@ class RefitSender:
         if not self.is_source:
             packer.advance(index)
             return None
-        buffer = self._ipc_buffers[index % 2]
-        assert buffer.tensor is not None
-        header = packer.fill(index, buffer.tensor)
+        assert self._ipc_buffer is not None and self._ipc_buffer.tensor is not None
+        start, stop = packer.layout.span(index)
+        header = packer.fill(index, self._ipc_buffer.tensor[start:stop])
         synchronize(self.device)
-        return IpcBucket(header, buffer.handle)
+        if packer.done:
+            self._stream_end = time.perf_counter()
+        return IpcBucket(header, self._ipc_buffer.handle)
 
     def finish_stream(self) -> dict[str, float] | None:
         """End the open IPC stream (if any) and return the source's timings in seconds
-        (``export_s``, ``pack_s``, ``stream_s``). The two buffers stay for the next refit
-        (fresh shared memory costs a page fault per page); :meth:`close` releases them."""
+        (``export_s``, ``pack_s``, ``stream_s``: opening to the last bucket packed).
+
+        Call it once the engines have committed or aborted the stream. On CPU the buffer
+        stays for the next refit (fresh shared memory costs a page fault per page); a CUDA
+        buffer is released, as colocated training needs the memory back.
+        """
         packer, self._packer = self._packer, None
+        if self.device.type == "cuda":
+            self._close_ipc_buffer()
         if packer is None or not self.is_source:
             return None
-        return {**packer.timings.as_dict(), "stream_s": time.perf_counter() - self._stream_start}
+        end = time.perf_counter() if self._stream_end is None else self._stream_end
+        return {**packer.timings.as_dict(), "stream_s": end - self._stream_start}
 
-    def _close_ipc_buffers(self) -> None:
-        for buffer in self._ipc_buffers:
-            buffer.close()
-        self._ipc_buffers = []
+    def _close_ipc_buffer(self) -> None:
+        if self._ipc_buffer is not None:
+            self._ipc_buffer.close()
+            self._ipc_buffer = None
 
     def close(self) -> None:
-        """Release everything: the open stream, the IPC buffers (unlinked), the send
+        """Release everything: the open stream, the IPC buffer (unlinked), the send
         buffers and the refit group. Idempotent."""
         self.finish_stream()
-        self._close_ipc_buffers()
+        self._close_ipc_buffer()
         self._send_buffers = []
         self.close_collective()
 

@@ -8,13 +8,14 @@ weights earlier steps left behind):
    checkpoint load;
 2. train one NLL step -> A, save, refit (colocated); train again -> B, save, refit: greedy
    output changes each time, and vLLM's logprobs of sampled tokens equal the policy's
-   ``get_logprobs``;
+   ``get_logprobs``; the engine's parameters are copies, not views of the sender's buffer;
 3. load A, refit (colocated): greedy output is A's again;
 4. load B, refit (broadcast group): B's output; load A, refit (broadcast): A's output;
-5. a colocated refit whose bucket is corrupted in the shared buffer, and refit info that does
-   not match the engines' checkpoint: both refused, version and output unchanged;
+5. a colocated refit whose bucket is corrupted in the shared buffer before the engines check
+   it, and refit info that does not match the engines' checkpoint: both refused, version and
+   output unchanged;
 6. the sender (policy rank 0) is killed while the engines wait for a broadcast: refused,
-   version and output unchanged; the shared buffers it could not unlink are swept.
+   version and output unchanged; the shared buffer it could not unlink is swept.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ pytestmark = pytest.mark.slow
 
 SEQ = 64
 MAX_NEW_TOKENS = 12
-# Small enough that the tiny model's ~2.6 MB stream is cut into several buckets, so the two
-# buffers alternate and tensors span bucket boundaries.
+# Small enough that the tiny model's ~2.6 MB stream is cut into several buckets, so tensors
+# span bucket boundaries.
 BUCKET_BYTES = 256 * 1024
 QUESTIONS = [
     "What is 3+4?",
@@ -93,27 +94,48 @@ def greedy(generation: VllmGeneration, prompts: BatchedDataDict) -> list[list[in
 def corrupted_colocated_refit(
     policy: Policy, generation: VllmGeneration, corrupt_index: int, paths: set[str]
 ) -> None:
-    """The colocated stream of refit_policy_generation, with one bucket's bytes flipped in
-    the shared buffer after the sender packed it (as memory corruption would); ``paths``
-    receives the shared buffers' files."""
+    """The colocated stream of refit_policy_generation, with one byte of bucket
+    ``corrupt_index`` flipped in the shared buffer after the sender packed it and before the
+    engines check it (as memory corruption would); ``paths`` receives the buffer's file."""
     plan = policy.prepare_weights_for_ipc(BUCKET_BYTES)
-    acks = []
+    checks = []
     try:
-        for index, keys in enumerate(plan):
-            if index >= 2:
-                ray.get(acks[index - 2])
+        for keys in plan:
             bucket = ray.get(policy.get_weights_ipc_handles(keys))[0]
             paths.add(bucket.buffer.path)
-            if index == corrupt_index:
+            if bucket.header.index == corrupt_index:
+                offset = corrupt_index * BUCKET_BYTES + 100  # the bucket's window
                 with open(bucket.buffer.path, "r+b") as f:
-                    f.seek(100)
+                    f.seek(offset)
                     byte = f.read(1)[0]
-                    f.seek(100)
+                    f.seek(offset)
                     f.write(bytes([byte ^ 0x01]))
-            acks.append(generation.update_weights_from_ipc_handles(bucket))
-        ray.get(acks[-2:])
+            checks += generation.update_weights_from_ipc_handles(bucket)
+        ray.get(checks)
     finally:
+        generation.abort_weight_update()
         policy.finish_weights_ipc()
+
+
+def engine_parameters_in_refit_buffers(generation: VllmGeneration) -> tuple[int, int]:
+    """(refit buffers mapped, parameters and buffers of the model lying in one) in engine
+    0's process: the engine must load copies, never keep views of the sender's buffer."""
+
+    def count(worker: Any) -> tuple[int, int]:
+        ranges = []
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "nemo_rl_refit" in line:
+                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                    ranges.append((lo, hi))
+
+        def inside(model: torch.nn.Module) -> int:
+            tensors = [*model.parameters(), *model.buffers()]
+            return sum(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in tensors)
+
+        return len(ranges), worker.llm.apply_model(inside)[0]
+
+    return ray.get(generation.worker_group.workers[0].__ray_call__.remote(count))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +180,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             policy.save_checkpoint(str(ckpt / "A"))
             out["A"] = refit(True)
             out["A_greedy"] = greedy(generation, prompts)
+            out["aliasing"] = engine_parameters_in_refit_buffers(generation)
             policy.train(train_batch(1), NLLLoss())
             policy.save_checkpoint(str(ckpt / "B"))
             out["B"] = refit(True)
@@ -188,7 +211,6 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             with pytest.raises(RefitError) as corrupt:
                 corrupted_colocated_refit(policy, generation, 3, shm_paths)
             out["corrupt_error"] = str(corrupt.value)
-            generation.abort_weight_update()
             out["after_corrupt"] = (
                 before, generation.weight_version(), greedy(generation, prompts)
             )
@@ -242,6 +264,12 @@ def test_policy_and_engine_logprobs_agree_after_training_and_refit(run):
     assert diffs.mean() <= 1e-3
 
 
+def test_engine_loads_copies_not_views_of_the_shared_buffer(run):
+    mapped, aliased = run["aliasing"]
+    assert mapped >= 1  # the engine keeps the sender's buffer mapped between refits
+    assert aliased == 0
+
+
 def test_colocated_refit_b_back_to_a_restores_greedy_output(run):
     assert run["A2"].version == 4
     assert run["A2_greedy"] == run["A_greedy"]
@@ -281,6 +309,6 @@ def test_sender_death_is_refused_and_the_engines_keep_their_weights(run):
 
 
 def test_shared_buffers_of_a_killed_sender_are_swept(run):
-    assert len(run["shm_left_by_dead_sender"]) == 2  # the two alternating buffers
+    assert len(run["shm_left_by_dead_sender"]) == 1  # the stream buffer
     assert run["shm_swept"] == run["shm_left_by_dead_sender"]
     assert run["shm_after_sweep"] == []

@@ -1,5 +1,6 @@
-"""Bucket packing and staging, the shared-memory buffers and the broadcast group of the refit
-package, without Ray or vLLM (the end-to-end refit is in test_refit.py)."""
+"""Bucket packing and checking, the shared-memory buffers, the colocated sender -> receiver
+stream and the broadcast group of the refit package, without Ray or vLLM (the end-to-end refit
+is in test_refit.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from nemo_rl.models.generation.refit.buckets import (
     copy_with_checksum,
 )
 from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
+from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.receiver import RefitReceiver
+from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.refit.shared_memory import (
     PREFIX,
     SharedMemoryBuffer,
@@ -55,18 +59,27 @@ def info_of(tensors: dict[str, torch.Tensor]) -> RefitInfo:
 def transfer(
     tensors: dict[str, torch.Tensor], bucket_bytes: int, version: int = 1
 ) -> tuple[StagingArea, list]:
-    """Pack every bucket into one reused buffer and stage it, as a colocated refit does."""
+    """Pack every bucket into its window of one stream buffer and check it there, as a
+    colocated refit does (the receiver's layout is built from the refit info on its own)."""
     layout = StreamLayout(info_of(tensors), bucket_bytes)
     packer = BucketPacker(layout, iter(tensors.items()), version)
-    staging = StagingArea(StreamLayout(info_of(tensors), bucket_bytes))
-    buffer = torch.empty(bucket_bytes, dtype=torch.uint8)
+    buffer = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8)  # stale bytes
+    staging = StagingArea(StreamLayout(info_of(tensors), bucket_bytes), buffer)
     headers = []
     for index in range(layout.num_buckets):
-        header = packer.fill(index, buffer)
-        staging.receive(header, buffer)
+        start, stop = layout.span(index)
+        header = packer.fill(index, buffer[start:stop])
+        staging.destination(header)
+        staging.verify(header)
         headers.append(header)
     assert packer.done
     return staging, headers
+
+
+def deliver(staging: StagingArea, header, payload: torch.Tensor) -> None:
+    """Copy a bucket into its window and check it, as a broadcast receiver does."""
+    staging.destination(header).copy_(payload[: header.nbytes])
+    staging.verify(header)
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -108,6 +121,25 @@ def test_bucket_boundaries_and_alignment():
     assert covered == {s.name: s.nbytes for s in layout.slots}
     # a tensor cut by a boundary is named by both buckets
     assert layout.plan()[0][-1] == layout.plan()[1][0] == "embed"
+
+
+def test_staged_tensors_are_views_of_the_stream_buffer():
+    staging, _ = transfer(named_tensors(), 256)
+    base = staging.buffer.data_ptr()
+    for name, view in staging.tensors():
+        assert view.untyped_storage().data_ptr() == base, name  # no copy on the receiver
+        assert view.untyped_storage().nbytes() == staging.buffer.numel(), name
+
+
+def test_staging_needs_a_buffer_of_the_whole_stream_and_checks_in_order():
+    layout = StreamLayout(info_of(named_tensors()), 256)
+    with pytest.raises(ValueError, match=f">= {layout.total_bytes} bytes"):
+        StagingArea(layout, torch.empty(layout.total_bytes - 64, dtype=torch.uint8))
+    packer = BucketPacker(layout, iter(named_tensors().items()), 1)
+    buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    header = packer.fill(0, buffer[:256])
+    with pytest.raises(RuntimeError, match="after destination"):
+        StagingArea(layout, buffer).verify(header)
 
 
 def test_oversize_tensor_spans_many_buckets():
@@ -185,12 +217,18 @@ def test_advance_consumes_the_same_tensors_as_fill():
 # ------------------------------------------------------------------------------ receiver checks
 
 
+def staging_for(info: RefitInfo, bucket_bytes: int = 256) -> StagingArea:
+    layout = StreamLayout(info, bucket_bytes)
+    return StagingArea(layout, torch.empty(layout.total_bytes, dtype=torch.uint8))
+
+
 def staged_pair(bucket_bytes: int = 256) -> tuple[BucketPacker, StagingArea, torch.Tensor]:
+    """A sender, a broadcast-style receiver and the sender's bucket buffer."""
     tensors = named_tensors()
     layout = StreamLayout(info_of(tensors), bucket_bytes)
     return (
         BucketPacker(layout, iter(tensors.items()), 7),
-        StagingArea(layout),
+        staging_for(info_of(tensors), bucket_bytes),
         torch.empty(bucket_bytes, dtype=torch.uint8),
     )
 
@@ -200,15 +238,15 @@ def test_corrupt_bucket_is_refused():
     header = packer.fill(0, buffer)
     buffer[10] ^= 0x40
     with pytest.raises(RefitError, match="bucket 0 of refit version 7 is corrupt"):
-        staging.receive(header, buffer)
+        deliver(staging, header, buffer)
 
 
 def test_missing_bucket_is_refused_and_incomplete_stream_cannot_be_read():
     packer, staging, buffer = staged_pair()
-    staging.receive(packer.fill(0, buffer), buffer)
+    deliver(staging, packer.fill(0, buffer), buffer)
     packer.fill(1, buffer)  # lost in transit
     with pytest.raises(RefitError, match="bucket 2 arrived where bucket 1 was expected"):
-        staging.receive(packer.fill(2, buffer), buffer)
+        deliver(staging, packer.fill(2, buffer), buffer)
     with pytest.raises(RefitError, match="only 1 of"):
         staging.tensors()
 
@@ -217,14 +255,14 @@ def test_stream_that_disagrees_with_the_receivers_refit_info_is_refused():
     tensors = named_tensors()
     packer, _, buffer = staged_pair()
     other = {**info_of(tensors), "half": ((3, 5), torch.float16)}
-    staging = StagingArea(StreamLayout(other, 256))
+    staging = staging_for(other)
     with pytest.raises(RefitError, match="has 'half' \\(5, 3\\).*refit info has 'half' \\(3, 5\\)"):
         for index in range(packer.layout.num_buckets):
-            staging.receive(packer.fill(index, buffer), buffer)
-    wider = StagingArea(StreamLayout(info_of(tensors), 512))
+            deliver(staging, packer.fill(index, buffer), buffer)
+    wider = staging_for(info_of(tensors), 512)
     packer, _, buffer = staged_pair()
     with pytest.raises(RefitError, match="both sides need the same refit info"):
-        wider.receive(packer.fill(0, buffer), buffer)
+        deliver(wider, packer.fill(0, buffer), buffer)
 
 
 # ------------------------------------------------------------------------------ shared memory
@@ -280,6 +318,83 @@ def test_cuda_ipc_fails_clearly_without_cuda():
         CudaIpcBuffer.create(1024, torch.device("cuda"))
 
 
+# ------------------------------------------------------------------------------ colocated stream
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def stream_ipc(sender: RefitSender, receiver: RefitReceiver, corrupt: int | None = None) -> list:
+    """One colocated stream of 256-byte buckets; flips a byte of bucket ``corrupt`` in the
+    shared buffer after the sender packed it. Returns the buckets."""
+    buckets = []
+    for keys in sender.start_stream(256):
+        bucket = sender.next_bucket(keys)
+        if bucket.header.index == corrupt:
+            flip_byte(bucket.buffer.path, bucket.header.index * 256 + 10)
+        buckets.append(bucket)
+        receiver.receive_ipc_bucket(bucket)
+    return buckets
+
+
+def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corruption():
+    tensors = named_tensors()
+    loads: list[dict[str, torch.Tensor]] = []
+
+    def load(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        loads.append(dict(weights))
+
+    cpu = torch.device("cpu")
+    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu)
+    receiver = RefitReceiver(load, cpu)
+    try:
+        receiver.prepare_refit_info(sender.prepare_refit_info())
+        buckets = stream_ipc(sender, receiver)
+        assert receiver.commit()["version"] == 1
+        timings = sender.finish_stream()
+        assert set(timings) == {"export_s", "pack_s", "stream_s"}
+        # one buffer of the whole stream: every bucket names it
+        assert len({b.buffer for b in buckets}) == 1 and len(buckets) > 4
+        total = buckets[0].buffer.nbytes
+        assert total == StreamLayout(info_of(tensors), 256).total_bytes
+        for name, tensor in tensors.items():
+            assert_bitwise_equal(loads[0][name], tensor)
+            # a view of the whole mapped buffer, not a copy
+            assert loads[0][name].untyped_storage().nbytes() == total, name
+
+        with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
+            stream_ipc(sender, receiver, corrupt=2)
+        with pytest.raises(RefitError, match="no staged refit to commit"):
+            receiver.commit()
+        assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran
+
+        # every bucket of a stream must lie in the stream's one buffer
+        plan = sender.start_stream(256)
+        receiver.receive_ipc_bucket(sender.next_bucket(plan[0]))
+        second = sender.next_bucket(plan[1])
+        other = SharedMemoryBuffer.create(total)
+        try:
+            with pytest.raises(RefitError, match="another shared buffer than bucket 0"):
+                receiver.receive_ipc_bucket(IpcBucket(second.header, other.handle))
+        finally:
+            other.close()
+        sender.finish_stream()
+
+        stream_ipc(sender, receiver)  # the buffer is reused by the next stream
+        assert receiver.commit()["version"] == 4 and len(loads) == 2
+        for name, tensor in tensors.items():
+            assert_bitwise_equal(loads[1][name], tensor)
+    finally:
+        receiver.close()
+        sender.close()
+    assert not Path(buckets[0].buffer.path).exists()
+
+
 # ------------------------------------------------------------------------------ broadcast group
 
 
@@ -302,7 +417,7 @@ def _collective_rank(rank: int, port: int, info: RefitInfo, queue: multiprocessi
                     outcome = f"RefitError: {err}"
                 queue.put((rank, outcome, torch.distributed.is_initialized()))
             else:
-                staging = StagingArea(StreamLayout(info, 256))
+                staging = staging_for(info)
                 try:
                     group.receive(staging)
                     queue.put((rank, dict(staging.tensors()), torch.distributed.is_initialized()))
