@@ -18,6 +18,9 @@ three modes:
 The two budgeted modes reorder samples and attach a :class:`MicroBatchPlan` to every shard. They
 return the global sample indices in shard order as well, and :meth:`BatchedDataDict.reorder_data`
 uses them to put results gathered from the shards back into the original order.
+
+:func:`plan_shards` makes the same decisions from the row count and the sequence lengths alone,
+for callers that hold only metadata (``nemo_rl.data_plane.preshard``).
 """
 
 from __future__ import annotations
@@ -299,90 +302,35 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
             the shards concatenated in order, for :meth:`reorder_data`. Each shard then carries a
             :class:`MicroBatchPlan` in ``micro_batch_plan``.
         """
-        if sequence_packing_args is not None and dynamic_batching_args is not None:
-            raise ValueError(
-                "pass at most one of sequence_packing_args and dynamic_batching_args"
+        # Lengths are read only when the planner will use them; every other argument error is
+        # the planner's to report.
+        budget_args = (
+            dynamic_batching_args if dynamic_batching_args is not None else sequence_packing_args
+        )
+        lengths = None
+        if budget_args is not None and self and {"input_key", "input_lengths_key"} <= set(
+            budget_args
+        ):
+            lengths = self._sequence_lengths(
+                budget_args["input_key"], budget_args["input_lengths_key"]
             )
-        total = self.size
-        if not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards must be a positive int, got {shards!r}")
-        if total == 0:
-            raise ValueError("cannot shard an empty batch")
-        batch_size = total if batch_size is None else batch_size
-        if batch_size < 1 or total % batch_size:
-            raise ValueError(
-                f"batch of {total} rows does not split into global batches of {batch_size}; "
-                f"use a batch_size that divides {total}"
-            )
-        if sequence_packing_args is None and batch_size % shards and not allow_uneven_shards:
-            raise ValueError(
-                f"global batch size {batch_size} is not a multiple of shards={shards}; use a "
-                f"multiple of {shards} or pass allow_uneven_shards=True"
-            )
-        starts = range(0, total, batch_size)
-
-        if sequence_packing_args is None and dynamic_batching_args is None:
-            per_shard: list[list[int]] = [[] for _ in range(shards)]
-            for gb_start in starts:
-                global_batch = range(gb_start, gb_start + batch_size)
-                for s, part in enumerate(_split_evenly(global_batch, shards)):
-                    per_shard[s].extend(part)
-            return [self.select_indices(indices) for indices in per_shard]
-
-        if dynamic_batching_args is not None:
-            args: Mapping[str, Any] = _checked_args(dynamic_batching_args, DynamicBatchingArgs)
-            kind: Literal["dynamic", "packed"] = "dynamic"
-        else:
-            args = _checked_args(sequence_packing_args, SequencePackingArgs)
-            kind = "packed"
-        lengths = self._sequence_lengths(args["input_key"], args["input_lengths_key"])
-        budget = args["max_tokens_per_microbatch"]
-        round_to = args["sequence_length_round"]
-        rounded = [_round_up(n, round_to) for n in lengths]
-        for i, n in enumerate(rounded):
-            if n > budget:
-                raise ValueError(
-                    f"sample {i} has {lengths[i]} tokens ({n} after rounding up to a multiple of "
-                    f"sequence_length_round={round_to}), more than max_tokens_per_microbatch="
-                    f"{budget}; raise max_tokens_per_microbatch to at least {n}"
-                )
-
-        # Per shard: global row indices in shard order, micro-batch row ranges, their lengths.
-        rows: list[list[int]] = [[] for _ in range(shards)]
-        ranges: list[list[tuple[int, int]]] = [[] for _ in range(shards)]
-        mb_lengths: list[list[int]] = [[] for _ in range(shards)]
-        offsets: list[list[int]] = [[0] for _ in range(shards)]
-        for gb_index, gb_start in enumerate(starts):
-            samples = list(range(gb_start, gb_start + batch_size))
-            if kind == "dynamic":
-                groups = _dynamic_groups(samples, lengths, rounded, budget, shards, gb_index)
-            else:
-                groups = _packed_groups(
-                    samples, rounded, budget, args["algorithm"], shards, gb_index
-                )
-            for s, shard_groups in enumerate(groups):
-                for group in shard_groups:
-                    start = len(rows[s])
-                    rows[s].extend(group)
-                    ranges[s].append((start, len(rows[s])))
-                    if kind == "dynamic":
-                        mb_lengths[s].append(max(rounded[i] for i in group))
-                    else:
-                        mb_lengths[s].append(sum(rounded[i] for i in group))
-                offsets[s].append(len(rows[s]))
-
+        plan = plan_shards(
+            self.size,
+            shards,
+            batch_size,
+            allow_uneven_shards,
+            sequence_packing_args,
+            dynamic_batching_args,
+            sequence_lengths=lengths,
+        )
+        if plan.micro_batch_plans is None:
+            return [self.select_indices(rows) for rows in plan.rows]
         out: list[BatchedDataDict[DictT]] = []
-        for s in range(shards):
-            shard = self.select_indices(rows[s])
-            shard.micro_batch_plan = MicroBatchPlan(
-                kind=kind,
-                ranges=tuple(ranges[s]),
-                lengths=tuple(mb_lengths[s]),
-                input_key=args["input_key"],
-                global_batch_offsets=tuple(offsets[s]),
-            )
+        for rows, micro_batch_plan in zip(plan.rows, plan.micro_batch_plans):
+            shard = self.select_indices(rows)
+            shard.micro_batch_plan = micro_batch_plan
             out.append(shard)
-        return out, [i for shard_rows in rows for i in shard_rows]
+        return out, [i for rows in plan.rows for i in rows]
 
     def split_global_batches(self) -> list[BatchedDataDict[DictT]]:
         """The global batches of a planned shard, each with its part of the micro-batch plan.
@@ -589,6 +537,141 @@ def _descending(items: Sequence[int] | range, weights: Sequence[int]) -> list[in
 
 
 # ---------------------------------------------------------------------- micro-batch planning
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which rows each DP shard gets, in order, and how each shard is cut into micro-batches.
+
+    Attributes:
+        rows: per shard, the batch rows (indices into the sharded batch) in shard order.
+        micro_batch_plans: per shard, its :class:`MicroBatchPlan` under dynamic batching or
+            sequence packing; None in plain mode.
+    """
+
+    rows: tuple[tuple[int, ...], ...]
+    micro_batch_plans: tuple[MicroBatchPlan, ...] | None
+
+
+def plan_shards(
+    total: int,
+    shards: int,
+    batch_size: int | None = None,
+    allow_uneven_shards: bool = False,
+    sequence_packing_args: SequencePackingArgs | None = None,
+    dynamic_batching_args: DynamicBatchingArgs | None = None,
+    sequence_lengths: Sequence[int] | None = None,
+) -> ShardPlan:
+    """The DP sharding of :meth:`BatchedDataDict.shard_by_batch_size`, from sizes alone.
+
+    Args:
+        total: rows of the batch.
+        shards, batch_size, allow_uneven_shards, sequence_packing_args, dynamic_batching_args:
+            as in :meth:`BatchedDataDict.shard_by_batch_size` (``input_key`` of the args only
+            names the token tensor in the plans; ``input_lengths_key`` is not read).
+        sequence_lengths: true length of every row (tokens, each >= 1, ``total`` of them);
+            needed with dynamic batching or sequence packing, ignored otherwise.
+
+    Raises:
+        ValueError: on the argument errors listed by ``shard_by_batch_size``, or missing or
+            invalid ``sequence_lengths`` in a token-budget mode.
+    """
+    if sequence_packing_args is not None and dynamic_batching_args is not None:
+        raise ValueError("pass at most one of sequence_packing_args and dynamic_batching_args")
+    if not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards must be a positive int, got {shards!r}")
+    if total == 0:
+        raise ValueError("cannot shard an empty batch")
+    batch_size = total if batch_size is None else batch_size
+    if batch_size < 1 or total % batch_size:
+        raise ValueError(
+            f"batch of {total} rows does not split into global batches of {batch_size}; "
+            f"use a batch_size that divides {total}"
+        )
+    if sequence_packing_args is None and batch_size % shards and not allow_uneven_shards:
+        raise ValueError(
+            f"global batch size {batch_size} is not a multiple of shards={shards}; use a "
+            f"multiple of {shards} or pass allow_uneven_shards=True"
+        )
+    starts = range(0, total, batch_size)
+
+    if sequence_packing_args is None and dynamic_batching_args is None:
+        per_shard: list[list[int]] = [[] for _ in range(shards)]
+        for gb_start in starts:
+            global_batch = range(gb_start, gb_start + batch_size)
+            for s, part in enumerate(_split_evenly(global_batch, shards)):
+                per_shard[s].extend(part)
+        return ShardPlan(rows=tuple(tuple(r) for r in per_shard), micro_batch_plans=None)
+
+    if dynamic_batching_args is not None:
+        args: Mapping[str, Any] = _checked_args(dynamic_batching_args, DynamicBatchingArgs)
+        kind: Literal["dynamic", "packed"] = "dynamic"
+    else:
+        args = _checked_args(sequence_packing_args, SequencePackingArgs)
+        kind = "packed"
+    lengths = _checked_lengths(sequence_lengths, total)
+    budget = args["max_tokens_per_microbatch"]
+    round_to = args["sequence_length_round"]
+    rounded = [_round_up(n, round_to) for n in lengths]
+    for i, n in enumerate(rounded):
+        if n > budget:
+            raise ValueError(
+                f"sample {i} has {lengths[i]} tokens ({n} after rounding up to a multiple of "
+                f"sequence_length_round={round_to}), more than max_tokens_per_microbatch="
+                f"{budget}; raise max_tokens_per_microbatch to at least {n}"
+            )
+
+    # Per shard: global row indices in shard order, micro-batch row ranges, their lengths.
+    rows: list[list[int]] = [[] for _ in range(shards)]
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(shards)]
+    mb_lengths: list[list[int]] = [[] for _ in range(shards)]
+    offsets: list[list[int]] = [[0] for _ in range(shards)]
+    for gb_index, gb_start in enumerate(starts):
+        samples = list(range(gb_start, gb_start + batch_size))
+        if kind == "dynamic":
+            groups = _dynamic_groups(samples, lengths, rounded, budget, shards, gb_index)
+        else:
+            groups = _packed_groups(samples, rounded, budget, args["algorithm"], shards, gb_index)
+        for s, shard_groups in enumerate(groups):
+            for group in shard_groups:
+                start = len(rows[s])
+                rows[s].extend(group)
+                ranges[s].append((start, len(rows[s])))
+                if kind == "dynamic":
+                    mb_lengths[s].append(max(rounded[i] for i in group))
+                else:
+                    mb_lengths[s].append(sum(rounded[i] for i in group))
+            offsets[s].append(len(rows[s]))
+
+    return ShardPlan(
+        rows=tuple(tuple(r) for r in rows),
+        micro_batch_plans=tuple(
+            MicroBatchPlan(
+                kind=kind,
+                ranges=tuple(ranges[s]),
+                lengths=tuple(mb_lengths[s]),
+                input_key=args["input_key"],
+                global_batch_offsets=tuple(offsets[s]),
+            )
+            for s in range(shards)
+        ),
+    )
+
+
+def _checked_lengths(sequence_lengths: Sequence[int] | None, total: int) -> list[int]:
+    """``sequence_lengths`` as ints, checked to be ``total`` lengths of >= 1 token."""
+    if sequence_lengths is None:
+        raise ValueError(
+            "dynamic batching and sequence packing need the length (tokens) of every sample; "
+            "pass sequence_lengths"
+        )
+    lengths = [int(n) for n in sequence_lengths]
+    if len(lengths) != total:
+        raise ValueError(f"got {len(lengths)} sequence lengths for a batch of {total} rows")
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence length {i} is {n}; every sample needs at least 1 token")
+    return lengths
 
 
 def _dynamic_groups(

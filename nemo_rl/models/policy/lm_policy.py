@@ -92,27 +92,42 @@ class Policy(ColocatablePolicyInterface):
             ``(shards, sorted_indices)``; ``sorted_indices`` maps rows of the concatenated
             shards back to ``data``'s rows when a token-budget plan reordered them, else None.
         """
-        dp = self.layout.dp
+        packing, dynamic = self._packing_args(f"{stage}_mb_tokens")
+        shards = data.shard_by_batch_size(
+            self.layout.dp,
+            batch_size=batch_size,
+            sequence_packing_args=packing,
+            dynamic_batching_args=dynamic,
+        )
+        return shards if packing or dynamic else (shards, None)
+
+    def _packing_args(
+        self, mb_tokens_key: str
+    ) -> tuple[Optional[SequencePackingArgs], Optional[DynamicBatchingArgs]]:
+        """``(sequence_packing_args, dynamic_batching_args)`` of a stage, at most one set.
+
+        Args:
+            mb_tokens_key: the stage's token-budget field, "train_mb_tokens" or
+                "logprob_mb_tokens".
+        """
         packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
         if packing.enabled:
-            args = SequencePackingArgs(
+            return SequencePackingArgs(
                 input_key=_INPUT_KEY,
                 input_lengths_key=_LENGTHS_KEY,
-                max_tokens_per_microbatch=getattr(packing, f"{stage}_mb_tokens"),
+                max_tokens_per_microbatch=getattr(packing, mb_tokens_key),
                 algorithm=packing.algorithm,
                 # the worker pads every packed sample to a multiple of 2 * CP tokens
                 sequence_length_round=2 * self.layout.cp,
-            )
-            return data.shard_by_batch_size(dp, batch_size=batch_size, sequence_packing_args=args)
+            ), None
         if dynamic.enabled:
-            args = DynamicBatchingArgs(
+            return None, DynamicBatchingArgs(
                 input_key=_INPUT_KEY,
                 input_lengths_key=_LENGTHS_KEY,
-                max_tokens_per_microbatch=getattr(dynamic, f"{stage}_mb_tokens"),
+                max_tokens_per_microbatch=getattr(dynamic, mb_tokens_key),
                 sequence_length_round=dynamic.sequence_length_round,
             )
-            return data.shard_by_batch_size(dp, batch_size=batch_size, dynamic_batching_args=args)
-        return data.shard_by_batch_size(dp, batch_size=batch_size), None
+        return None, None
 
     def _run_sharded(
         self, method: str, shards: list[BatchedDataDict], **common_kwargs: Any
@@ -171,6 +186,13 @@ class Policy(ColocatablePolicyInterface):
             self.worker_group.run_all_workers_single_data("finish_training")
         )
 
+    def snapshot_reference_policy(self) -> None:
+        """Make the current weights the reference policy on every worker (the KL penalty's
+        anchor), e.g. after an SFT warm start."""
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("snapshot_reference_policy")
+        )
+
     def save_checkpoint(self, path: str) -> None:
         """Save model, optimizer, scheduler, RNG and step to ``path`` (a dist checkpoint)."""
         self.worker_group.get_all_worker_results(
@@ -208,16 +230,16 @@ class Policy(ColocatablePolicyInterface):
         return self._refit_call("prepare_weights_for_ipc", bucket_bytes)
 
     def get_weights_ipc_handles(self, keys: list[str]) -> list[ray.ObjectRef]:
-        """Export and pack the next bucket (``keys``: its entry of the plan) into the send
-        buffer ``k % 2``, without waiting; one future per rank. Rank 0's (the first)
+        """Export and pack the next bucket (``keys``: its entry of the plan) into its window
+        of the stream buffer, without waiting; one future per rank. Rank 0's (the first)
         resolves to the bucket's ``IpcBucket`` (header and buffer handle, never the
-        bytes): hand that future to the engines as is, so they start as soon as it is packed.
-        Ask for bucket ``k + 2`` only after the engines acknowledged bucket ``k``."""
+        bytes): hand that future to the engines as is, so they start as soon as it is packed."""
         return self.worker_group.run_all_workers_single_data("get_weights_ipc_handles", keys)
 
     def finish_weights_ipc(self) -> dict[str, float]:
-        """End the colocated stream (the send buffers stay for the next refit); rank 0's
-        timings in seconds (``export_s``, ``pack_s``, ``stream_s``)."""
+        """End the colocated stream once the engines committed or aborted it (the next one
+        overwrites its buffer); rank 0's timings in seconds (``export_s``, ``pack_s``,
+        ``stream_s``)."""
         return self._refit_call("finish_weights_ipc")
 
     def refit_collective_address(self) -> tuple[str, int]:

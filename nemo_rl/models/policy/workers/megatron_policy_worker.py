@@ -13,12 +13,15 @@ from typing import Any
 import torch
 
 from megatron_bridge import dtype_from_name, export_hf_weights
+from nemo_rl.data_plane.config import attach_data_plane
+from nemo_rl.data_plane.interfaces import DataPlaneClient
+from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.refit.buckets import RefitInfo
 from nemo_rl.models.generation.refit.ipc import IpcBucket
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.megatron import destroy_megatron_parallel
-from nemo_rl.models.policy.workers.megatron import checkpointing, offload
+from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
 from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
 from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
@@ -48,6 +51,11 @@ class MegatronPolicyWorker:
         self._packing = bool(config["sequence_packing"]["enabled"])
         self._host_params: dict[int, torch.Tensor] = {}
         self._refit: RefitSender | None = None
+        self._data_plane: DataPlaneClient | None = None
+
+    def snapshot_reference_policy(self) -> None:
+        """Make the current weights the reference policy (e.g. after an SFT warm start)."""
+        self.reference = ReferenceWeights(self.policy.model.module)
 
     # ---------------------------------------------------------------- scoring
 
@@ -124,6 +132,53 @@ class MegatronPolicyWorker:
     def finish_training(self) -> None:
         """Nothing to release between training and scoring: buffers are reused in place."""
 
+    # ---------------------------------------------------------------- data plane
+    # The TQPolicy path: the driver sends each replica a KVBatchMeta shard instead of tensors.
+
+    def setup_data_plane(self, dp_cfg: dict[str, Any]) -> None:
+        """Attach this rank to the data plane the driver started (``data_plane`` config)."""
+        self._data_plane = attach_data_plane(dp_cfg)
+
+    def _client(self) -> DataPlaneClient:
+        if self._data_plane is None:
+            raise RuntimeError("no data plane: call setup_data_plane(dp_cfg) on every rank first")
+        return self._data_plane
+
+    def _fetch(self, meta: KVBatchMeta) -> BatchedDataDict:
+        """This replica's shard ``meta`` as a batch (see ``data_plane_io.fetch_batch``)."""
+        return data_plane_io.fetch_batch(self._client(), meta)
+
+    def _write_back_result_field(
+        self, meta: KVBatchMeta, name: str, values: torch.Tensor | None
+    ) -> None:
+        """The replica leader puts ``values`` ``[B, S]`` as field ``name`` of ``meta``'s keys."""
+        data_plane_io.write_back(self._client(), meta, name, values)
+
+    def get_logprobs_presharded(
+        self, meta: KVBatchMeta, result_field: str, micro_batch_size: int | None = None
+    ) -> None:
+        """:meth:`get_logprobs` of the shard ``meta``, written back as ``result_field``."""
+        out = self.get_logprobs(self._fetch(meta), micro_batch_size)
+        self._write_back_result_field(meta, result_field, out.get("logprobs"))
+
+    def get_reference_policy_logprobs_presharded(
+        self, meta: KVBatchMeta, result_field: str, micro_batch_size: int | None = None
+    ) -> None:
+        """:meth:`get_reference_policy_logprobs` of ``meta``, written back as ``result_field``."""
+        out = self.get_reference_policy_logprobs(self._fetch(meta), micro_batch_size)
+        self._write_back_result_field(meta, result_field, out.get("reference_logprobs"))
+
+    def train_presharded(
+        self,
+        meta: KVBatchMeta,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`train` on the shard ``meta`` fetched from the data plane."""
+        return self.train(self._fetch(meta), loss_fn, eval_mode, gbs, mbs)
+
     # ---------------------------------------------------------------- memory around refit
 
     def offload_before_refit(self) -> int:
@@ -167,12 +222,12 @@ class MegatronPolicyWorker:
         return self._refit_sender().start_stream(bucket_bytes)
 
     def get_weights_ipc_handles(self, keys: list[str]) -> IpcBucket | None:
-        """Export and pack the next bucket (``keys``); rank 0 returns its header and buffer
-        handle. Do not ask for bucket k + 2 before the engines acknowledged bucket k."""
+        """Export and pack the next bucket (``keys``) into its window of the stream buffer;
+        rank 0 returns its header and buffer handle."""
         return self._refit_sender().next_bucket(keys)
 
     def finish_weights_ipc(self) -> dict[str, float] | None:
-        """End the colocated stream (its buffers stay for the next refit); rank 0 returns
+        """End the colocated stream once the engines committed or aborted it; rank 0 returns
         its timings (s)."""
         return self._refit_sender().finish_stream()
 
@@ -204,5 +259,7 @@ class MegatronPolicyWorker:
         """Tear down the process groups; True when done."""
         if self._refit is not None:
             self._refit.close()
+        if self._data_plane is not None:
+            self._data_plane.close()
         destroy_megatron_parallel()
         return True

