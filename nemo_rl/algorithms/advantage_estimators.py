@@ -46,6 +46,12 @@ def _group_statistics(
     return sizes[inverse], sums[inverse], stds[inverse]
 
 
+def group_reward_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sample standard deviation of the rewards of each row's group (0 for a group of
+    one). Rows of a group whose responses all scored the same get 0: they carry no GRPO signal."""
+    return _group_statistics(rewards, group_ids)[2]
+
+
 def _scale_by_std(centered: torch.Tensor, std: torch.Tensor, epsilon: float) -> torch.Tensor:
     """``centered / (std + epsilon)``, and 0 where ``std`` is 0."""
     return torch.where(std > 0, centered / (std + epsilon), torch.zeros_like(centered))

@@ -10,7 +10,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
+from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
+from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.utils.checkpoint import CheckpointingConfig
@@ -40,6 +43,30 @@ class GRPOConfig(ConfigModel):
         description="Baseline each response by the mean reward of the other responses of its "
         "prompt instead of the whole group's mean; needs num_generations_per_prompt >= 2.",
     )
+    use_dynamic_sampling: bool = Field(
+        default=False,
+        description="Dynamic sampling (DAPO): drop prompt groups whose responses all got the "
+        "same reward (no GRPO signal) and generate from further prompts until "
+        "num_prompts_per_step groups with reward variance are collected.",
+    )
+    batch_multiplier: float = Field(
+        default=1.0,
+        ge=1.0,
+        description="With dynamic sampling, each generation batch holds "
+        "num_prompts_per_step x batch_multiplier prompts (rounded to an integer).",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        default=10,
+        ge=1,
+        description="With dynamic sampling, generation batches tried per step before the step "
+        "fails with an error (too few prompts with reward variance).",
+    )
+    overlong_filtering: bool = Field(
+        default=False,
+        description="Keep responses cut by a token limit (max_new_tokens or "
+        "policy.max_total_sequence_length) out of the loss; they still count in their group's "
+        "baseline.",
+    )
     val_period: int = Field(
         default=0, ge=0, description="Validate every this many steps; 0 disables."
     )
@@ -49,6 +76,13 @@ class GRPOConfig(ConfigModel):
     )
     val_batch_size: int = Field(default=8, ge=1, description="Prompts per validation batch.")
     seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
+
+    @property
+    def prompts_per_generation_batch(self) -> int:
+        """Prompts the data loader yields per generation batch."""
+        if not self.use_dynamic_sampling:
+            return self.num_prompts_per_step
+        return max(self.num_prompts_per_step, round(self.num_prompts_per_step * self.batch_multiplier))
 
     @model_validator(mode="after")
     def _check_baseline(self) -> GRPOConfig:
@@ -246,6 +280,14 @@ class GRPOMasterConfig(ConfigModel):
     checkpointing: CheckpointingConfig = Field(
         default_factory=CheckpointingConfig, description="Checkpointing."
     )
+    data_plane: DataPlaneConfig = Field(
+        default_factory=DataPlaneConfig,
+        description="Data plane of the GRPO loop; enabled: the driver carries metadata only.",
+    )
+    sft_warmup: SFTWarmupConfig = Field(
+        default_factory=SFTWarmupConfig,
+        description="Supervised warm start before the first GRPO step (synthetic task only).",
+    )
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> GRPOMasterConfig:
@@ -277,7 +319,28 @@ class GRPOMasterConfig(ConfigModel):
                 "policy.megatron_cfg tensor_model_parallel_size * pipeline_model_parallel_size "
                 f"* context_parallel_size ({model_parallel})"
             )
+        ckpt = self.checkpointing
+        validates = self.grpo.val_period > 0 or self.grpo.val_at_start
+        if ckpt.enabled and ckpt.keep_top_k is not None and ckpt.metric_name.startswith("val_"):
+            if not validates:
+                raise ValueError(
+                    f"checkpointing.metric_name={ckpt.metric_name!r} ranks checkpoints by a "
+                    "validation metric but validation is off (grpo.val_period=0, "
+                    "grpo.val_at_start=false); rank by a train metric (e.g. train_reward), "
+                    "turn validation on, or set checkpointing.keep_top_k=null"
+                )
+        if self.sft_warmup.global_batch_size is None:
+            self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
+        if self.sft_warmup.enabled and self.data.dataset_name != SYNTHETIC_ARITHMETIC:
+            raise ValueError(
+                f"sft_warmup.enabled needs data.dataset_name={SYNTHETIC_ARITHMETIC!r} (the only "
+                f"task with built-in reference replies), got {self.data.dataset_name!r}; "
+                "disable sft_warmup or warm-start the model beforehand"
+            )
         if megatron.scheduler.lr_decay_iters is None:
             optimizer_steps_per_step = samples // self.policy.train_global_batch_size
-            megatron.scheduler.lr_decay_iters = self.grpo.max_num_steps * optimizer_steps_per_step
+            warmup_steps = self.sft_warmup.num_steps if self.sft_warmup.enabled else 0
+            megatron.scheduler.lr_decay_iters = (
+                warmup_steps + self.grpo.max_num_steps * optimizer_steps_per_step
+            )
         return self

@@ -101,3 +101,9 @@ class EnvConfigs(ConfigModel):
     calculator: Optional[CalculatorEnvConfig] = Field(
         default=None, description="Calculator tool use (task_name 'calculator')."
     )
+
+    @property
+    def total_cpus(self) -> float:
+        """Logical Ray CPUs all configured environment actors reserve together."""
+        sections = (self.math, self.number_guess, self.calculator)
+        return sum(section.num_cpus for section in sections if section is not None)

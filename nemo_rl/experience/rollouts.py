@@ -191,7 +191,9 @@ def run_multi_turn_rollout(
     Returns:
         ``(batch, metrics)``. ``batch`` is a copy of ``input_batch`` whose ``message_log`` holds
         the whole interaction, plus ``total_reward`` ``[B]`` float32 (sum over turns),
-        ``truncated`` ``[B]`` bool (reached ``max_seq_len``), ``terminated`` ``[B]`` bool (the environment ended the
+        ``truncated`` ``[B]`` bool (reached ``max_seq_len``), ``response_truncated`` ``[B]`` bool
+        (the last response stopped at a token limit, ``max_new_tokens`` or ``max_seq_len``,
+        instead of a stop token), ``terminated`` ``[B]`` bool (the environment ended the
         episode) and ``num_turns`` ``[B]`` int64. Metrics: ``mean_turns_per_sample``,
         ``total_generated_tokens``, ``mean_generated_tokens_per_sample``, ``truncation_rate``,
         ``max_new_tokens_hit_rate`` (turns that stopped at the per-turn token limit),
@@ -221,6 +223,7 @@ def run_multi_turn_rollout(
     stop_strings: list[Optional[list[str]]] = list(batch.get("stop_strings", [None] * size))
     total_reward = torch.zeros(size, dtype=torch.float32)
     truncated = torch.zeros(size, dtype=torch.bool)
+    response_truncated = torch.zeros(size, dtype=torch.bool)
     terminated = torch.zeros(size, dtype=torch.bool)
     num_turns = torch.zeros(size, dtype=torch.long)
     generated_tokens = 0
@@ -252,6 +255,7 @@ def run_multi_turn_rollout(
                 message["content"] = tokenizer.decode(message["token_ids"].tolist())
             generated_tokens += int(message["token_ids"].numel())
             at_limit.append(prompt_len + int(message["token_ids"].numel()) >= max_seq_len)
+            response_truncated[row] = bool(sub["truncated"][i]) or at_limit[-1]
         turns_at_token_limit += int(sub["truncated"].sum())
         total_turns += len(active)
 
@@ -289,6 +293,7 @@ def run_multi_turn_rollout(
 
     batch["total_reward"] = total_reward
     batch["truncated"] = truncated
+    batch["response_truncated"] = response_truncated
     batch["terminated"] = terminated
     batch["num_turns"] = num_turns
     metrics = {

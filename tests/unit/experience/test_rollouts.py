@@ -18,18 +18,13 @@ import ray
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.ray_bootstrap import ray_cluster
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.interfaces import GenerationInterface
-from nemo_rl.models.generation.vllm import VllmGeneration
 
 pytestmark = pytest.mark.slow
 
 TURNS = 2
-MAX_NEW_TOKENS = 6
 OBSERVATION = " then again:"
 STOP = ["zz"]
 
@@ -95,31 +90,17 @@ def prompts(tokenizer, task_names: list[str]) -> BatchedDataDict:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    config = GenerationConfig(
-        max_new_tokens=MAX_NEW_TOKENS,
-        vllm_cfg=VllmConfig(
-            precision="float32", max_model_len=128, kv_cache_memory_bytes=16 * 1024**2,
-            enforce_eager=True,
-        ),
-    )
-    with ray_cluster(num_cpus=4):
-        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
-        generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=3)
-        envs = {
-            "scripted": ray.remote(ScriptedEnvironment).remote(),
-            "failing": ray.remote(FailingEnvironment).remote(),
-        }
-        try:
-            yield {"tokenizer": tokenizer, "generation": generation, "envs": envs}
-        finally:
-            generation.shutdown()
-            for env in envs.values():
-                ray.kill(env)
-            cluster.shutdown()
+def setup(rollout_engine: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    envs = {
+        "scripted": ray.remote(ScriptedEnvironment).remote(),
+        "failing": ray.remote(FailingEnvironment).remote(),
+    }
+    rollout_engine["generation"].prepare_for_generation()  # other modules may leave it asleep
+    try:
+        yield {**rollout_engine, "envs": envs}
+    finally:
+        for env in envs.values():
+            ray.kill(env)
 
 
 def rollout(setup, task_names, max_seq_len=128):
@@ -157,6 +138,8 @@ def test_multi_turn_token_accounting_is_exact(setup):
     assert recorder.calls[1][0]["stop_strings"] == [STOP] * 3
     assert torch.equal(out["total_reward"], torch.full((3,), 0.25 * TURNS))
     assert out["terminated"].all() and not out["truncated"].any()
+    # the last response of each row was cut at max_new_tokens exactly when the engine says so
+    assert torch.equal(out["response_truncated"], recorder.calls[1][1]["truncated"].bool())
     assert metrics["mean_turns_per_sample"] == TURNS
     generated = sum(m["token_ids"].numel() for log in out["message_log"] for m in log if m["role"] == "assistant")
     assert metrics["total_generated_tokens"] == generated
@@ -171,7 +154,8 @@ def test_max_seq_len_truncates(setup):
     log = out["message_log"][0]
     assert flat(log).numel() == max_seq_len
     assert log[-1]["token_ids"].numel() == log[-1]["generation_logprobs"].numel() == 3
-    assert out["truncated"].all() and not out["terminated"].any()
+    assert out["truncated"].all() and out["response_truncated"].all()
+    assert not out["terminated"].any()
     assert metrics["truncation_rate"] == 1.0 and metrics["mean_turns_per_sample"] == 1
 
 

