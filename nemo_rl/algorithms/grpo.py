@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -35,6 +35,8 @@ from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.refit import refit_policy_generation
+
+BatchT = TypeVar("BatchT")
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
 # of a warm-started run, reloaded on resume.
@@ -211,35 +213,38 @@ def rollout_groups(
     return rollout, group_ids, metrics
 
 
-def sample_groups_with_variance(
-    components: GRPOComponents, batches: Iterator[BatchedDataDict]
-) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float], dict[str, float]]:
-    """Dynamic sampling: roll out generation batches until ``num_prompts_per_step`` prompt
-    groups whose rewards differ are collected; groups with one reward for all responses are
-    dropped, surplus groups of the last batch too.
+def collect_groups_with_variance(
+    roll_out: Callable[[], tuple[BatchT, torch.Tensor, torch.Tensor]],
+    keep_rows: Callable[[BatchT, torch.Tensor], BatchT],
+    grpo_cfg: GRPOConfig,
+) -> tuple[list[BatchT], torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The loop of dynamic sampling, whatever holds a generation batch (a rollout batch, or
+    data-plane metadata).
+
+    Args:
+        roll_out: rolls out the next generation batch: ``(batch, group_ids [B], rewards [B])``.
+        keep_rows: ``batch`` restricted to the given ``[n]`` row indices (the rows of groups
+            with reward variance).
+        grpo_cfg: ``num_prompts_per_step`` and ``dynamic_sampling_max_gen_batches``.
 
     Returns:
-        ``(rollout, group_ids, rollout_metrics, sampling_metrics)`` of exactly
-        ``num_prompts_per_step`` groups (group ids renumbered 0..n-1): the rollout metrics
-        merged over the generation batches, and ``dynamic_sampling_num_gen_batches`` and
-        ``dynamic_sampling_num_discarded_valid_samples`` (surplus samples with variance).
+        ``(kept, group_ids, keep, sampling_metrics)``: the restricted batches in order;
+        ``[N]`` group ids of their rows (N rows in all), renumbered 0.. in order; ``[N]`` bool,
+        the rows of the first ``num_prompts_per_step`` groups (the rest is surplus); and
+        ``dynamic_sampling_num_gen_batches``, ``dynamic_sampling_num_discarded_valid_samples``.
 
     Raises:
         RuntimeError: fewer groups with variance than needed after
             ``grpo.dynamic_sampling_max_gen_batches`` generation batches.
     """
-    grpo_cfg = components.cfg.grpo
     needed = grpo_cfg.num_prompts_per_step
-    kept: list[BatchedDataDict] = []
+    kept: list[BatchT] = []
     kept_groups: list[torch.Tensor] = []
-    per_batch_metrics: list[dict[str, float]] = []
     num_kept = 0
     for num_gen_batches in range(1, grpo_cfg.dynamic_sampling_max_gen_batches + 1):
-        rollout, group_ids, metrics = rollout_groups(components, next(batches))
-        per_batch_metrics.append(metrics)
-        has_variance = group_reward_std(rollout["total_reward"].float(), group_ids) > 0
-        rows = torch.nonzero(has_variance).flatten()
-        kept.append(rollout.select_indices(rows))
+        batch, group_ids, rewards = roll_out()
+        rows = torch.nonzero(group_reward_std(rewards.float(), group_ids) > 0).flatten()
+        kept.append(keep_rows(batch, rows))
         kept_groups.append(group_ids[rows] + num_gen_batches * len(group_ids))
         num_kept += len(torch.unique(group_ids[rows]))
         if num_kept >= needed:
@@ -253,13 +258,42 @@ def sample_groups_with_variance(
             "grpo.num_generations_per_prompt, or use prompts of a difficulty where the "
             "policy's responses differ in reward"
         )
-    rollout = BatchedDataDict.from_batches(kept)
     _, group_ids = torch.unique(torch.cat(kept_groups), return_inverse=True)
     keep = group_ids < needed
     sampling_metrics = {
         "dynamic_sampling_num_gen_batches": float(num_gen_batches),
         "dynamic_sampling_num_discarded_valid_samples": float((~keep).sum()),
     }
+    return kept, group_ids, keep, sampling_metrics
+
+
+def sample_groups_with_variance(
+    components: GRPOComponents, batches: Iterator[BatchedDataDict]
+) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float], dict[str, float]]:
+    """Dynamic sampling: roll out generation batches until ``num_prompts_per_step`` prompt
+    groups whose rewards differ are collected (:func:`collect_groups_with_variance`); groups
+    with one reward for all responses are dropped, surplus groups of the last batch too.
+
+    Returns:
+        ``(rollout, group_ids, rollout_metrics, sampling_metrics)`` of exactly
+        ``num_prompts_per_step`` groups (group ids renumbered 0..n-1): the rollout metrics
+        merged over the generation batches, and the sampling metrics.
+
+    Raises:
+        RuntimeError: too few groups with reward variance (see
+            :func:`collect_groups_with_variance`).
+    """
+    per_batch_metrics: list[dict[str, float]] = []
+
+    def roll_out() -> tuple[BatchedDataDict, torch.Tensor, torch.Tensor]:
+        rollout, group_ids, metrics = rollout_groups(components, next(batches))
+        per_batch_metrics.append(metrics)
+        return rollout, group_ids, rollout["total_reward"]
+
+    kept, group_ids, keep, sampling_metrics = collect_groups_with_variance(
+        roll_out, lambda rollout, rows: rollout.select_indices(rows), components.cfg.grpo
+    )
+    rollout = BatchedDataDict.from_batches(kept)
     return (
         rollout.select_indices(torch.nonzero(keep).flatten()),
         group_ids[keep],

@@ -31,9 +31,10 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from nemo_rl.algorithms.advantage_estimators import grpo_advantages, group_reward_std
+from nemo_rl.algorithms.advantage_estimators import grpo_advantages
 from nemo_rl.algorithms.grpo import (
     GRPOComponents,
+    collect_groups_with_variance,
     grpo_train,
     loss_sample_mask,
     merge_rollout_metrics,
@@ -131,44 +132,32 @@ def sample_groups_with_variance_sync(
         RuntimeError: too few groups with reward variance after
             ``grpo.dynamic_sampling_max_gen_batches`` generation batches.
     """
-    grpo_cfg = components.cfg.grpo
     policy = _tq_policy(components)
     partition_id = policy.tq_partition_id
-    needed = grpo_cfg.num_prompts_per_step
-    metas: list[KVBatchMeta] = []
-    carries: list[RolloutCarry] = []
-    offset_groups: list[torch.Tensor] = []
-    num_kept = 0
-    for num_gen_batches in range(1, grpo_cfg.dynamic_sampling_max_gen_batches + 1):
+
+    def roll_out() -> tuple[tuple[KVBatchMeta, RolloutCarry], torch.Tensor, torch.Tensor]:
         meta, carry = rollout_groups_sync(components, actor, next(batches))
-        has_variance = group_reward_std(carry.rewards, carry.group_ids) > 0
-        policy.discard_samples(_keys_at(meta, ~has_variance), partition_id)
-        rows = torch.nonzero(has_variance).flatten()
-        metas.append(meta.subset(rows.tolist()))
-        carries.append(carry.select(rows))
-        offset_groups.append(carry.group_ids[rows] + num_gen_batches * carry.size)
-        num_kept += len(torch.unique(carry.group_ids[rows]))
-        if num_kept >= needed:
-            break
-    else:
-        raise RuntimeError(
-            f"dynamic sampling found {num_kept} of the {needed} prompt groups with reward "
-            f"variance it needs after grpo.dynamic_sampling_max_gen_batches="
-            f"{grpo_cfg.dynamic_sampling_max_gen_batches} generation batches; raise it or "
-            "grpo.batch_multiplier, or use prompts whose responses differ in reward"
-        )
-    meta = KVBatchMeta.concat(metas)
+        return (meta, carry), carry.group_ids, carry.rewards
+
+    def keep_rows(
+        batch: tuple[KVBatchMeta, RolloutCarry], rows: torch.Tensor
+    ) -> tuple[KVBatchMeta, RolloutCarry]:
+        meta, carry = batch
+        dropped = torch.ones(carry.size, dtype=torch.bool)
+        dropped[rows] = False
+        policy.discard_samples(_keys_at(meta, dropped), partition_id)
+        return meta.subset(rows.tolist()), carry.select(rows)
+
+    kept, group_ids, keep, sampling_metrics = collect_groups_with_variance(
+        roll_out, keep_rows, components.cfg.grpo
+    )
+    meta = KVBatchMeta.concat([m for m, _ in kept])
+    carries = [c for _, c in kept]
     carry = RolloutCarry.concat(carries, merge_rollout_metrics([c.metrics for c in carries]))
-    _, group_ids = torch.unique(torch.cat(offset_groups), return_inverse=True)
-    keep = group_ids < needed
     policy.discard_samples(_keys_at(meta, ~keep), partition_id)
     rows = torch.nonzero(keep).flatten()
-    sampling_metrics = {
-        "dynamic_sampling_num_gen_batches": float(num_gen_batches),
-        "dynamic_sampling_num_discarded_valid_samples": float((~keep).sum()),
-    }
-    kept = dataclasses.replace(carry.select(rows), group_ids=group_ids[keep])
-    return meta.subset(rows.tolist()), kept, sampling_metrics
+    kept_carry = dataclasses.replace(carry.select(rows), group_ids=group_ids[keep])
+    return meta.subset(rows.tolist()), kept_carry, sampling_metrics
 
 
 def train_fields_from_carry(

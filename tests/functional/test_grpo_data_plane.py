@@ -34,9 +34,10 @@ from nemo_rl.algorithms.grpo_sync import (
 from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.models.policy.tq_policy import TQPolicy
 from nemo_rl.utils.logger import read_metrics_jsonl
+
+from scripted_environments import ParityEnvironment
 
 pytestmark = pytest.mark.slow
 
@@ -177,26 +178,6 @@ def test_finish_step_leaves_the_training_partition_empty(data_plane_run) -> None
     ):
         policy.finish_step(meta)
     assert plane.list_keys("train") == []
-
-
-class ParityEnvironment(EnvironmentInterface):
-    """Single turn: samples of prompts marked ``mixed`` score 0, 1, 0, 1, ... in row order
-    (a group's two rows differ); all other samples score 0."""
-
-    def step(self, message_log_batch: Any, metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        n = len(metadata)
-        rewards = [float(bool(m.get("mixed")) and i % 2 == 1) for i, m in enumerate(metadata)]
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""}] * n,
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=torch.tensor(rewards),
-            terminateds=torch.ones(n, dtype=torch.bool),
-            answers=[None] * n,
-        )
-
-    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
-        return batch, {}
 
 
 def parity_prompts(tokenizer: Any, mixed: list[bool]) -> BatchedDataDict:

