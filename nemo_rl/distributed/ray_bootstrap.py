@@ -118,8 +118,9 @@ def init_ray(
 
     Raises:
         ConnectionError: ``address`` (or ``$RAY_ADDRESS``) does not answer in time.
-        ValueError: local-cluster-only options given together with an address, or a
-            Ray Client address.
+        ValueError: local-cluster-only options given together with an address, a Ray
+            Client address, or an address other than the cluster this process is already
+            connected to.
     """
     import ray
 
@@ -131,6 +132,11 @@ def init_ray(
                 node_ip=_node_ip(),
                 started_cluster=False,
                 owns_connection=False,
+            )
+        if address not in (None, "auto", _current.address):
+            raise ValueError(
+                f"Ray is already initialised in this process for {_current.address}, not the "
+                f"requested address {address!r}; call shutdown_ray() first"
             )
         logger.info("Ray already initialised (%s); reusing it", _current.address)
         return _current

