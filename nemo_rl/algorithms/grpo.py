@@ -6,14 +6,18 @@ One step (:func:`grpo_step`):
    ``num_generations_per_prompt`` times (a group).
 2. Refit the generation engines if the policy changed since their last update, then
    :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` against the environments.
-3. Advantages per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`).
+   With dynamic sampling, groups whose responses all scored the same are dropped and
+   further prompts rolled out until ``num_prompts_per_step`` groups remain.
+3. Advantages per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`);
+   with overlong filtering, responses cut by a token limit leave the loss.
 4. The conversations flattened into ``[B, S]`` training data (loss on assistant tokens only),
    the policy's logprobs before the update (``prev_logprobs``) and the reference policy's.
 5. ``policy.train`` with :class:`~nemo_rl.algorithms.loss.ClippedPGLossFn`.
 
 :func:`setup` builds everything from a :class:`~nemo_rl.algorithms.grpo_config.GRPOMasterConfig`
-and :func:`grpo_train` runs the loop with validation and checkpoints; :func:`run` is the
-``nemo-rl grpo`` entry point.
+and :func:`grpo_train` runs the loop (after the optional SFT warm start) with validation and
+checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point (the data-plane loop,
+:mod:`nemo_rl.algorithms.grpo_sync`, when ``data_plane.enabled``).
 """
 
 from __future__ import annotations
