@@ -324,7 +324,11 @@ def test_dead_storage_unit_gives_a_clear_error_instead_of_a_hang(tq_plane: Any) 
     tq_plane.put("train", KEYS[:4], {"x": torch.arange(4.0)})
     impatient = TransferQueueDataPlane.attach(op_timeout_s=5)
     for unit in range(2):
-        ray.kill(ray.get_actor(f"TransferQueueStorageUnit#{unit}"))
+        storage = ray.get_actor(f"TransferQueueStorageUnit#{unit}")
+        ray.kill(storage)
+        # ray.kill is asynchronous: wait until the unit is really gone before asking it
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(storage.__ray_ready__.remote(), timeout=60)
     with pytest.raises(DataPlaneError) as err:
         impatient.get("train", KEYS[:4], ["x"])
     assert str(err.value) == (
