@@ -3,6 +3,7 @@
 import io
 import json
 import struct
+import time
 import warnings
 from pathlib import Path
 
@@ -111,18 +112,25 @@ def test_wandb_offline_run_holds_logged_values(tmp_path, monkeypatch):
         logger.log_metrics({"reward": 0.25}, step=1, prefix="train")
         logger.log_metrics({"reward": 0.5}, step=2, prefix="train")
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = [], {}
-    for record in _wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            items = {
-                i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                for i in record.history.item
-            }
-            if "train/reward" in items:
-                history.append((items["_step"], items["train/reward"]))
-        elif kind == "config":
-            config.update({i.key: json.loads(i.value_json) for i in record.config.update})
+    # wandb's writer process may still be flushing the file after finish() returns (seen
+    # once under heavy load): read until both steps are there, for at most 60 s.
+    deadline = time.monotonic() + 60
+    while True:
+        history, config = [], {}
+        for record in _wandb_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                if "train/reward" in items:
+                    history.append((items["_step"], items["train/reward"]))
+            elif kind == "config":
+                config.update({i.key: json.loads(i.value_json) for i in record.config.update})
+        if len(history) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert history == [(1, 0.25), (2, 0.5)]
     assert config["grpo.seed"] == 7
 
