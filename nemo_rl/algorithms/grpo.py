@@ -357,6 +357,12 @@ def validate(components: GRPOComponents) -> dict[str, float]:
         rewards.append(rollout["total_reward"])
         lengths.append(metrics["mean_generated_tokens_per_sample"])
     generation.finish_generation()
+    return validation_metrics(rewards, lengths)
+
+
+def validation_metrics(rewards: list[torch.Tensor], lengths: list[float]) -> dict[str, float]:
+    """A validation's metrics from its batches' ``[B]`` rewards and mean generated tokens:
+    ``accuracy`` (mean reward), ``num_samples``, ``mean_generated_tokens_per_sample``."""
     all_rewards = torch.cat(rewards)
     return {
         "accuracy": float(all_rewards.mean()),

@@ -40,6 +40,7 @@ from nemo_rl.algorithms.grpo import (
     merge_rollout_metrics,
     prepare_generation,
     step_metrics,
+    validation_metrics,
     zero_std_group_fraction,
 )
 from nemo_rl.algorithms.grpo_config import GRPOConfig
@@ -245,12 +246,7 @@ def validate_sync(components: GRPOComponents, actor: ActorHandle) -> dict[str, f
         rewards.append(carry.rewards)
         lengths.append(carry.metrics["mean_generated_tokens_per_sample"])
     components.generation.finish_generation()
-    all_rewards = torch.cat(rewards)
-    return {
-        "accuracy": float(all_rewards.mean()),
-        "num_samples": float(all_rewards.numel()),
-        "mean_generated_tokens_per_sample": sum(lengths) / max(len(lengths), 1),
-    }
+    return validation_metrics(rewards, lengths)
 
 
 def grpo_train_sync(components: GRPOComponents) -> dict[str, float]:

@@ -20,43 +20,15 @@ from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.logger import read_metrics_jsonl
 
+from tiny_grpo import tiny_grpo_config, train_records
+
 pytestmark = pytest.mark.slow
 
 
 def config(tmp: Path, model: Path, *, colocated: bool, steps: int, **extra: Any) -> GRPOMasterConfig:
-    return GRPOMasterConfig.model_validate(
-        {
-            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, "max_num_steps": steps},
-            "policy": {
-                "model_name": str(model),
-                "train_global_batch_size": 8,
-                "train_micro_batch_size": 4,
-                "logprob_batch_size": 4,
-                "max_total_sequence_length": 64,
-                "precision": "float32",
-                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4}},
-                "generation": {
-                    "max_new_tokens": 8,
-                    "colocated": {"enabled": colocated},
-                    "vllm_cfg": {
-                        "precision": "float32", "max_model_len": 64,
-                        "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
-                    },
-                },
-            },
-            "cluster": {"cpus_per_node": 8},
-            "logger": {"log_dir": str(tmp / "logs"), "console_enabled": False},
-            **extra,
-        }
+    return tiny_grpo_config(
+        tmp / "logs", model, grpo={"max_num_steps": steps}, colocated=colocated, **extra
     )
-
-
-def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
-    return {
-        r["step"]: r["metrics"]
-        for r in read_metrics_jsonl(log_dir / "logs" / "metrics.jsonl")
-        if r["prefix"] == "train"
-    }
 
 
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
@@ -80,7 +52,7 @@ def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, coloca
         if r["prefix"] == "sft_warmup"
     ]
     assert warm["num_steps"] == 4 and warm["last_loss"] < warm["first_loss"]
-    records = train_records(tmp_path)
+    records = train_records(tmp_path / "logs")
     assert sorted(records) == [1, 2]
     for metrics in records.values():
         for name in ("loss", "grad_norm", "reward", "token_mult_prob_error"):
@@ -105,7 +77,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_llama_path):
     )
     run(part_cfg(1))
     run(part_cfg(3))  # resumes from step 1
-    expected, resumed = train_records(whole), train_records(part)
+    expected, resumed = train_records(whole / "logs"), train_records(part / "logs")
     for step in (2, 3):
         for name in ("loss", "grad_norm", "reward"):
             assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (

@@ -35,9 +35,9 @@ from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.models.policy.tq_policy import TQPolicy
-from nemo_rl.utils.logger import read_metrics_jsonl
 
 from scripted_environments import ParityEnvironment
+from tiny_grpo import tiny_grpo_config, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -45,43 +45,13 @@ STEPS = 2
 
 
 def config(log_dir: Path, model: Path, data_plane: bool = False) -> GRPOMasterConfig:
-    return GRPOMasterConfig.model_validate(
-        {
-            "data_plane": {"enabled": data_plane},
-            # val_period > STEPS: validation prompts are loaded but no loop validates
-            "grpo": {
-                "num_prompts_per_step": 4, "num_generations_per_prompt": 2,
-                "max_num_steps": STEPS, "val_period": 100, "max_val_samples": 4,
-                "val_batch_size": 2,
-            },
-            "policy": {
-                "model_name": str(model),
-                "train_global_batch_size": 8,
-                "train_micro_batch_size": 4,
-                "logprob_batch_size": 4,
-                "max_total_sequence_length": 64,
-                "precision": "float32",
-                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4}},
-                "generation": {
-                    "max_new_tokens": 8,
-                    "vllm_cfg": {
-                        "precision": "float32", "max_model_len": 64,
-                        "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
-                    },
-                },
-            },
-            "cluster": {"cpus_per_node": 8},
-            "logger": {"log_dir": str(log_dir), "console_enabled": False},
-        }
+    # val_period > STEPS: validation prompts are loaded but no loop validates
+    return tiny_grpo_config(
+        log_dir,
+        model,
+        grpo={"max_num_steps": STEPS, "val_period": 100, "max_val_samples": 4, "val_batch_size": 2},
+        data_plane={"enabled": data_plane},
     )
-
-
-def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
-    return {
-        r["step"]: r["metrics"]
-        for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
-        if r["prefix"] == "train"
-    }
 
 
 def recording(method: Callable[..., Any], after: Callable[[Any], None]) -> Callable[..., Any]:

@@ -1,0 +1,56 @@
+"""The tiny GRPO run the functional tests share: tiny Llama, 4 prompts x 2 generations,
+float32, 64-token sequences, a local 8-CPU Ray. Importable as ``tiny_grpo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.logger import read_metrics_jsonl
+
+
+def tiny_grpo_config(
+    log_dir: Path,
+    model: Path,
+    *,
+    grpo: dict[str, Any] | None = None,
+    colocated: bool = True,
+    **sections: Any,
+) -> GRPOMasterConfig:
+    """The tiny run logging to ``log_dir``; ``grpo`` keys override the loop's, ``sections``
+    add whole top-level sections (``sft_warmup``, ``checkpointing``, ``data_plane``...)."""
+    return GRPOMasterConfig.model_validate(
+        {
+            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, **(grpo or {})},
+            "policy": {
+                "model_name": str(model),
+                "train_global_batch_size": 8,
+                "train_micro_batch_size": 4,
+                "logprob_batch_size": 4,
+                "max_total_sequence_length": 64,
+                "precision": "float32",
+                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4}},
+                "generation": {
+                    "max_new_tokens": 8,
+                    "colocated": {"enabled": colocated},
+                    "vllm_cfg": {
+                        "precision": "float32", "max_model_len": 64,
+                        "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
+                    },
+                },
+            },
+            "cluster": {"cpus_per_node": 8},
+            "logger": {"log_dir": str(log_dir), "console_enabled": False},
+            **sections,
+        }
+    )
+
+
+def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
+    """``{step: metrics}`` of the ``train`` records in ``log_dir/metrics.jsonl``."""
+    return {
+        r["step"]: r["metrics"]
+        for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
+        if r["prefix"] == "train"
+    }
