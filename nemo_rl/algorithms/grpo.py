@@ -340,7 +340,8 @@ def grpo_step(
 
 
 def validate(components: GRPOComponents) -> dict[str, float]:
-    """Greedy rollouts of the validation prompts; mean reward (= accuracy for 0/1 rewards)."""
+    """Rollouts of the validation prompts, sampled like training (greedy with
+    ``grpo.val_greedy``); mean reward (= accuracy for 0/1 rewards)."""
     generation = components.generation
     prepare_generation(components)
     rewards, lengths = [], []
@@ -352,7 +353,7 @@ def validate(components: GRPOComponents) -> dict[str, float]:
             components.task_to_env,
             max_seq_len=components.cfg.policy.max_total_sequence_length,
             max_rollout_turns=components.cfg.grpo.max_rollout_turns,
-            greedy=True,
+            greedy=components.cfg.grpo.val_greedy,
         )
         rewards.append(rollout["total_reward"])
         lengths.append(metrics["mean_generated_tokens_per_sample"])
@@ -571,10 +572,13 @@ def uses_reference_policy(cfg: GRPOMasterConfig) -> bool:
 
 
 def sft_warm_start(components: GRPOComponents) -> None:
-    """Run the SFT warm start, make its result the reference policy (the KL penalty anchors
-    to the warm-started model, not the random one) and, with checkpointing, save it to
-    ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild the same reference."""
+    """Run the SFT warm start with its own learning-rate schedule, restart the optimizer for
+    GRPO (zero Adam state, the policy's schedule from step 0), make the warm-started weights
+    the reference policy (the KL penalty anchors to them, not to the random model) and, with
+    checkpointing, save them to ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild the
+    same reference."""
     cfg, warm = components.cfg, components.cfg.sft_warmup
+    components.policy.reset_optimizer(warm.lr_schedule())
     losses = run_sft_steps(
         components.policy,
         components.sft_loader,
@@ -588,6 +592,7 @@ def sft_warm_start(components: GRPOComponents) -> None:
         0,
         "sft_warmup",
     )
+    components.policy.reset_optimizer()
     components.generation_stale = True
     if uses_reference_policy(cfg):
         components.policy.snapshot_reference_policy()

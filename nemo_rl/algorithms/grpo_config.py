@@ -75,6 +75,12 @@ class GRPOConfig(ConfigModel):
         default=16, ge=1, description="Validation prompts evaluated per validation."
     )
     val_batch_size: int = Field(default=8, ge=1, description="Prompts per validation batch.")
+    val_greedy: bool = Field(
+        default=False,
+        description="Validate with argmax decoding. False: sample with the generation config "
+        "(temperature, top_p, top_k), as in training, so the validation reward estimates the "
+        "expected reward GRPO maximises.",
+    )
     seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
 
     @property
@@ -339,8 +345,5 @@ class GRPOMasterConfig(ConfigModel):
             )
         if megatron.scheduler.lr_decay_iters is None:
             optimizer_steps_per_step = samples // self.policy.train_global_batch_size
-            warmup_steps = self.sft_warmup.num_steps if self.sft_warmup.enabled else 0
-            megatron.scheduler.lr_decay_iters = (
-                warmup_steps + self.grpo.max_num_steps * optimizer_steps_per_step
-            )
+            megatron.scheduler.lr_decay_iters = self.grpo.max_num_steps * optimizer_steps_per_step
         return self

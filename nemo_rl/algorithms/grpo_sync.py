@@ -230,8 +230,9 @@ def grpo_step_sync(
 
 
 def validate_sync(components: GRPOComponents, actor: ActorHandle) -> dict[str, float]:
-    """Greedy rollouts of the validation prompts through the validation partition (one batch
-    at a time, emptied after each); the metrics of :func:`grpo.validate`."""
+    """Rollouts of the validation prompts (greedy with ``grpo.val_greedy``) through the
+    validation partition (one batch at a time, emptied after each); the metrics of
+    :func:`grpo.validate`."""
     policy = _tq_policy(components)
     partition_id = VAL_PARTITION_ID
     prepare_generation(components)
@@ -240,7 +241,12 @@ def validate_sync(components: GRPOComponents, actor: ActorHandle) -> dict[str, f
         policy.prepare_val_partition(len(batch["message_log"]), partition_id=partition_id)
         with cleared_on_error(policy, partition_id):
             meta, carry = rollout_to_dataplane(
-                components, actor, batch, partition_id, num_generations=1, greedy=True
+                components,
+                actor,
+                batch,
+                partition_id,
+                num_generations=1,
+                greedy=components.cfg.grpo.val_greedy,
             )
             policy.finish_step(meta)
         rewards.append(carry.rewards)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loss import NLLLoss
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
@@ -22,9 +22,11 @@ class SFTWarmupConfig(ConfigModel):
     """Supervised warm start before the first GRPO step (``sft_warmup``).
 
     Runs on a fresh run only (never after resuming from a checkpoint). Each step is one
-    optimizer step of the policy on ``global_batch_size`` conversations, with the policy's
-    optimizer and learning-rate schedule (so a schedule decaying over the warm-up
-    steps gives a high warm-up rate and a lower GRPO rate).
+    optimizer step of the policy on ``global_batch_size`` conversations. The warm start is
+    its own training run: its learning rate decays linearly from ``lr`` to ``min_lr`` over
+    ``num_steps``, and afterwards the optimizer starts over (zero Adam moments, the policy's
+    schedule from step 0), so Adam statistics of supervised gradients do not scale the first
+    policy-gradient steps.
     """
 
     enabled: bool = Field(default=False, description="Run the warm start.")
@@ -41,9 +43,31 @@ class SFTWarmupConfig(ConfigModel):
         description="Conversations per warm-up optimizer step. None: "
         "policy.train_global_batch_size.",
     )
+    lr: float = Field(default=1e-3, gt=0, description="Learning rate of the first warm-up step.")
+    min_lr: float = Field(
+        default=1e-4, gt=0, description="Learning rate of the last warm-up step (linear decay)."
+    )
     log_period: int = Field(
         default=25, ge=1, description="Print the warm-up loss every this many steps."
     )
+
+    @model_validator(mode="after")
+    def _check_lr_range(self) -> SFTWarmupConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"sft_warmup.min_lr ({self.min_lr}) must be <= sft_warmup.lr ({self.lr})"
+            )
+        return self
+
+    def lr_schedule(self) -> dict[str, float | int | str]:
+        """The warm start's schedule as :meth:`Policy.reset_optimizer` overrides."""
+        return {
+            "lr": self.lr,
+            "min_lr": self.min_lr,
+            "lr_decay_style": "linear",
+            "lr_warmup_iters": 0,
+            "lr_decay_iters": self.num_steps,
+        }
 
 
 def sft_train_data(batch: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:

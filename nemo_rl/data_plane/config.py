@@ -27,10 +27,13 @@ class DataPlaneConfig(ConfigModel):
         "small scalars only; rollouts write samples to the store and policy workers read "
         "their shards from it. False: the in-memory loop (batches pass through the driver).",
     )
-    backend: Literal["transfer_queue", "in_process"] = Field(
+    backend: Literal["transfer_queue", "ray_object_store", "in_process"] = Field(
         default="transfer_queue",
-        description='"transfer_queue": TransferQueue controller and storage-unit Ray actors, '
-        'reachable from every process of the cluster. "in_process": dicts in the driver '
+        description='"transfer_queue": TransferQueue controller and storage-unit Ray actors '
+        '(tensors held by the storage units, moved over ZMQ). "ray_object_store": tensors in '
+        "Ray's shared-memory object store of the node that wrote them, one directory actor "
+        "for the keys (zero-copy reads on the same node, Ray's transfer between nodes). Both "
+        'are reachable from every process of the cluster. "in_process": dicts in the driver '
         "process (unit tests of driver-side code; no other process can attach).",
     )
     num_data_storage_units: int = Field(
@@ -69,6 +72,10 @@ def start_data_plane(cfg: DataPlaneConfigLike) -> DataPlaneClient:
     cfg = as_data_plane_config(cfg)
     if cfg.backend == "in_process":
         return InProcessDataPlane()
+    if cfg.backend == "ray_object_store":
+        from nemo_rl.data_plane.ray_object_store import RayObjectStoreDataPlane
+
+        return RayObjectStoreDataPlane.start(op_timeout_s=cfg.op_timeout_s)
     from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
 
     return TransferQueueDataPlane.start(
@@ -82,15 +89,20 @@ def attach_data_plane(cfg: DataPlaneConfigLike) -> DataPlaneClient:
     """In any process but the driver: a client of the store the driver started.
 
     Raises:
-        DataPlaneError: ``backend`` is "in_process" (its dicts live in the driver only) or no
-            TransferQueue controller runs.
+        DataPlaneError: ``backend`` is "in_process" (its dicts live in the driver only) or the
+            driver's store does not run.
     """
     cfg = as_data_plane_config(cfg)
     if cfg.backend == "in_process":
         raise DataPlaneError(
             "data_plane.backend='in_process' keeps samples in the driver process, which policy "
-            "workers and rollout actors cannot reach; set data_plane.backend='transfer_queue'"
+            "workers and rollout actors cannot reach; set data_plane.backend='transfer_queue' "
+            "or 'ray_object_store'"
         )
+    if cfg.backend == "ray_object_store":
+        from nemo_rl.data_plane.ray_object_store import RayObjectStoreDataPlane
+
+        return RayObjectStoreDataPlane.attach(op_timeout_s=cfg.op_timeout_s)
     from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
 
     return TransferQueueDataPlane.attach(op_timeout_s=cfg.op_timeout_s)

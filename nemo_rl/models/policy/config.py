@@ -63,8 +63,8 @@ class MegatronSchedulerConfig(ConfigModel):
         default=None,
         ge=1,
         description="Optimizer steps over which lr decays to min_lr. None: the whole run, "
-        "filled in by the algorithm's master config (GRPO: sft_warmup steps + "
-        "grpo.max_num_steps x optimizer steps per GRPO step).",
+        "filled in by the algorithm's master config (GRPO: grpo.max_num_steps x "
+        "optimizer steps per GRPO step; an SFT warm start has its own schedule).",
     )
 
 

@@ -193,6 +193,14 @@ class Policy(ColocatablePolicyInterface):
             self.worker_group.run_all_workers_single_data("snapshot_reference_policy")
         )
 
+    def reset_optimizer(self, lr_schedule: dict[str, Any] | None = None) -> None:
+        """Zero the optimizer state and restart the learning-rate schedule on every worker
+        (keys of ``lr_schedule`` replace the configured ``lr``, ``min_lr`` and scheduler
+        fields), e.g. to give an SFT warm start and the RL run after it separate optimizers."""
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("reset_optimizer", lr_schedule)
+        )
+
     def save_checkpoint(self, path: str) -> None:
         """Save model, optimizer, scheduler, RNG and step to ``path`` (a dist checkpoint)."""
         self.worker_group.get_all_worker_results(

@@ -93,7 +93,8 @@ class TQPolicy(Policy):
         if self.dp_cfg.backend == "in_process":
             raise DataPlaneError(
                 "TQPolicy needs a data plane its workers can reach, but data_plane.backend is "
-                "'in_process' (the driver's memory); set data_plane.backend='transfer_queue'"
+                "'in_process' (the driver's memory); set data_plane.backend='transfer_queue' or "
+                "'ray_object_store'"
             )
         self.tq_partition_id = tq_partition_id
         super().__init__(*args, **kwargs)

@@ -33,12 +33,25 @@ def test_sft_train_data_trains_on_replies_of_untruncated_rows(tiny_llama_path: P
         assert data["token_mask"][row, n - reply.numel() : n].eq(1).all()
 
 
-def test_warmup_steps_count_in_the_lr_schedule_and_batch_defaults() -> None:
+def test_warmup_has_its_own_schedule_and_batch_default() -> None:
     cfg = GRPOMasterConfig.model_validate(
-        {"grpo": {"max_num_steps": 10}, "sft_warmup": {"enabled": True, "num_steps": 30}}
+        {
+            "grpo": {"max_num_steps": 10},
+            "sft_warmup": {"enabled": True, "num_steps": 30, "lr": 2e-3, "min_lr": 5e-4},
+        }
     )
-    assert cfg.policy.megatron_cfg.scheduler.lr_decay_iters == 30 + 10
+    # GRPO's schedule covers the GRPO steps only; the warm start restarts from its own
+    assert cfg.policy.megatron_cfg.scheduler.lr_decay_iters == 10
+    assert cfg.sft_warmup.lr_schedule() == {
+        "lr": 2e-3,
+        "min_lr": 5e-4,
+        "lr_decay_style": "linear",
+        "lr_warmup_iters": 0,
+        "lr_decay_iters": 30,
+    }
     assert cfg.sft_warmup.global_batch_size == cfg.policy.train_global_batch_size
+    with pytest.raises(ValueError, match=r"sft_warmup.min_lr \(0.01\) must be <= sft_warmup.lr"):
+        GRPOMasterConfig.model_validate({"sft_warmup": {"lr": 1e-3, "min_lr": 1e-2}})
 
 
 def test_warmup_needs_the_synthetic_task() -> None:

@@ -1,7 +1,8 @@
-"""The DataPlaneClient contract, run against the in-process store and real TransferQueue actors.
+"""The DataPlaneClient contract, run against the in-process store and the two real stores
+(TransferQueue actors, Ray's object store with a directory actor).
 
-The TransferQueue cases share one controller + 2 storage units on a private Ray cluster on
-127.0.0.1 (module fixture, stopped at the end); every test leaves no partition behind.
+The real stores share a private Ray cluster on 127.0.0.1 (module fixture, stopped at the end);
+TransferQueue runs one controller + 2 storage units. Every test leaves no partition behind.
 """
 
 from __future__ import annotations
@@ -22,30 +23,60 @@ from nemo_rl.data_plane import (
     KVBatchMeta,
     MissingSamplesError,
 )
+from nemo_rl.data_plane.config import attach_data_plane, start_data_plane
 from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
 
 KEYS = [f"k{i}" for i in range(6)]
+REMOTE_BACKENDS = ["transfer_queue", "ray_object_store"]
 
 
 @pytest.fixture(scope="module")
-def tq_plane() -> Iterator[Any]:
-    from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
-
-    # Controller and two storage units take 1 logical CPU each; one more for a test actor.
+def ray_cluster() -> Iterator[None]:
+    # TransferQueue's controller and two storage units take 1 logical CPU each; one more for a
+    # test actor (the object store's directory takes none).
     init_ray(num_cpus=5)
-    plane = TransferQueueDataPlane.start(num_data_storage_units=2)
+    try:
+        yield
+    finally:
+        shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def tq_plane(ray_cluster: None) -> Iterator[Any]:
+    plane = start_data_plane({"backend": "transfer_queue", "num_data_storage_units": 2})
     try:
         yield plane
     finally:
         plane.close()
-        shutdown_ray()
 
 
-@pytest.fixture(params=["in_process", pytest.param("transfer_queue", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module")
+def object_store_plane(ray_cluster: None) -> Iterator[Any]:
+    plane = start_data_plane({"backend": "ray_object_store"})
+    try:
+        yield plane
+    finally:
+        plane.close()
+
+
+_FIXTURE = {"transfer_queue": "tq_plane", "ray_object_store": "object_store_plane"}
+
+
+@pytest.fixture(params=[pytest.param(b, marks=pytest.mark.slow) for b in REMOTE_BACKENDS])
+def remote_plane(request: pytest.FixtureRequest) -> Iterator[tuple[str, DataPlaneClient]]:
+    """(backend name, the driver's owning client) of each store other processes can reach."""
+    client = request.getfixturevalue(_FIXTURE[request.param])
+    yield request.param, client
+    for partition_id in client.partitions():
+        client.clear_partition(partition_id)
+
+
+@pytest.fixture(params=["in_process", *(pytest.param(b, marks=pytest.mark.slow) for b in REMOTE_BACKENDS)])
 def plane(request: pytest.FixtureRequest) -> Iterator[DataPlaneClient]:
-    client = InProcessDataPlane() if request.param == "in_process" else request.getfixturevalue(
-        "tq_plane"
-    )
+    if request.param == "in_process":
+        client = InProcessDataPlane()
+    else:
+        client = request.getfixturevalue(_FIXTURE[request.param])
     yield client
     for partition_id in client.partitions():
         client.clear_partition(partition_id)
@@ -266,7 +297,7 @@ def test_put_argument_errors(keys: Any, fields: Any, error: type, message: str) 
         plane.get("train", ["a"], [])
 
 
-# ---------------------------------------------------------------------- TransferQueue only
+# ---------------------------------------------------------------------- stores other processes reach
 
 
 @pytest.mark.slow
@@ -278,14 +309,18 @@ def test_transfer_queue_listens_on_loopback_and_refuses_a_second_start(tq_plane:
         TransferQueueDataPlane.start()
 
 
+@pytest.mark.slow
+def test_object_store_refuses_a_second_start(object_store_plane: Any) -> None:
+    with pytest.raises(DataPlaneError, match="a Ray object-store data plane already runs"):
+        start_data_plane({"backend": "ray_object_store"})
+
+
 @ray.remote(num_cpus=1)
 class _Worker:
-    """A process of its own that attaches to the driver's TransferQueue."""
+    """A process of its own that attaches to the driver's store."""
 
-    def __init__(self) -> None:
-        from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
-
-        self.plane = TransferQueueDataPlane.attach()
+    def __init__(self, backend: str) -> None:
+        self.plane = attach_data_plane({"backend": backend})
 
     def write_half_ids(self, keys: list[str]) -> None:
         ids = self.plane.get("train", keys, ["input_ids"])["input_ids"]
@@ -295,40 +330,45 @@ class _Worker:
         self.plane.close()
 
 
-@pytest.mark.slow
-def test_attached_client_in_another_process_shares_the_store(tq_plane: Any) -> None:
-    tq_plane.register_partition("train")
-    try:
-        ids = [torch.arange(n) for n in (3, 1, 4, 2)]
-        tq_plane.put("train", KEYS[:4], {"input_ids": ids})
-        worker = _Worker.remote()
-        ray.get(worker.write_half_ids.remote(KEYS[1:4]), timeout=120)
-        got = tq_plane.get("train", KEYS[1:4], ["half_ids"])["half_ids"]
+def test_attached_client_in_another_process_shares_the_store(
+    remote_plane: tuple[str, DataPlaneClient],
+) -> None:
+    backend, plane = remote_plane
+    plane.register_partition("train")
+    ids = [torch.arange(n) for n in (3, 1, 4, 2)]
+    plane.put("train", KEYS[:4], {"input_ids": ids})
+    worker = _Worker.remote(backend)
+    ray.get(worker.write_half_ids.remote(KEYS[1:4]), timeout=120)
+    got = plane.get("train", KEYS[1:4], ["half_ids"])["half_ids"]
+    assert [t.tolist() for t in got] == [[0.0], [0.0, 0.5, 1.0, 1.5], [0.0, 0.5]]
+    # An attached client's close leaves the store running for everybody else.
+    ray.get(worker.close.remote(), timeout=60)
+    assert [t.tolist() for t in plane.get("train", ["k0"], ["input_ids"])["input_ids"]] == [
+        [0, 1, 2]
+    ]
+    _kill_and_wait(worker)
+    if backend == "transfer_queue":  # the storage units hold what the worker wrote
+        got = plane.get("train", KEYS[1:4], ["half_ids"])["half_ids"]
         assert [t.tolist() for t in got] == [[0.0], [0.0, 0.5, 1.0, 1.5], [0.0, 0.5]]
-        # An attached client's close leaves the store running for everybody else.
-        ray.get(worker.close.remote(), timeout=60)
-        ray.kill(worker)
-        assert [t.tolist() for t in tq_plane.get("train", ["k0"], ["input_ids"])["input_ids"]] == [
-            [0, 1, 2]
-        ]
-    finally:
-        tq_plane.clear_partition("train")
+    # the driver's own samples are unaffected
+    assert len(plane.get("train", KEYS[:4], ["input_ids"])["input_ids"]) == 4
+
+
+def _kill_and_wait(actor: Any) -> None:
+    ray.kill(actor)
+    # ray.kill is asynchronous: wait until the actor is really gone before asking it
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.__ray_ready__.remote(), timeout=60)
 
 
 @pytest.mark.slow
 def test_dead_storage_unit_gives_a_clear_error_instead_of_a_hang(tq_plane: Any) -> None:
-    """Runs last: it breaks the module's TransferQueue."""
-    from nemo_rl.data_plane.transfer_queue_client import TransferQueueDataPlane
-
+    """Runs after every other TransferQueue test: it breaks the module's TransferQueue."""
     tq_plane.register_partition("train")
     tq_plane.put("train", KEYS[:4], {"x": torch.arange(4.0)})
-    impatient = TransferQueueDataPlane.attach(op_timeout_s=5)
+    impatient = attach_data_plane({"backend": "transfer_queue", "op_timeout_s": 5})
     for unit in range(2):
-        storage = ray.get_actor(f"TransferQueueStorageUnit#{unit}")
-        ray.kill(storage)
-        # ray.kill is asynchronous: wait until the unit is really gone before asking it
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(storage.__ray_ready__.remote(), timeout=60)
+        _kill_and_wait(ray.get_actor(f"TransferQueueStorageUnit#{unit}"))
     with pytest.raises(DataPlaneError) as err:
         impatient.get("train", KEYS[:4], ["x"])
     assert str(err.value) == (
@@ -339,3 +379,24 @@ def test_dead_storage_unit_gives_a_clear_error_instead_of_a_hang(tq_plane: Any) 
     impatient.close()
     with pytest.raises(DataPlaneError, match="this TransferQueue data-plane client is closed"):
         impatient.partitions()
+
+
+@pytest.mark.slow
+def test_dead_directory_gives_a_clear_error_instead_of_a_hang(object_store_plane: Any) -> None:
+    """Runs after every other object-store test: it breaks the module's directory."""
+    from nemo_rl.data_plane.ray_object_store import DIRECTORY_NAME, DIRECTORY_NAMESPACE
+
+    object_store_plane.register_partition("train")
+    object_store_plane.put("train", KEYS[:4], {"x": torch.arange(4.0)})
+    reader = attach_data_plane({"backend": "ray_object_store", "op_timeout_s": 5})
+    _kill_and_wait(ray.get_actor(DIRECTORY_NAME, namespace=DIRECTORY_NAMESPACE))
+    with pytest.raises(DataPlaneError) as err:
+        reader.get("train", KEYS[:4], ["x"])
+    assert str(err.value) == (
+        "get of 4 keys ['k0', 'k1', 'k2', 'k3'] in partition 'train' failed: the data-plane "
+        "directory actor or the objects holding the samples are gone (ActorDiedError); "
+        "restart the data plane"
+    )
+    reader.close()
+    with pytest.raises(DataPlaneError, match="this Ray object-store data-plane client is closed"):
+        reader.partitions()

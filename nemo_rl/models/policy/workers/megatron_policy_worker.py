@@ -22,7 +22,7 @@ from nemo_rl.models.generation.refit.ipc import IpcBucket
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.megatron import destroy_megatron_parallel
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
-from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+from nemo_rl.models.policy.workers.megatron.model_setup import restart_optimizer, setup_policy_model
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
 from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
 
@@ -56,6 +56,26 @@ class MegatronPolicyWorker:
     def snapshot_reference_policy(self) -> None:
         """Make the current weights the reference policy (e.g. after an SFT warm start)."""
         self.reference = ReferenceWeights(self.policy.model.module)
+
+    def reset_optimizer(self, lr_schedule: dict[str, Any] | None = None) -> None:
+        """Start the optimizer over from the current weights: zero Adam state and a new
+        learning-rate schedule at step 0.
+
+        Args:
+            lr_schedule: replaces keys of ``megatron_cfg.optimizer`` (``lr``, ``min_lr``) and
+                ``megatron_cfg.scheduler`` (``lr_decay_style``, ``lr_warmup_iters``,
+                ``lr_decay_iters``) for this schedule; None: the configured schedule.
+        """
+        overrides = lr_schedule or {}
+        unknown = set(overrides) - {"lr", "min_lr", *self.config["megatron_cfg"]["scheduler"]}
+        if unknown:
+            raise ValueError(f"reset_optimizer: unknown lr_schedule keys {sorted(unknown)}")
+        mcfg = self.config["megatron_cfg"]
+        opt_cfg = {**mcfg["optimizer"]}
+        sched_cfg = {**mcfg["scheduler"]}
+        for key, value in overrides.items():
+            (opt_cfg if key in ("lr", "min_lr") else sched_cfg)[key] = value
+        restart_optimizer(self.policy, opt_cfg, sched_cfg)
 
     # ---------------------------------------------------------------- scoring
 

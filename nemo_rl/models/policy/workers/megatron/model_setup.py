@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,6 +245,32 @@ def build_scheduler(optimizer: Any, opt_cfg: dict[str, Any], sched_cfg: dict[str
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+
+
+def optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
+    """Per-parameter state dicts of every torch optimizer inside a megatron optimizer."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield from opt.optimizer.state.values()
+
+
+def restart_optimizer(
+    policy: PolicyModel, opt_cfg: dict[str, Any], sched_cfg: dict[str, Any]
+) -> None:
+    """Zero the optimizer state in place (Adam moments and step counts, so bias correction
+    starts over) and give ``policy`` a new scheduler from ``opt_cfg``/``sched_cfg`` at step 0.
+
+    Weights (and fp32 master weights) are untouched: this is what starting a second training
+    run from the current weights looks like, e.g. GRPO after an SFT warm start.
+    """
+    for state in optimizer_states(policy.optimizer):
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+    # megatron's scheduler reads each param group's own max_lr/min_lr before its arguments
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        for group in opt.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = float(opt_cfg["lr"]), float(opt_cfg["min_lr"])
+    policy.scheduler = build_scheduler(policy.optimizer, opt_cfg, sched_cfg)
 
 
 def setup_policy_model(config: dict[str, Any], model_path: str, seed: int) -> PolicyModel:

@@ -14,22 +14,15 @@ that returns the bytes it would move, so callers can log the same figures on bot
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel, optimizer_states
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
-    """Per-parameter state dicts of every torch optimizer inside a megatron optimizer."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        yield from opt.optimizer.state.values()
 
 
 def _ddp_buffers(ddp: Any) -> list[Any]:
@@ -47,7 +40,7 @@ def offload_optimizer_and_grads(policy: PolicyModel) -> int:
         Bytes moved or freed (optimizer state + gradient buffers).
     """
     moved = 0
-    for state in _optimizer_states(policy.optimizer):
+    for state in optimizer_states(policy.optimizer):
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 moved += _nbytes(value)
@@ -113,7 +106,7 @@ def reload_all(policy: PolicyModel, host_copies: dict[int, torch.Tensor]) -> int
         if param.device.type == "cpu":
             param.data = param.data.to(device)
             moved += _nbytes(param)
-    for state in _optimizer_states(policy.optimizer):
+    for state in optimizer_states(policy.optimizer):
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
                 state[key] = value.to(device)
