@@ -27,14 +27,16 @@ class DataPlaneConfig(ConfigModel):
         "small scalars only; rollouts write samples to the store and policy workers read "
         "their shards from it. False: the in-memory loop (batches pass through the driver).",
     )
-    backend: Literal["transfer_queue", "ray_object_store", "in_process"] = Field(
-        default="transfer_queue",
-        description='"transfer_queue": TransferQueue controller and storage-unit Ray actors '
-        '(tensors held by the storage units, moved over ZMQ). "ray_object_store": tensors in '
-        "Ray's shared-memory object store of the node that wrote them, one directory actor "
-        "for the keys (zero-copy reads on the same node, Ray's transfer between nodes). Both "
-        'are reachable from every process of the cluster. "in_process": dicts in the driver '
-        "process (unit tests of driver-side code; no other process can attach).",
+    backend: Literal["ray_object_store", "transfer_queue", "in_process"] = Field(
+        default="ray_object_store",
+        description='"ray_object_store": tensors in Ray\'s shared-memory object store of the '
+        "node that wrote them (alive as long as their writer), one directory actor for the "
+        "keys; zero-copy reads on the same node, Ray's transfer between nodes; the faster "
+        'store in docs/performance.md "Data plane". "transfer_queue": TransferQueue '
+        "controller and storage-unit Ray actors (the units hold the tensors, moved over ZMQ; "
+        "1 logical CPU each). Both are reachable from every process of the cluster. "
+        '"in_process": dicts in the driver process (unit tests of driver-side code; no other '
+        "process can attach).",
     )
     num_data_storage_units: int = Field(
         default=2,
@@ -67,7 +69,8 @@ def start_data_plane(cfg: DataPlaneConfigLike) -> DataPlaneClient:
     """On the driver: start the store of ``cfg.backend`` and return its owning client.
 
     Raises:
-        DataPlaneError: TransferQueue cannot start (Ray down, too few free CPUs, one runs).
+        DataPlaneError: the store cannot start (Ray down, one already runs; TransferQueue:
+            too few free logical CPUs).
     """
     cfg = as_data_plane_config(cfg)
     if cfg.backend == "in_process":
