@@ -572,11 +572,11 @@ def uses_reference_policy(cfg: GRPOMasterConfig) -> bool:
 
 
 def sft_warm_start(components: GRPOComponents) -> None:
-    """Run the SFT warm start with its own learning-rate schedule, restart the optimizer for
-    GRPO (zero Adam state, the policy's schedule from step 0), make the warm-started weights
-    the reference policy (the KL penalty anchors to them, not to the random model) and, with
-    checkpointing, save them to ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild the
-    same reference."""
+    """Run the SFT warm start with its own learning-rate schedule, make the warm-started
+    weights the reference policy (the KL penalty anchors to them, not to the random model) and,
+    with checkpointing, save them to ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild
+    the same reference; then restart the optimizer for GRPO (zero Adam state, the policy's
+    schedule from step 0)."""
     cfg, warm = components.cfg, components.cfg.sft_warmup
     components.policy.reset_optimizer(warm.lr_schedule())
     losses = run_sft_steps(
@@ -592,17 +592,18 @@ def sft_warm_start(components: GRPOComponents) -> None:
         0,
         "sft_warmup",
     )
-    components.policy.reset_optimizer()
     components.generation_stale = True
     if uses_reference_policy(cfg):
         components.policy.snapshot_reference_policy()
         if components.checkpointer is not None:
+            # saved before the restart: megatron cannot load an Adam state at step 0
             final = Path(cfg.checkpointing.checkpoint_dir) / SFT_WARMUP_DIR
             tmp = final.with_name(final.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)
             components.policy.save_checkpoint(str(tmp))
             tmp.rename(final)
+    components.policy.reset_optimizer()
 
 
 def grpo_train(
