@@ -16,7 +16,9 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
   transfer as the driver sees it) and ``total_s``.
 * ``transfer`` = ``stream_s - export_s``: moving the bytes from the policy process into the
   engine's reach (one copy into the sender's shared buffer, a checksum on each side, the Ray
-  hand-offs between buckets).
+  hand-offs between buckets). ``send_s`` is the sender's own part (opening the stream to the
+  last bucket packed); ``stream_s - send_s`` is what the Ray hand-offs and the engine's check
+  of the last bucket add.
 * memcpy: ``torch`` ``copy_`` of the same number of bytes between two warm buffers in this
   process, 1 thread and 2 threads (best of 3), measured right before each refit so both see
   the same load. Ratios are per refit against the memcpy just before it: median (min-max).
@@ -145,11 +147,12 @@ def main() -> None:
     print(f"memcpy of the same bytes (median of {args.repeats}, each right before a refit): "
           f"1 thread {statistics.median(memcpy_1) / 1e9:.2f} GB/s, "
           f"2 threads {statistics.median(memcpy_2) / 1e9:.2f} GB/s")
-    print(f"{'phase (median)':<34} {'s':>8} {'GB/s':>8} {'/ memcpy':>9}")
+    print(f"{'phase (median)':<38} {'s':>8} {'GB/s':>8} {'/ memcpy':>9}")
     rows = [
         ("export (export_hf_weights)", split["export_s"]),
         ("  pack + checksum (sender)", split["pack_s"]),
         ("  check in place (engine)", split["receive_s"]),
+        ("  send (sender: open to last packed)", split["send_s"]),
         ("transfer = stream - export", split["transfer_s"]),
         ("stream (export + transfer)", split["stream_s"]),
         ("engine load (reload_weights)", split["load_s"]),
@@ -159,7 +162,7 @@ def main() -> None:
     reference = statistics.median(best_memcpy)
     for name, seconds in rows:
         bandwidth = nbytes / seconds if seconds > 0 else float("inf")
-        print(f"{name:<34} {seconds:>8.3f} {bandwidth / 1e9:>8.2f} "
+        print(f"{name:<38} {seconds:>8.3f} {bandwidth / 1e9:>8.2f} "
               f"{bandwidth / reference:>9.2f}")
     # Each refit against the memcpy measured just before it; median (min-max) over refits.
     for label, memcpys in (("faster memcpy", best_memcpy), ("1-thread memcpy", memcpy_1)):
