@@ -11,8 +11,9 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
 
 * the refit's own split (:class:`RefitResult.seconds`): the sender's ``export_s`` (waiting for
   ``export_hf_weights``) and ``pack_s`` (copying into the shared buffer + checksum); the
-  engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (vLLM's
-  ``reload_weights``, reading straight from the shared buffer); ``stream_s`` (export +
+  engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (the model's loaders
+  copying straight from the shared buffer into its live parameters, or vLLM's
+  ``reload_weights`` where the backend repacked them); ``stream_s`` (export +
   transfer as the driver sees it) and ``total_s``.
 * ``transfer`` = ``stream_s - export_s``: moving the bytes from the policy process into the
   engine's reach (one copy into the sender's shared buffer, a checksum on each side, the Ray
@@ -155,7 +156,7 @@ def main() -> None:
         ("  send (sender: open to last packed)", split["send_s"]),
         ("transfer = stream - export", split["transfer_s"]),
         ("stream (export + transfer)", split["stream_s"]),
-        ("engine load (reload_weights)", split["load_s"]),
+        ("engine load (vLLM loaders)", split["load_s"]),
         ("commit (driver wall)", split["commit_s"]),
         ("refit end to end", split["total_s"]),
     ]
