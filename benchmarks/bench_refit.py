@@ -28,11 +28,10 @@ Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5]
 
-Measured on 2 CPU cores shared with other jobs (load average 2-12 during the runs), 0.508 GB
-bf16 stream, 64 MiB buckets (8), median (min-max) of 3 runs of median-of-5: export 0.187 s,
-pack + checksum 0.164 s, check in place 0.070 s (overlapped), transfer 0.201 s (0.155-0.273),
-engine load 0.370 s, end to end 0.760 s (0.605-1.016); transfer / memcpy 0.32 (0.26-0.35)
-against the faster memcpy, 0.41 (0.38-0.47) against 1 thread; end to end 0.08 / 0.10. See
+Measured on 2 CPU cores shared with other jobs, 0.508 GB bf16 stream, 64 MiB buckets (8),
+median of 5 refits: at load average 15-16, export 0.066 s (0.22-0.24 s before views), pack +
+checksum 0.296 s, transfer 0.382 s, engine load 0.366 s (in place), end to end 0.987 s;
+transfer / memcpy 0.28 (2 threads) / 0.30 (1 thread), end to end 0.11 / 0.13. See
 docs/performance.md (refit section) for the split and what bounds it.
 """
 
