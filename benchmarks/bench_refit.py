@@ -11,12 +11,15 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
 
 * the refit's own split (:class:`RefitResult.seconds`): the sender's ``export_s`` (waiting for
   ``export_hf_weights``) and ``pack_s`` (copying into the shared buffer + checksum); the
-  engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (vLLM's
-  ``reload_weights``, reading straight from the shared buffer); ``stream_s`` (export +
+  engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (the model's loaders
+  copying straight from the shared buffer into its live parameters, or vLLM's
+  ``reload_weights`` where the backend repacked them); ``stream_s`` (export +
   transfer as the driver sees it) and ``total_s``.
 * ``transfer`` = ``stream_s - export_s``: moving the bytes from the policy process into the
   engine's reach (one copy into the sender's shared buffer, a checksum on each side, the Ray
-  hand-offs between buckets).
+  hand-offs between buckets). ``send_s`` is the sender's own part (opening the stream to the
+  last bucket packed); ``stream_s - send_s`` is what the Ray hand-offs and the engine's check
+  of the last bucket add.
 * memcpy: ``torch`` ``copy_`` of the same number of bytes between two warm buffers in this
   process, 1 thread and 2 threads (best of 3), measured right before each refit so both see
   the same load. Ratios are per refit against the memcpy just before it: median (min-max).
@@ -25,11 +28,10 @@ Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5]
 
-Measured on 2 CPU cores shared with other jobs (load average 2-12 during the runs), 0.508 GB
-bf16 stream, 64 MiB buckets (8), median (min-max) of 3 runs of median-of-5: export 0.187 s,
-pack + checksum 0.164 s, check in place 0.070 s (overlapped), transfer 0.201 s (0.155-0.273),
-engine load 0.370 s, end to end 0.760 s (0.605-1.016); transfer / memcpy 0.32 (0.26-0.35)
-against the faster memcpy, 0.41 (0.38-0.47) against 1 thread; end to end 0.08 / 0.10. See
+Measured on 2 CPU cores shared with other jobs, 0.508 GB bf16 stream, 64 MiB buckets (8),
+median of 5 refits: at load average 15-16, export 0.066 s (0.22-0.24 s before views), pack +
+checksum 0.296 s, transfer 0.382 s, engine load 0.366 s (in place), end to end 0.987 s;
+transfer / memcpy 0.28 (2 threads) / 0.30 (1 thread), end to end 0.11 / 0.13. See
 docs/performance.md (refit section) for the split and what bounds it.
 """
 
@@ -145,21 +147,22 @@ def main() -> None:
     print(f"memcpy of the same bytes (median of {args.repeats}, each right before a refit): "
           f"1 thread {statistics.median(memcpy_1) / 1e9:.2f} GB/s, "
           f"2 threads {statistics.median(memcpy_2) / 1e9:.2f} GB/s")
-    print(f"{'phase (median)':<34} {'s':>8} {'GB/s':>8} {'/ memcpy':>9}")
+    print(f"{'phase (median)':<38} {'s':>8} {'GB/s':>8} {'/ memcpy':>9}")
     rows = [
         ("export (export_hf_weights)", split["export_s"]),
         ("  pack + checksum (sender)", split["pack_s"]),
         ("  check in place (engine)", split["receive_s"]),
+        ("  send (sender: open to last packed)", split["send_s"]),
         ("transfer = stream - export", split["transfer_s"]),
         ("stream (export + transfer)", split["stream_s"]),
-        ("engine load (reload_weights)", split["load_s"]),
+        ("engine load (vLLM loaders)", split["load_s"]),
         ("commit (driver wall)", split["commit_s"]),
         ("refit end to end", split["total_s"]),
     ]
     reference = statistics.median(best_memcpy)
     for name, seconds in rows:
         bandwidth = nbytes / seconds if seconds > 0 else float("inf")
-        print(f"{name:<34} {seconds:>8.3f} {bandwidth / 1e9:>8.2f} "
+        print(f"{name:<38} {seconds:>8.3f} {bandwidth / 1e9:>8.2f} "
               f"{bandwidth / reference:>9.2f}")
     # Each refit against the memcpy measured just before it; median (min-max) over refits.
     for label, memcpys in (("faster memcpy", best_memcpy), ("1-thread memcpy", memcpy_1)):

@@ -71,7 +71,9 @@ def export_hf_weights(
         dtype: cast exported tensors to this dtype; None keeps the parameter dtype.
 
     Yields:
-        HF name and a CPU tensor in HF layout (contiguous).
+        HF name and a CPU tensor in HF layout (contiguous). Where no conversion is needed
+        (TP=1, no dtype cast, every tensor but q/k/v) it is a view of the parameter: read it
+        before the model changes, or clone it to keep it.
     """
     from megatron.core import parallel_state
 

@@ -14,6 +14,11 @@ Layouts (``h`` = hidden size, ``d`` = head dim, ``nq``/``nkv`` = query/KV heads,
   tensor is *not* ``cat(gate, up)`` once TP > 1.
 * vocab padding: embedding / output rows are padded with zeros to a multiple of
   ``make_vocab_size_divisible_by * tp``; padding rows are never exported.
+
+The ``*_unshard`` functions copy as little as the layout allows: with one shard (TP=1) they
+return views of it where the HF tensor is a contiguous piece of the Megatron one (every
+tensor but q/k/v, which are copied once out of the interleaved fused QKV). Their results are
+contiguous and may share memory with ``shards``.
 """
 
 from __future__ import annotations
@@ -89,15 +94,21 @@ def qkv_shard(
     return fused.reshape(groups * (g + 2) * head_dim, *tail)
 
 
+def _cat(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(shards, dim)``, or the single shard itself (no copy) when TP=1."""
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
+
 def qkv_unshard(
     shards: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int
 ) -> list[torch.Tensor]:
     """HF ``[q, k, v]`` from all TP ranks' fused ``linear_qkv`` tensors (weights or biases)."""
     g = num_heads // num_kv_heads
-    fused = torch.cat(shards, dim=0)
-    tail = fused.shape[1:]
-    grouped = fused.reshape(num_kv_heads, (g + 2) * head_dim, *tail)
+    tail = shards[0].shape[1:]
+    # Each rank holds whole query groups, so the groups of all ranks stack along dim 0.
+    grouped = _cat([s.reshape(-1, (g + 2) * head_dim, *tail) for s in shards], dim=0)
     q, k, v = torch.split(grouped, [g * head_dim, head_dim, head_dim], dim=1)
+    # One copy each, straight out of the interleaved groups (a strided view).
     return [
         q.reshape(num_heads * head_dim, *tail).contiguous(),
         k.reshape(num_kv_heads * head_dim, *tail).contiguous(),
@@ -118,8 +129,8 @@ def gate_up_shard(
 def gate_up_unshard(shards: list[torch.Tensor]) -> list[torch.Tensor]:
     """HF ``[gate, up]`` from all TP ranks' ``linear_fc1`` tensors."""
     halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
-    gate = torch.cat([h[0] for h in halves], dim=0)
-    up = torch.cat([h[1] for h in halves], dim=0)
+    gate = _cat([h[0] for h in halves], dim=0)
+    up = _cat([h[1] for h in halves], dim=0)
     return [gate.contiguous(), up.contiguous()]
 
 
@@ -139,7 +150,7 @@ def vocab_shard(
 
 def vocab_unshard(shards: list[torch.Tensor], vocab_size: int) -> list[torch.Tensor]:
     """The HF ``[vocab, h]`` matrix from all TP ranks' rows, padding rows dropped."""
-    return [torch.cat(shards, dim=0)[:vocab_size].contiguous()]
+    return [_cat(shards, dim=0)[:vocab_size].contiguous()]
 
 
 def split_shard(
@@ -156,4 +167,4 @@ def split_unshard(shards: list[torch.Tensor], dim: int | None) -> list[torch.Ten
     """The HF tensor from all TP ranks' slices (replicated: rank 0's copy)."""
     if dim is None:
         return [shards[0].contiguous()]
-    return [torch.cat(shards, dim=dim).contiguous()]
+    return [_cat(shards, dim=dim).contiguous()]

@@ -17,6 +17,7 @@ from megatron_bridge.transforms import (
     padded_vocab_size,
     qkv_shard,
     qkv_unshard,
+    split_unshard,
     vocab_shard,
     vocab_unshard,
 )
@@ -153,3 +154,22 @@ def test_cpu_compat_redirects_cuda_and_is_idempotent():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [
         True, True, "cpu", "cpu", "cpu", True, False
     ]
+
+
+def test_tp1_unshard_views_the_shard_except_qkv():
+    # At TP=1 the export hands the parameter's own memory on (no copy) wherever the HF
+    # tensor is a contiguous piece of it; q/k/v are copied once out of the interleave.
+    gen = torch.Generator().manual_seed(2)
+    shard = torch.randn(24, 5, generator=gen)
+    base = shard.untyped_storage().data_ptr()
+
+    def shares(t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.untyped_storage().data_ptr() == base
+
+    assert all(shares(t) for t in gate_up_unshard([shard]))
+    assert all(shares(t) for t in vocab_unshard([shard], 20))
+    assert all(shares(t) for t in split_unshard([shard], 0) + split_unshard([shard], 1))
+    q, k, v = qkv_unshard([shard], 4, 2, 3)  # 2 groups of [q q k v] heads of 3 rows
+    assert not any(t.untyped_storage().data_ptr() == base for t in (q, k, v))
+    assert all(t.is_contiguous() for t in (q, k, v))
+    assert torch.equal(k, torch.cat([shard[6:9], shard[18:21]]))

