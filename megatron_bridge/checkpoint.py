@@ -3,18 +3,21 @@
 HF: :func:`save_hf_checkpoint` writes an exported tensor stream into safetensors shards of at
 most ``max_shard_bytes`` each (plus ``model.safetensors.index.json`` when there is more than
 one), the HF ``config.json`` and the tokenizer/generation files copied from the source folder.
-Each tensor is written to its shard file as it arrives; none is held after that.
+Each shard's header is written first (names and shapes come from the conversion plan), then
+each tensor's bytes as it arrives; none is held after that.
 
 Megatron: :func:`save_megatron_checkpoint` / :func:`load_megatron_checkpoint` use
-``megatron.core.dist_checkpointing``, whose layout is independent of TP/PP, so a checkpoint
-saved at TP=2 loads at PP=2. The folder also holds ``bridge.json`` (the HF config, the padded
-vocabulary size and the dtype) and an ``hf_assets/`` copy of the tokenizer files.
+``megatron.core.dist_checkpointing`` on a built model; its layout is independent of TP/PP, so
+a checkpoint saved at TP=2 loads at PP=2. The folder also holds ``bridge.json`` (the HF
+config, the padded vocabulary size and the dtype) and an ``hf_assets/`` copy of the tokenizer
+files. Conversion writes and reads the same folders without a model
+(:mod:`megatron_bridge.dist_ckpt_writer`, :mod:`megatron_bridge.dist_ckpt_reader`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_bridge.config import BridgeConfig, dtype_from_name
 from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
-from megatron_bridge.safetensors_stream import SafetensorsStreamWriter
+from megatron_bridge.safetensors_stream import SafetensorsStreamWriter, TensorSpec, tensor_nbytes
 
 BRIDGE_FILE = "bridge.json"
 HF_ASSETS_DIR = "hf_assets"
@@ -75,57 +78,60 @@ def save_hf_checkpoint(
     consume it, only global rank 0 writes.
 
     Args:
-        weights: HF names and tensors, as exported.
+        weights: every HF tensor of ``bridge``'s model in plan order, all of one dtype (what
+            :func:`export_hf_weights` and :func:`~megatron_bridge.dist_ckpt_reader.
+            checkpoint_hf_weights` yield). Names and shapes are known from ``bridge`` and the
+            dtype from the first tensor, so each shard's header is written before its data.
         bridge: provides ``config.json`` (written unchanged except ``dtype`` when casting).
         out_dir: destination folder (created if missing).
         assets_dir: folder whose tokenizer/generation files are copied; None copies none.
         dtype: the dtype the tensors were exported in, recorded in config.json.
         max_shard_bytes: start a new shard file once a shard would exceed this many bytes.
+
+    Raises:
+        ValueError: the stream differs from ``bridge``'s tensors (names, order, shapes, one
+            dtype); checked on the writing rank.
     """
     out = Path(out_dir)
     writer = _is_writer()
+    tensors = iter(weights)
+    first = next(tensors, None)
+    if first is None:
+        raise ValueError("no tensors to write")
+    dims = bridge.dims(1)
+    specs = [
+        (name, first[1].dtype, shape)
+        for mapping in bridge.plan()
+        for name, shape in zip(mapping.hf_names, mapping.hf_shapes(dims))
+    ]
+    shards = _group_into_shards(specs, max_shard_bytes)
+    if len(shards) == 1:
+        files = [SINGLE_FILE]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    shard: SafetensorsStreamWriter | None = None
-    shard_tensors = shard_bytes = 0
-    shard_files: list[Path] = []
-    weight_map: dict[str, int] = {}
-    total = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_tensors, shard_bytes
+    tensors = itertools.chain([first], tensors)
+    for file, shard_specs in zip(files, shards):
+        shard = None
+        if writer:
+            shard = SafetensorsStreamWriter(out / file, shard_specs, {"format": "pt"})
+        for name, tensor in itertools.islice(tensors, len(shard_specs)):
+            if shard is not None:
+                shard.add(name, tensor)
         if shard is not None:
             shard.close()
-        shard, shard_tensors, shard_bytes = None, 0, 0
-
-    for name, tensor in weights:
-        size = tensor.numel() * tensor.element_size()
-        if shard_tensors and shard_bytes + size > max_shard_bytes:
-            flush()
-        if not shard_tensors:
-            shard_files.append(out / f".shard-{len(shard_files):05d}.tmp")
-            if writer:
-                shard = SafetensorsStreamWriter(shard_files[-1], metadata={"format": "pt"})
-        if shard is not None:
-            shard.add(name, tensor)
-        shard_tensors += 1
-        shard_bytes += size
-        total += size
-        weight_map[name] = len(shard_files) - 1
-    flush()
     if not writer:
         return
+    if next(tensors, None) is not None:
+        raise ValueError(f"the stream holds more tensors than the {len(specs)} of the model")
 
-    count = len(shard_files)
-    if count == 1:
-        os.replace(shard_files[0], out / SINGLE_FILE)
-    else:
-        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for tmp, final in zip(shard_files, names):
-            os.replace(tmp, out / final)
+    if len(shards) > 1:
         index = {
-            "metadata": {"total_size": total},
-            "weight_map": {name: names[i] for name, i in sorted(weight_map.items())},
+            "metadata": {"total_size": sum(tensor_nbytes(spec) for spec in specs)},
+            "weight_map": dict(sorted(
+                (spec[0], file) for file, shard in zip(files, shards) for spec in shard
+            )),
         }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = dict(bridge.hf_config)
@@ -134,6 +140,21 @@ def save_hf_checkpoint(
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if assets_dir is not None:
         copy_hf_assets(assets_dir, out)
+
+
+def _group_into_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive tensors per shard file: a shard ends before the tensor that would take it
+    past ``max_shard_bytes`` (a tensor larger than that gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        nbytes = tensor_nbytes(spec)
+        if not shards or (shards[-1] and size + nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
 
 
 def _in_process_save_strategy(sync_files: bool) -> Any:
@@ -197,18 +218,26 @@ def save_megatron_checkpoint(
         model.sharded_state_dict(), str(ckpt), sharded_strategy=_in_process_save_strategy(True)
     )
     if _is_writer():
-        meta = {
-            "hf_config": bridge.hf_config,
-            "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
-            "padded_vocab_size": bridge.padded_vocab(tp),
-            "dtype": _dtype_name(next(model.parameters()).dtype),
-        }
-        (ckpt / BRIDGE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if assets_dir is not None:
-            (ckpt / HF_ASSETS_DIR).mkdir(exist_ok=True)
-            copy_hf_assets(assets_dir, ckpt / HF_ASSETS_DIR)
+        write_bridge_files(ckpt, bridge, tp, next(model.parameters()).dtype, assets_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def write_bridge_files(
+    ckpt_dir: Path, bridge: BridgeConfig, tp: int, dtype: torch.dtype, assets_dir: str | Path | None
+) -> None:
+    """Add our own files to a dist checkpoint: ``bridge.json`` (HF config, padded vocabulary
+    at TP size ``tp``, parameter dtype) and the tokenizer files under ``hf_assets/``."""
+    meta = {
+        "hf_config": bridge.hf_config,
+        "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
+        "padded_vocab_size": bridge.padded_vocab(tp),
+        "dtype": _dtype_name(dtype),
+    }
+    (ckpt_dir / BRIDGE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    if assets_dir is not None:
+        (ckpt_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
+        copy_hf_assets(assets_dir, ckpt_dir / HF_ASSETS_DIR)
 
 
 def read_bridge_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -223,6 +252,16 @@ def read_bridge_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
             f"{meta_file} not found: {ckpt_dir} is not a megatron_bridge checkpoint"
         )
     return json.loads(meta_file.read_text())
+
+
+def checkpoint_bridge(ckpt_dir: str | Path) -> BridgeConfig:
+    """The :class:`BridgeConfig` of a Megatron checkpoint, with its saved vocabulary padding."""
+    meta = read_bridge_metadata(ckpt_dir)
+    return BridgeConfig(
+        meta["hf_config"],
+        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        padded_vocab_size=meta["padded_vocab_size"],
+    )
 
 
 def load_megatron_checkpoint(
@@ -246,11 +285,7 @@ def load_megatron_checkpoint(
             f"{_dtype_name(dtype)} was requested; pass dtype={meta['dtype']} (--dtype "
             f"{meta['dtype']}) or convert to HF and reload"
         )
-    bridge = BridgeConfig(
-        meta["hf_config"],
-        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-        padded_vocab_size=meta["padded_vocab_size"],
-    )
+    bridge = checkpoint_bridge(ckpt_dir)
     model = build_gpt_model(bridge, saved)
     sharded = model.sharded_state_dict()
     _merge_in_place(sharded)

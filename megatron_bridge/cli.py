@@ -5,8 +5,11 @@
     megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1
     megatron-bridge info PATH
 
-Multi-rank work runs in ``tp * pp`` processes this command spawns itself (gloo on CPU, nccl
-with one GPU per rank); a single rank runs in the command's own process. Every argument is checked before any process starts; the output is
+``convert`` streams tensors from one format into the other in the command's own process,
+without building a model or starting process groups (the dist checkpoint is laid out as a
+``--tp`` x ``--pp`` model would save it; it loads at any layout). ``verify`` builds the model on
+``tp * pp`` ranks it spawns itself (gloo on CPU, nccl with one GPU per rank; a single rank runs
+in the command's own process). Every argument is checked before any work starts; the output is
 written to a temporary sibling folder and renamed into place only on success.
 """
 
@@ -22,7 +25,13 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.checkpoint import BRIDGE_FILE, HF_ASSETS_DIR, read_bridge_metadata
+from megatron_bridge.checkpoint import (
+    BRIDGE_FILE,
+    HF_ASSETS_DIR,
+    checkpoint_bridge,
+    read_bridge_metadata,
+    save_hf_checkpoint,
+)
 from megatron_bridge.config import BridgeConfig, dtype_from_name
 from megatron_bridge.load import SafetensorsReader
 
@@ -52,14 +61,7 @@ def _checkpoint_kind(path: Path) -> str:
 
 
 def _bridge_for(path: Path, kind: str) -> BridgeConfig:
-    if kind == "hf":
-        return BridgeConfig.from_hf(path)
-    meta = read_bridge_metadata(path)
-    return BridgeConfig(
-        meta["hf_config"],
-        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-        padded_vocab_size=meta["padded_vocab_size"],
-    )
+    return BridgeConfig.from_hf(path) if kind == "hf" else checkpoint_bridge(path)
 
 
 def _check_source(path: Path, kind: str) -> BridgeConfig:
@@ -103,7 +105,45 @@ def _commit_output(tmp: Path, dst: Path) -> None:
     tmp.rename(dst)
 
 
-# ---- spawned ranks ---------------------------------------------------------------------------
+# ---- conversion (this process) ---------------------------------------------------------------
+
+
+def _progress(items: Any, total: int, description: str) -> Any:
+    """Wrap an iterator with a rich progress bar."""
+    from rich.progress import track
+
+    return track(items, total=total, description=description)
+
+
+def _convert(opts: dict[str, Any]) -> None:
+    """Stream one checkpoint into the other format, in this process (no model is built)."""
+    if opts["from"] == "hf":
+        from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
+
+        dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else torch.float32
+        convert_hf_to_dist_checkpoint(
+            opts["src"], opts["tmp"], tp=opts["tp"], pp=opts["pp"], dtype=dtype,
+            sync_files=opts["fsync"],
+        )
+        return
+    from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
+
+    dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else None
+    bridge = checkpoint_bridge(opts["src"])
+    count = sum(len(m.hf_names) for m in bridge.plan())
+    weights = _progress(checkpoint_hf_weights(opts["src"], bridge, dtype), count, "exporting")
+    assets = Path(opts["src"]) / HF_ASSETS_DIR
+    save_hf_checkpoint(
+        weights,
+        bridge,
+        opts["tmp"],
+        assets_dir=assets if assets.is_dir() else None,
+        dtype=dtype,
+        max_shard_bytes=opts["max_shard_bytes"],
+    )
+
+
+# ---- spawned ranks (verify) ------------------------------------------------------------------
 
 
 def _run_ranks(fn: Any, world: int, *args: Any) -> None:
@@ -121,7 +161,7 @@ def _run_ranks(fn: Any, world: int, *args: Any) -> None:
         try:
             fn(0, 1, find_free_port(), *args)
         except (ValueError, KeyError, FileNotFoundError) as err:
-            raise CliError(f"conversion failed: {err}") from err
+            raise CliError(str(err)) from err
         return
     import torch.multiprocessing as mp
 
@@ -129,51 +169,7 @@ def _run_ranks(fn: Any, world: int, *args: Any) -> None:
         mp.spawn(fn, args=(world, find_free_port(), *args), nprocs=world, join=True)
     except mp.ProcessRaisedException as err:
         last = str(err).strip().splitlines()[-1]
-        raise CliError(f"a conversion rank failed: {last}") from err
-
-
-def _progress(items: Any, total: int, description: str, show: bool) -> Any:
-    """Wrap an iterator with a rich progress bar on the rank that reports."""
-    if not show:
-        return items
-    from rich.progress import track
-
-    return track(items, total=total, description=description)
-
-
-def _convert_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None:
-    from megatron_bridge.checkpoint import (
-        load_megatron_checkpoint,
-        save_hf_checkpoint,
-        save_megatron_checkpoint,
-    )
-    from megatron_bridge.export import export_hf_weights
-    from megatron_bridge.load import load_hf_into_megatron
-    from nemo_rl.models.megatron import destroy_megatron_parallel, initialize_megatron_parallel
-
-    initialize_megatron_parallel(rank, world, tp=opts["tp"], pp=opts["pp"], master_port=port)
-    try:
-        dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else None
-        if opts["from"] == "hf":
-            model, bridge = load_hf_into_megatron(opts["src"], dtype or torch.float32)
-            save_megatron_checkpoint(model, bridge, opts["tmp"], assets_dir=opts["src"])
-        else:
-            model, bridge = load_megatron_checkpoint(opts["src"])
-            count = sum(len(m.hf_names) for m in bridge.plan())
-            weights = _progress(
-                export_hf_weights(model, bridge, dtype), count, "exporting", rank == 0
-            )
-            assets = Path(opts["src"]) / HF_ASSETS_DIR
-            save_hf_checkpoint(
-                weights,
-                bridge,
-                opts["tmp"],
-                assets_dir=assets if assets.is_dir() else None,
-                dtype=dtype,
-                max_shard_bytes=opts["max_shard_bytes"],
-            )
-    finally:
-        destroy_megatron_parallel()
+        raise CliError(f"a rank failed: {last}") from err
 
 
 def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None:
@@ -220,10 +216,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         "pp": args.pp,
         "dtype": args.dtype,
         "max_shard_bytes": int(args.max_shard_gb * 1024**3),
+        "fsync": args.fsync,
     }
     print(f"converting {src} ({args.from_}) -> {dst} ({args.to}) with tp={args.tp} pp={args.pp}")
     try:
-        _run_ranks(_convert_rank, args.tp * args.pp, opts)
+        _convert(opts)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CliError(f"conversion failed: {err}") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-gb", type=float, default=2.0,
                          help="largest HF safetensors shard, GiB")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    convert.add_argument("--fsync", action="store_true",
+                         help="flush the Megatron checkpoint's files to disk before it is "
+                              "renamed into place (durable against a machine crash; slower)")
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.set_defaults(func=cmd_convert)

@@ -130,6 +130,7 @@ class BridgeConfig:
 
     def dims(self, tp: int) -> ModelDims:
         return ModelDims(
+            hidden_size=int(self.hf_config["hidden_size"]),
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,

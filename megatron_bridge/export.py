@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
-from megatron_bridge.load import partition_dims, stage_mappings
+from megatron_bridge.load import stage_mappings
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,6 @@ def export_hf_weights(
         if not (bridge.tie_word_embeddings and name == "output_layer.weight")
     }
     params = dict(model.named_parameters())
-    split_dims = partition_dims(model)
 
     for mapping in bridge.plan():
         owner = _owner_stage(mapping, ranges)
@@ -100,7 +99,7 @@ def export_hf_weights(
             name = local_names[mapping.megatron_name]
             param = params[name]
             shards = _gather_tp(param.detach().cpu(), tp_group, tp)
-            tensors = mapping.unshard(shards, dims, split_dims[name])
+            tensors = mapping.unshard(shards, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]
         if pp_ranks > 1:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
+from megatron_bridge.families.base import TE_NORM_NAMES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,13 +30,6 @@ _SAFETENSORS_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
-}
-
-# With TransformerEngine's layer spec the pre-attention / pre-MLP RMSNorms are fused into the
-# following linear layer, so their weights live under that layer's name.
-_TE_RENAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 
 
@@ -212,7 +206,7 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
             continue
         name = mapping.local_name(offset)
         if te:
-            for local, te_name in _TE_RENAMES.items():
+            for local, te_name in TE_NORM_NAMES.items():
                 name = name.replace(local, te_name) if name.endswith(local) else name
         result[name] = mapping
     if bridge.tie_word_embeddings and model.post_process and not model.pre_process:
@@ -318,14 +312,13 @@ def load_hf_weights(model: torch.nn.Module, bridge: BridgeConfig, hf_path: str |
     reader = SafetensorsReader(hf_path)
     mappings = stage_mappings(model, bridge)
     dims = bridge.dims(tp)
-    split_dims = partition_dims(model)
     for name, param in model.named_parameters():
         if name not in mappings:
             raise ValueError(
                 f"Megatron parameter {name} has no HF source in family "
                 f"{bridge.family.architecture}"
             )
-        tensor = mappings[name].shard(reader, dims, split_dims[name], tp_rank, tp)
+        tensor = mappings[name].shard(reader, dims, tp_rank, tp)
         if tensor.shape != param.shape:
             raise ValueError(
                 f"{name}: HF tensor(s) {mappings[name].hf_names} give shape "

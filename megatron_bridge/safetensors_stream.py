@@ -1,16 +1,16 @@
 """Write a safetensors file from tensors that arrive one at a time, holding none of them.
 
-The safetensors header (names, dtypes, shapes, byte offsets) precedes the data, but a
-stream's header is known only at its end. :class:`SafetensorsStreamWriter` therefore appends
-each tensor's bytes to a sibling data file as it arrives, and on :meth:`close` writes the
-header followed by the data, copied file-to-file inside the kernel (``os.copy_file_range``:
-no bytes pass through this process). Memory held: the header entries only.
+The safetensors header (names, dtypes, shapes, byte offsets) precedes the data. The tensors
+of a converted checkpoint are known before their data (names and shapes from the conversion
+plan, one dtype), so :class:`SafetensorsStreamWriter` takes them up front, writes the header
+at once and then appends each tensor's bytes as it arrives: one pass over the data, straight
+into the final file. Memory held: the header entries only.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import struct
 from pathlib import Path
 
@@ -29,68 +29,83 @@ _DTYPE_NAMES = {
     torch.bool: "BOOL",
 }
 
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+"""A tensor's name, dtype and shape."""
+
+
+def tensor_nbytes(spec: TensorSpec) -> int:
+    """Bytes of a tensor with this spec."""
+    return math.prod(spec[2]) * spec[1].itemsize
+
 
 class SafetensorsStreamWriter:
-    """One safetensors file at ``path``, built from :meth:`add` calls, complete after :meth:`close`.
+    """One safetensors file at ``path`` holding the tensors ``specs`` lists, in that order.
 
     Args:
-        path: the file to write (replaced on close).
+        path: the file to write (replaced).
+        specs: name, dtype and shape of every tensor, in the order :meth:`add` receives them.
         metadata: the header's ``__metadata__`` string map (e.g. ``{"format": "pt"}``).
+
+    Raises:
+        ValueError: a repeated name, or a dtype safetensors cannot store.
     """
 
-    def __init__(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None
+    ) -> None:
         self.path = Path(path)
-        self._metadata = dict(metadata or {})
-        self._entries: dict[str, dict] = {}
-        self._size = 0
-        self._data_path = self.path.with_name(self.path.name + ".data")
-        self._data = open(self._data_path, "wb")
-
-    @property
-    def nbytes(self) -> int:
-        """Tensor bytes written so far."""
-        return self._size
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (a CPU tensor of any shape) under ``name``.
-
-        Raises:
-            ValueError: a repeated name, or a dtype safetensors cannot store.
-        """
-        if name in self._entries:
-            raise ValueError(f"tensor {name!r} was already written to {self.path}")
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ValueError(
-                f"tensor {name!r} has dtype {tensor.dtype}; safetensors here supports "
-                f"{sorted(str(d) for d in _DTYPE_NAMES)}"
-            )
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
-        self._data.write(memoryview(data))
-        self._entries[name] = {
-            "dtype": _DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [self._size, self._size + data.nbytes],
-        }
-        self._size += data.nbytes
-
-    def close(self) -> None:
-        """Write the header and the data into ``path`` and remove the data file."""
-        self._data.close()
-        header: dict = {"__metadata__": self._metadata} if self._metadata else {}
-        header.update(self._entries)
+        self._specs = list(specs)
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for name, dtype, shape in self._specs:
+            if name in header:
+                raise ValueError(f"tensor {name!r} is listed twice for {self.path}")
+            if dtype not in _DTYPE_NAMES:
+                raise ValueError(
+                    f"tensor {name!r} has dtype {dtype}; safetensors here supports "
+                    f"{sorted(str(d) for d in _DTYPE_NAMES)}"
+                )
+            size = tensor_nbytes((name, dtype, shape))
+            header[name] = {
+                "dtype": _DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         # Pad with spaces so the data starts 8-byte aligned, as safetensors' own writer does.
         encoded += b" " * (-len(encoded) % 8)
-        try:
-            with open(self._data_path, "rb") as src, open(self.path, "wb") as dst:
-                dst.write(struct.pack("<Q", len(encoded)) + encoded)
-                dst.flush()
-                copied = 0
-                while copied < self._size:
-                    done = os.copy_file_range(src.fileno(), dst.fileno(), self._size - copied)
-                    if done == 0:
-                        raise OSError(f"{self._data_path} is shorter than the {self._size} "
-                                      f"bytes written to it")
-                    copied += done
-        finally:
-            os.unlink(self._data_path)
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._written = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor`` (a CPU tensor), which must be the next one of ``specs``.
+
+        Raises:
+            ValueError: a name, dtype or shape other than the next spec's.
+        """
+        if self._written == len(self._specs):
+            raise ValueError(f"{self.path}: tensor {name!r} is one more than the header lists")
+        expected = self._specs[self._written]
+        if (name, tensor.dtype, tuple(tensor.shape)) != expected:
+            raise ValueError(
+                f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)} where the "
+                f"header lists {expected[0]!r} {expected[1]} {expected[2]}"
+            )
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+        self._written += 1
+
+    def close(self) -> None:
+        """Close the file.
+
+        Raises:
+            ValueError: fewer tensors were added than the header lists.
+        """
+        self._file.close()
+        if self._written != len(self._specs):
+            raise ValueError(
+                f"{self.path}: {self._written} of the {len(self._specs)} tensors its header "
+                f"lists were written"
+            )

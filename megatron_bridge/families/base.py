@@ -24,11 +24,24 @@ MEGATRON_LAYER_PREFIX = "decoder.layers.{layer}."
 # Megatron tensors whose rows are vocabulary entries (padded, never exported padded).
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
+# With TransformerEngine the pre-attention / pre-MLP RMSNorms are fused into the following
+# linear layer, so their weights live under that layer's name; megatron-core's checkpoints use
+# these names with either layer spec.
+TE_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+# Weights of row-parallel linear layers: TP ranks hold column slices. The fused kinds (qkv,
+# gate/up) and the vocabulary are split along rows; the norms are replicated.
+ROW_PARALLEL_SUFFIXES = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The sizes the transforms need (all counts; ``head_dim`` and ``ffn`` in elements)."""
+    """The sizes the transforms need (all counts; sizes in elements)."""
 
+    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -106,6 +119,37 @@ class ParamMapping:
     kind: Kind
     layer: int | None = None
 
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim Megatron splits this tensor along across TP ranks (0 column-parallel
+        rows and vocabulary rows, 1 row-parallel columns), None when replicated."""
+        if self.kind != "copy":
+            return 0
+        return 1 if self.megatron_name.endswith(ROW_PARALLEL_SUFFIXES) else None
+
+    def megatron_shape(self, dims: ModelDims) -> tuple[int, ...]:
+        """Shape of the whole (TP=1) Megatron tensor; vocabulary rows padded."""
+        hidden, name = dims.hidden_size, self.megatron_name
+        if self.kind == "vocab":
+            return (dims.padded_vocab_size, hidden)
+        if self.kind == "gate_up":
+            return (2 * dims.ffn, hidden)
+        if self.kind == "qkv":
+            rows = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim
+            return (rows, hidden) if name.endswith(".weight") else (rows,)
+        if name.endswith("self_attention.linear_proj.weight"):
+            return (hidden, dims.num_heads * dims.head_dim)
+        if name.endswith("mlp.linear_fc2.weight"):
+            return (hidden, dims.ffn)
+        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            return (dims.head_dim,)
+        return (hidden,)  # input / pre-MLP / final RMSNorm
+
+    def hf_shapes(self, dims: ModelDims) -> list[tuple[int, ...]]:
+        """Shapes of the HF tensors, in ``hf_names`` order (the unshard of a meta tensor)."""
+        meta = torch.empty(self.megatron_shape(dims), device="meta")
+        return [tuple(t.shape) for t in self.unshard([meta], dims)]
+
     def local_name(self, layer_offset: int) -> str:
         """The name in a pipeline stage whose first layer is global layer ``layer_offset``."""
         if self.layer is None:
@@ -115,19 +159,9 @@ class ParamMapping:
         return local + self.megatron_name[len(prefix) :]
 
     def shard(
-        self,
-        reader: transforms.TensorReader,
-        dims: ModelDims,
-        partition_dim: int | None,
-        tp_rank: int,
-        tp_size: int,
+        self, reader: transforms.TensorReader, dims: ModelDims, tp_rank: int, tp_size: int
     ) -> torch.Tensor:
-        """This TP rank's Megatron tensor, reading only its part of the HF tensors.
-
-        Args:
-            partition_dim: the dim Megatron splits this tensor along across TP ranks (from the
-                parameter's ``partition_dim``), None when replicated; used by "copy".
-        """
+        """This TP rank's Megatron tensor, reading only its part of the HF tensors."""
         if self.kind == "qkv":
             return transforms.qkv_shard(
                 reader, self.hf_names, dims.num_heads, dims.num_kv_heads, dims.head_dim,
@@ -140,11 +174,9 @@ class ParamMapping:
                 reader, self.hf_names[0], dims.vocab_size, dims.padded_vocab_size,
                 tp_rank, tp_size,
             )
-        return transforms.split_shard(reader, self.hf_names[0], partition_dim, tp_rank, tp_size)
+        return transforms.split_shard(reader, self.hf_names[0], self.tp_dim, tp_rank, tp_size)
 
-    def unshard(
-        self, shards: list[torch.Tensor], dims: ModelDims, partition_dim: int | None
-    ) -> list[torch.Tensor]:
+    def unshard(self, shards: list[torch.Tensor], dims: ModelDims) -> list[torch.Tensor]:
         """The HF tensors (in ``hf_names`` order) from every TP rank's tensor, rank order."""
         if self.kind == "qkv":
             return transforms.qkv_unshard(shards, dims.num_heads, dims.num_kv_heads, dims.head_dim)
@@ -152,4 +184,4 @@ class ParamMapping:
             return transforms.gate_up_unshard(shards)
         if self.kind == "vocab":
             return transforms.vocab_unshard(shards, dims.vocab_size)
-        return transforms.split_unshard(shards, partition_dim)
+        return transforms.split_unshard(shards, self.tp_dim)

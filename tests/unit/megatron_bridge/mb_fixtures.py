@@ -88,3 +88,32 @@ def hf_reference_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
 def sample_input_ids(vocab_size: int, batch: int = 2) -> torch.Tensor:
     """Fixed random token ids ``[batch, SEQ_LEN]``."""
     return torch.randint(0, vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+
+
+def checkpoint_contents(path: Path) -> tuple[dict, dict]:
+    """What a ``torch_dist`` checkpoint folder holds, read independently of megatron_bridge.
+
+    Returns:
+        ``({key: (global shape, dtype, sorted chunk (offsets, sizes))} or "bytes" for
+        objects, {(key, chunk offsets): stored tensor or unpickled object})``.
+    """
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(path).read_metadata()
+    layout = {
+        key: (tuple(md.size), md.properties.dtype,
+              sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+        if hasattr(md, "chunks") else "bytes"
+        for key, md in metadata.state_dict_metadata.items()
+    }
+    files = {}
+    data = {}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path not in files:
+            files[info.relative_path] = (path / info.relative_path).read_bytes()
+        raw = files[info.relative_path][info.offset : info.offset + info.length]
+        offset = None if index.offset is None else tuple(index.offset)
+        data[(index.fqn, offset)] = torch.load(io.BytesIO(raw), weights_only=True)
+    return layout, data

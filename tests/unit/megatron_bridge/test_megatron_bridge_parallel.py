@@ -2,6 +2,9 @@
 
 Each spawn converts every family at once (spawning costs more than converting tiny models).
 References are independent: transformers' own logits, and the original safetensors files.
+Every spawn also saves each family's dist checkpoint from the built model and records the
+sharded state dict megatron-core describes, the references for the streamed conversion
+(:mod:`megatron_bridge.dist_ckpt_writer`), which builds no model.
 """
 
 from __future__ import annotations
@@ -14,17 +17,48 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from mb_fixtures import MISTRAL_WINDOW, hf_reference_logits, sample_input_ids
+from mb_fixtures import (
+    MISTRAL_WINDOW,
+    checkpoint_contents,
+    hf_reference_logits,
+    sample_input_ids,
+)
+from megatron_bridge import BridgeConfig
+from megatron_bridge.checkpoint import checkpoint_bridge
+from megatron_bridge.dist_ckpt_layout import TensorChunk, rank_layout
+from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
+from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
 from nemo_rl.models.megatron import find_free_port
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "llama3rope")
-CKPT_FAMILIES = ("llama", "qwen2")  # untied and tied embeddings
 ATOL = 1e-5
 
 
+def _main_replica_layout(model: torch.nn.Module) -> list[tuple]:
+    """What this rank writes to a dist checkpoint, per megatron-core: tensor chunks as
+    ``("T", key, global shape, offset, chunk shape)`` and objects as ``("O", unique key)``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        apply_factories,
+        is_main_replica,
+    )
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    return sorted(
+        ("T", v.key, tuple(v.global_shape), tuple(v.global_offset),
+         (1,) * v.prepend_axis_num + tuple(v.local_shape))
+        if isinstance(v, ShardedTensor) else ("O", v.unique_key)
+        for v in nested_values(state)
+        if is_main_replica(v.replica_id)
+    )
+
+
 def _worker(rank: int, world: int, tp: int, pp: int, port: int, paths: dict, out_dir: str,
-            save_from: dict | None, load_from: dict | None) -> None:
-    """Convert every family on this rank; rank 0 writes logits and exported tensors."""
+            load_from: dict | None, convert: bool) -> None:
+    """Build every family on this rank and save its dist checkpoint to ``out_dir/<family>``;
+    with ``convert``, rank 0 also writes logits and exported tensors."""
     from megatron_bridge import (
         export_hf_weights,
         load_hf_into_megatron,
@@ -38,26 +72,31 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, paths: dict, out
     results = {}
     for name, path in paths.items():
         model, bridge = load_hf_into_megatron(path)
+        results[name] = {"layout": _main_replica_layout(model)}
+        save_megatron_checkpoint(model, bridge, Path(out_dir) / name, assets_dir=path)
+        if not convert:
+            continue
         ids = sample_input_ids(bridge.vocab_size)
         exported = list(export_hf_weights(model, bridge))
-        results[name] = {"logits": megatron_logits(model, ids, bridge.vocab_size),
-                         "exported": dict(exported), "order": [n for n, _ in exported]}
-        if save_from and name in save_from:
-            save_megatron_checkpoint(model, bridge, save_from[name], assets_dir=path)
-        if load_from and name in load_from:
-            loaded, bridge = load_megatron_checkpoint(load_from[name])
-            results[name]["ckpt_logits"] = megatron_logits(loaded, ids, bridge.vocab_size)
+        results[name].update({"logits": megatron_logits(model, ids, bridge.vocab_size),
+                              "exported": dict(exported), "order": [n for n, _ in exported]})
+        for ckpt in (load_from or {}).get(name, []):
+            loaded, bridge = load_megatron_checkpoint(ckpt)
+            results[name].setdefault("ckpt_logits", []).append(
+                megatron_logits(loaded, ids, bridge.vocab_size))
         # Every rank yields the same stream: compare a checksum against rank 0's.
         results[name]["checksum"] = [float(t.double().sum()) for _, t in exported]
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     destroy_megatron_parallel()
 
 
-def _run(tp: int, pp: int, paths: dict, out_dir: Path, save_from=None, load_from=None) -> list:
+def _run(tp: int, pp: int, paths: dict, out_dir: Path, load_from=None, convert=True) -> list:
+    """Per-rank results of :func:`_worker`; the built models' checkpoints are in
+    ``out_dir/<family>``."""
     world = tp * pp
     str_paths = {k: str(v) for k, v in paths.items()}
     mp.spawn(_worker, args=(world, tp, pp, find_free_port(), str_paths, str(out_dir),
-                            save_from, load_from), nprocs=world, join=True)
+                            load_from, convert), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
@@ -71,14 +110,32 @@ def references(family_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def ckpt_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mb_dist_ckpt")
-    return {name: str(root / name) for name in CKPT_FAMILIES}
+def streamed_tp2(family_checkpoints, tmp_path_factory):
+    """family -> dist checkpoint streamed from HF at TP=2 (no model built)."""
+    root = tmp_path_factory.mktemp("streamed_tp2")
+    for name, path in family_checkpoints.items():
+        convert_hf_to_dist_checkpoint(path, root / name, tp=2, sync_files=False)
+    return {name: root / name for name in family_checkpoints}
 
 
 @pytest.fixture(scope="module")
-def tp2_results(family_checkpoints, ckpt_dirs, tmp_path_factory):
-    return _run(2, 1, family_checkpoints, tmp_path_factory.mktemp("tp2"), save_from=ckpt_dirs)
+def layouts(family_checkpoints, tmp_path_factory, streamed_tp2):
+    """(tp, pp) -> (run directory, per-rank results); runs are spawned on first use."""
+    runs: dict = {}
+
+    def get(tp: int, pp: int) -> tuple[Path, list]:
+        if (tp, pp) not in runs:
+            out = tmp_path_factory.mktemp(f"built_tp{tp}_pp{pp}")
+            load_from = None
+            if (tp, pp) == (1, 2):
+                # The TP=2 checkpoints, saved from the built model and streamed, load at PP=2.
+                built = get(2, 1)[0]
+                load_from = {n: [str(built / n), str(streamed_tp2[n])] for n in FAMILIES}
+            convert = (tp, pp) != (2, 2)
+            runs[(tp, pp)] = (out, _run(tp, pp, family_checkpoints, out, load_from, convert))
+        return runs[(tp, pp)]
+
+    return get
 
 
 def _check_conversion(results: list, family_checkpoints: dict, references: dict) -> None:
@@ -96,26 +153,84 @@ def _check_conversion(results: list, family_checkpoints: dict, references: dict)
             assert torch.equal(other[name]["logits"], mine["logits"])
 
 
-def test_tp1_matches_transformers_and_roundtrips(family_checkpoints, references, tmp_path):
-    _check_conversion(_run(1, 1, family_checkpoints, tmp_path), family_checkpoints, references)
+def test_tp1_matches_transformers_and_roundtrips(layouts, family_checkpoints, references):
+    _check_conversion(layouts(1, 1)[1], family_checkpoints, references)
 
 
 @pytest.mark.slow
-def test_tp2_matches_transformers_and_roundtrips(tp2_results, family_checkpoints, references):
-    _check_conversion(tp2_results, family_checkpoints, references)
+def test_tp2_matches_transformers_and_roundtrips(layouts, family_checkpoints, references):
+    _check_conversion(layouts(2, 1)[1], family_checkpoints, references)
 
 
 @pytest.mark.slow
-def test_pp2_matches_transformers_and_loads_tp2_checkpoint(
-    tp2_results, family_checkpoints, references, ckpt_dirs, tmp_path
+def test_pp2_matches_transformers_and_loads_tp2_checkpoints(
+    layouts, family_checkpoints, references
 ):
-    results = _run(1, 2, family_checkpoints, tmp_path, load_from=ckpt_dirs)
+    tp2 = layouts(2, 1)[1]
+    results = layouts(1, 2)[1]
     _check_conversion(results, family_checkpoints, references)
-    for name in CKPT_FAMILIES:
-        saved_at_tp2 = tp2_results[0][name]["logits"]
-        loaded_at_pp2 = results[0][name]["ckpt_logits"]
-        diff = (saved_at_tp2 - loaded_at_pp2).abs().max().item()
+    for name in FAMILIES:
+        saved_at_tp2 = tp2[0][name]["logits"]
+        built, streamed = results[0][name]["ckpt_logits"]
+        diff = (saved_at_tp2 - built).abs().max().item()
         assert diff <= ATOL, f"{name}: TP=2 checkpoint loaded at PP=2 differs by {diff}"
+        assert torch.equal(streamed, built), f"{name}: streamed TP=2 checkpoint loads differently"
+
+
+PARALLEL = [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+            pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("tp, pp", PARALLEL)
+def test_layout_is_megatrons_sharded_state_dict(layouts, family_checkpoints, tp, pp):
+    results = layouts(tp, pp)[1]
+    for name, path in family_checkpoints.items():
+        bridge = BridgeConfig.from_hf(path)
+        for rank, result in enumerate(results):
+            # megatron's rank order within a model replica: TP fastest, then PP.
+            expected = sorted(
+                ("T", e.key, e.global_shape, e.offset, e.shape) if isinstance(e, TensorChunk)
+                else ("O", e.unique_key)
+                for e in rank_layout(bridge, tp, pp, rank % tp, rank // tp)
+            )
+            assert expected == result[name]["layout"], f"{name} rank {rank}"
+
+
+@pytest.mark.parametrize("tp, pp", PARALLEL)
+def test_streamed_checkpoint_equals_the_built_models(
+    layouts, family_checkpoints, tmp_path, tp, pp
+):
+    built_root = layouts(tp, pp)[0]
+    for name, path in family_checkpoints.items():
+        convert_hf_to_dist_checkpoint(path, tmp_path / name, tp=tp, pp=pp, sync_files=False)
+        built, mine = built_root / name, tmp_path / name
+        built_md, built_data = checkpoint_contents(built)
+        my_md, my_data = checkpoint_contents(mine)
+        assert my_md == built_md, name
+        assert sorted(my_data, key=str) == sorted(built_data, key=str), name
+        for index, value in built_data.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(my_data[index], value), f"{name}: {index}"
+            else:
+                assert my_data[index] == value, f"{name}: {index}"
+        for file in ("bridge.json", "metadata.json"):
+            assert (mine / file).read_text() == (built / file).read_text(), f"{name}: {file}"
+        assert torch.load(mine / "common.pt") == torch.load(built / "common.pt")
+        assert sorted(p.name for p in (mine / "hf_assets").iterdir()) == sorted(
+            p.name for p in (built / "hf_assets").iterdir())
+
+
+@pytest.mark.slow
+def test_streamed_export_of_a_tp2_checkpoint_is_bitwise(layouts, family_checkpoints):
+    # A checkpoint saved from a TP=2 model holds every TP-split tensor in two chunks.
+    built_root = layouts(2, 1)[0]
+    for name, path in family_checkpoints.items():
+        ckpt = built_root / name
+        exported = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
+        original = load_file(str(path / "model.safetensors"))
+        assert sorted(exported) == sorted(original), name
+        for key, tensor in original.items():
+            assert torch.equal(exported[key], tensor), f"{name}: {key} changed"
 
 
 def test_mistral_reference_depends_on_the_sliding_window(family_checkpoints, references):

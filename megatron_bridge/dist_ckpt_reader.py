@@ -1,0 +1,193 @@
+"""Stream HF-layout tensors out of a Megatron distributed checkpoint, one tensor at a time.
+
+A ``torch_dist`` checkpoint stores every Megatron tensor whole (TP slices and pipeline stages
+are chunks of one global tensor), so the HF tensors can be rebuilt from it without building a
+model: :func:`checkpoint_hf_weights` reads one Megatron tensor (one layer of a layer-stacked
+tensor) at a time, whatever TP/PP layout wrote it, turns it into HF tensors with the TP=1
+transforms and yields them. Peak memory: one Megatron tensor; no process group and no
+megatron-core import.
+
+The files are torch DCP's: ``.metadata`` (read with DCP's ``FileSystemReader``) maps each chunk
+to a byte range of a ``.distcp`` file holding it as ``torch.save`` output. Chunks are loaded
+here directly (``torch.load`` through a window on the file, which reads the bytes straight
+into the new tensor); a region that is exactly one stored chunk is that loaded tensor, with no
+further copy (DCP's own ``read_data`` always copies into a destination tensor).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from megatron_bridge.config import BridgeConfig
+from megatron_bridge.dist_ckpt_layout import global_region
+
+
+class _FileWindow(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file as a seekable read-only file."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        size = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        while done < size:
+            got = os.preadv(self._fd, [view[done:size]], self._start + self._pos + done)
+            if got == 0:
+                raise ValueError("dist checkpoint file ends inside a stored tensor (truncated?)")
+            done += got
+        self._pos += done
+        return done
+
+
+class DistCheckpointReader:
+    """Reads any region of any tensor of a ``torch_dist`` checkpoint folder.
+
+    Raises (on construction):
+        FileNotFoundError: no ``.metadata`` in ``ckpt_dir``.
+    """
+
+    def __init__(self, ckpt_dir: str | Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = Path(ckpt_dir)
+        self.metadata = FileSystemReader(self.path).read_metadata()
+        self._fds: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Close the checkpoint files."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _stored(self, key: str) -> Any:
+        stored = self.metadata.state_dict_metadata.get(key)
+        if stored is None or not hasattr(stored, "chunks"):
+            raise KeyError(f"tensor {key!r} not found in dist checkpoint {self.path}")
+        return stored
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole stored shape of tensor ``key``."""
+        return tuple(self._stored(key).size)
+
+    def _load(self, storage_index: Any) -> torch.Tensor:
+        """One stored chunk, as written."""
+        info = self.metadata.storage_data[storage_index]
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"{self.path}: stream transforms {info.transform_descriptors} "
+                             f"are not supported")
+        if info.relative_path not in self._fds:
+            self._fds[info.relative_path] = os.open(self.path / info.relative_path, os.O_RDONLY)
+        window = _FileWindow(self._fds[info.relative_path], info.offset, info.length)
+        return torch.load(window, map_location="cpu", weights_only=True)
+
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The region ``[offset, offset + shape)`` of tensor ``key``, in its stored dtype.
+
+        Raises:
+            KeyError: no tensor ``key`` in the checkpoint.
+            ValueError: the region is outside the stored tensor or not fully stored.
+        """
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        stored = self._stored(key)
+        if len(offset) != len(stored.size) or any(
+            o + s > size for o, s, size in zip(offset, shape, stored.size)
+        ):
+            raise ValueError(
+                f"{key}: region at {offset} of shape {shape} is outside the stored tensor of "
+                f"shape {tuple(stored.size)}"
+            )
+        region = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape))
+        items = create_read_items_for_chunk_list(key, stored, [region])
+        if sum(math.prod(item.lengths) for item in items) != math.prod(shape):
+            raise ValueError(f"{key}: the checkpoint does not hold all of region {offset} {shape}")
+        if len(items) == 1 and stored.chunks[items[0].storage_index.index].sizes == region.sizes:
+            return self._load(items[0].storage_index)  # the region is exactly one stored chunk
+        out = torch.empty(shape, dtype=stored.properties.dtype)
+        for item in items:
+            source, target = self._load(item.storage_index), out
+            for dim, length in enumerate(item.lengths):
+                source = source.narrow(dim, item.storage_offsets[dim], length)
+                target = target.narrow(dim, item.dest_offsets[dim], length)
+            target.copy_(source)
+        return out
+
+
+@torch.no_grad()
+def checkpoint_hf_weights(
+    ckpt_dir: str | Path, bridge: BridgeConfig, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every HF tensor of a Megatron dist checkpoint.
+
+    Same names, order and values as :func:`megatron_bridge.export_hf_weights` on the loaded
+    model (vocabulary padding dropped; tied embeddings yield no lm_head).
+
+    Args:
+        ckpt_dir: a checkpoint written by :func:`~megatron_bridge.checkpoint.
+            save_megatron_checkpoint` or :func:`~megatron_bridge.dist_ckpt_writer.
+            convert_hf_to_dist_checkpoint`.
+        bridge: its :class:`BridgeConfig` (:func:`~megatron_bridge.checkpoint.
+            checkpoint_bridge`), which carries the saved vocabulary padding.
+        dtype: cast to this dtype; None keeps the stored one.
+
+    Yields:
+        HF name and a contiguous CPU tensor (a view of the Megatron tensor it comes from
+        where the HF tensor is a contiguous piece of it).
+
+    Raises:
+        ValueError: a stored tensor's shape differs from the one ``bridge`` implies.
+        KeyError: a tensor missing from the checkpoint.
+    """
+    reader = DistCheckpointReader(ckpt_dir)
+    dims = bridge.dims(1)
+    try:
+        for mapping in bridge.plan():
+            key, offset, shape = global_region(mapping, bridge)
+            expected = shape if mapping.layer is None else (bridge.num_layers, *shape[1:])
+            if reader.shape(key) != expected:
+                raise ValueError(
+                    f"{ckpt_dir}: tensor {key} has shape {reader.shape(key)}, the config in "
+                    f"bridge.json implies {expected}"
+                )
+            if mapping.kind == "gate_up":
+                # Gate and up rows are stored as separate chunks: read each on its own (at
+                # TP=1 each is one stored chunk, loaded without a copy).
+                half = (shape[0], shape[1] // 2, *shape[2:])
+                tensors = [
+                    reader.read(key, (offset[0], part * half[1], *offset[2:]), half)[0]
+                    for part in (0, 1)
+                ]
+            else:
+                tensor = reader.read(key, offset, shape)
+                if mapping.layer is not None:
+                    tensor = tensor[0]
+                tensors = mapping.unshard([tensor], dims)
+            if dtype is not None:
+                tensors = [t.to(dtype) for t in tensors]
+            yield from zip(mapping.hf_names, tensors)
+    finally:
+        reader.close()
