@@ -345,8 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert between HF and Megatron checkpoints")
     convert.add_argument("--from", dest="from_", choices=("hf", "megatron"), required=True)
     convert.add_argument("--to", choices=("hf", "megatron"), required=True)
-    convert.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    convert.add_argument("--tp", type=int, default=1,
+                         help="tensor-parallel size the Megatron checkpoint is laid out for "
+                              "(sets the vocabulary padding; it loads at any TP/PP)")
+    convert.add_argument("--pp", type=int, default=1,
+                         help="pipeline-parallel size the Megatron checkpoint is laid out for")
     convert.add_argument("--dtype", default=None,
                          help="output dtype (float32, bfloat16, float16); default: source dtype "
                               "for megatron->hf, float32 for hf->megatron")

@@ -44,24 +44,32 @@ MEGATRON_CONFIG = {
 def chunk_data(
     chunk: TensorChunk, reader: SafetensorsReader, dims: ModelDims, tp: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The tensor of one checkpoint chunk, ``chunk.shape``, read from the HF checkpoint.
-
-    Raises:
-        ValueError: the HF tensors do not have the shapes the config implies.
-    """
+    """The tensor of one checkpoint chunk, ``chunk.shape``, read from the HF checkpoint
+    (whose tensor shapes :func:`check_hf_shapes` has checked)."""
     mapping = chunk.mapping
     if chunk.part is not None:
         # One half of the fused gate/up: this TP rank's rows of the HF gate or up matrix.
         tensor = split_shard(reader, mapping.hf_names[chunk.part], 0, chunk.tp_rank, tp)
     else:
         tensor = mapping.shard(reader, dims, chunk.tp_rank, tp)
-    expected = chunk.shape if mapping.layer is None else chunk.shape[1:]
-    if tuple(tensor.shape) != expected:
-        raise ValueError(
-            f"{mapping.megatron_name}: HF tensor(s) {mapping.hf_names} give shape "
-            f"{tuple(tensor.shape)} on TP rank {chunk.tp_rank}, the config implies {expected}"
-        )
     return tensor.to(dtype).reshape(chunk.shape)
+
+
+def check_hf_shapes(reader: SafetensorsReader, bridge: BridgeConfig) -> None:
+    """Check that every HF tensor the conversion reads exists with the config's shape.
+
+    Raises:
+        KeyError: a tensor is missing.
+        ValueError: a tensor's shape is not the one the config implies.
+    """
+    dims = bridge.dims(1)
+    for mapping in bridge.plan():
+        for name, shape in zip(mapping.hf_names, mapping.hf_shapes(dims)):
+            if reader.shape(name) != shape:
+                raise ValueError(
+                    f"{reader.path}: tensor {name} has shape {reader.shape(name)}, the config "
+                    f"implies {shape}"
+                )
 
 
 def _extra_state_bytes() -> io.BytesIO:
@@ -158,9 +166,12 @@ def convert_hf_to_dist_checkpoint(
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     bridge = BridgeConfig.from_hf(hf_path, **bridge_kwargs)
     layout = checkpoint_layout(bridge, tp, pp)
     reader = SafetensorsReader(hf_path)
+    check_hf_shapes(reader, bridge)
     dims = bridge.dims(tp)
 
     def make(chunk: TensorChunk) -> torch.Tensor:
@@ -173,8 +184,13 @@ def convert_hf_to_dist_checkpoint(
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save({}, storage_writer=writer, planner=_chunk_save_planner(layout, dtype, make),
-                 no_dist=True)
+        try:
+            dcp_save({}, storage_writer=writer, planner=_chunk_save_planner(layout, dtype, make),
+                     no_dist=True)
+        except CheckpointException as err:
+            # DCP wraps what a rank raised (here: reading the HF files); raise that itself.
+            (cause, _), *_ = err.failures.values()
+            raise cause from err
     torch.save({}, ckpt / "common.pt")
     (ckpt / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
     write_bridge_files(ckpt, bridge, tp, dtype, hf_path)
