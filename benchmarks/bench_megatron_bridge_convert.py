@@ -6,34 +6,35 @@ into ``--work-dir`` directly with safetensors (random normal weights, std 0.02, 
 
 Phases, each in a fresh subprocess so its peak RSS is its own; every wall time includes the
 interpreter start and all imports of that side (torch + transformers for the baseline, torch +
-megatron-core for the CLI), so both sides are measured the same way:
+torch.distributed.checkpoint for the CLI), so both sides are measured the same way:
 
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` + ``save_pretrained``
   (the baseline a user would otherwise run to re-save a checkpoint).
 * ``hf->megatron``: ``megatron-bridge convert --from hf --to megatron --tp TP --dtype bfloat16``.
 * ``megatron->hf``: ``megatron-bridge convert --from megatron --to hf --pp PP``.
 
-Memory: peak RSS from ``os.wait4`` on the phase's process. On Linux that value is the largest
-of the process and its waited-for descendants, i.e. the largest single rank for the CLI (ranks
-are separate processes; with TP/PP > 1 the total across ranks is up to world size times it).
-Reported as bytes and as a multiple of the checkpoint size on disk.
+Memory: peak RSS from ``os.wait4`` on the phase's process (the CLI converts in its own
+process for any TP/PP; it spawns no ranks). Reported as bytes and as a multiple of the
+checkpoint size on disk.
 
-Run (a few minutes on 2 cores, ~4 GB of RAM):
+Run (under a minute on 2 cores, ~2 GB of RAM):
 
     PYTHONPATH=. python benchmarks/bench_megatron_bridge_convert.py [--tp 1] [--pp 1]
 
-Measured on 2 CPU cores shared with other jobs (load average 3-7, so walls vary by +-30 %;
-compare ratios within one run), tp=1, pp=1, 0.89 GB checkpoint:
+Measured on 2 CPU cores shared with other jobs, tp=1, pp=1, 0.89 GB checkpoint, before (the
+previous converter, which built a GPTModel) and after (streamed conversion) run back to back at
+load average 12 -> 8 and 8 -> 6; walls vary by tens of percent with the load, so compare
+ratios within one run:
 
     phase                   before: wall s  RSS x ckpt   after: wall s  RSS x ckpt
-    transformers load+save            8.8        1.55             9.8        1.55
-    hf->megatron                     25.7        2.68            12.7        1.63
-    megatron->hf                     19.6        2.62            10.8        1.61
-    round trip / baseline            5.15x                        2.40x
+    transformers load+save           15.0        1.54             8.6        1.54
+    hf->megatron                     15.1        1.64             6.0        0.59
+    megatron->hf                      8.2        1.60             5.7        0.56
+    round trip / baseline            1.56x                        1.35x
 
-Round trip bitwise identical. Each CLI phase now costs about 4-5 s of interpreter start and
-imports (torch ~2 s, megatron-core ~2 s) before any work, and its RSS is ~0.42 GB of imported
-code plus one copy of the model plus one tensor; see docs/performance.md for the breakdown.
+Round trip bitwise identical. Each CLI phase is now about 4 s of interpreter start and imports
+(torch, torch.distributed.checkpoint) plus 2.5-4.5 s of work, and its RSS is ~0.42 GB of
+imported code plus one tensor chunk; see docs/performance.md for the breakdown.
 """
 
 from __future__ import annotations
