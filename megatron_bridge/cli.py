@@ -1,7 +1,7 @@
 """``megatron-bridge``: convert, verify and inspect HF / Megatron-Core checkpoints.
 
     megatron-bridge convert --from hf --to megatron --tp 2 --pp 1 SRC DST
-    megatron-bridge convert --from megatron --to hf --tp 1 --pp 2 --dtype bfloat16 SRC DST
+    megatron-bridge convert --from megatron --to hf --dtype bfloat16 SRC DST
     megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1
     megatron-bridge info PATH
 

@@ -2,7 +2,7 @@
 
 :func:`convert_hf_to_dist_checkpoint` produces the checkpoint that every rank of a TP x PP
 GPTModel loaded from ``hf_path`` would write with :func:`~megatron_bridge.checkpoint.
-save_megatron_checkpoint` (same keys, chunks, dtypes and bytes; see
+save_megatron_checkpoint` (same keys, chunks, dtypes and values; see
 :mod:`megatron_bridge.dist_ckpt_layout`), in this one process, without building the model,
 without torch.distributed and without importing megatron-core.
 
