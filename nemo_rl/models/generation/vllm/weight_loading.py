@@ -25,6 +25,7 @@ tensors (views of the refit's stream buffer) are passed by reference, never pick
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -32,6 +33,31 @@ import torch
 
 # How a load went (see the module docstring).
 LoadPath = Literal["in_place", "reload"]
+
+# vLLM's layerwise reload warns "<Layer>: Failed to load weights" for every layer whose tensors
+# the checkpoint does not hold, then puts the layer's own tensors back. For these layers that is
+# the expected outcome (their only tensor is a buffer derived from the config, e.g. the rotary
+# cos/sin cache), so their warning is dropped; any other layer's still shows.
+_LAYERS_WITHOUT_CHECKPOINT_TENSORS = frozenset({"RotaryEmbedding"})
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops the layerwise reload's warning for :data:`_LAYERS_WITHOUT_CHECKPOINT_TENSORS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and record.args[0] in _LAYERS_WITHOUT_CHECKPOINT_TENSORS
+        )
+
+
+def _quiet_expected_reload_warnings() -> None:
+    """Installs :class:`_ExpectedReloadWarnings` on vLLM's layerwise logger (once)."""
+    layerwise = logging.getLogger(_LAYERWISE_LOGGER)
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in layerwise.filters):
+        layerwise.addFilter(_ExpectedReloadWarnings())
 
 
 def load_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
@@ -55,6 +81,7 @@ def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) ->
     config = worker.vllm_config
     model = worker.model_runner.get_model()
     if config.quant_config is not None or not in_checkpoint_format(model):
+        _quiet_expected_reload_warnings()
         worker.reload_weights(weights_iterator=weights)
         return "reload"
     with set_current_vllm_config(config), torch.no_grad():

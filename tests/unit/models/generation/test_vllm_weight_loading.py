@@ -8,6 +8,7 @@ the real ones."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,33 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
-from nemo_rl.models.generation.vllm.weight_loading import in_checkpoint_format
+from nemo_rl.models.generation.vllm.weight_loading import (
+    _LAYERWISE_LOGGER,
+    _quiet_expected_reload_warnings,
+    in_checkpoint_format,
+)
 from vllm_engine_state import engine_state
+
+
+def test_reload_warns_only_for_layers_that_should_have_loaded(caplog):
+    # vLLM's layerwise reload warns for every layer the checkpoint has no tensors for; the
+    # rotary embedding never has any, a linear layer always should
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    _quiet_expected_reload_warnings()
+    _quiet_expected_reload_warnings()  # idempotent
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    assert layerwise.logger is logger
+    logger.propagate, propagate = True, logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger=_LAYERWISE_LOGGER):
+            layerwise.logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+            layerwise.logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        logger.propagate = propagate
+    warned = [r.getMessage() for r in caplog.records if r.name == _LAYERWISE_LOGGER]
+    assert warned == ["QKVParallelLinear: Failed to load weights"]
+    assert len(logger.filters) == 1
 
 
 def test_a_parameter_repacked_after_loading_is_not_in_checkpoint_format():
