@@ -16,9 +16,9 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
   ``reload_weights`` where the backend repacked them); ``stream_s`` (export +
   transfer as the driver sees it) and ``total_s``.
 * ``transfer`` = ``stream_s - export_s``: moving the bytes from the policy process into the
-  engine's reach (one copy into the sender's shared buffer, a checksum on each side, the Ray
-  hand-offs between buckets). ``send_s`` is the sender's own part (opening the stream to the
-  last bucket packed); ``stream_s - send_s`` is what the Ray hand-offs and the engine's check
+  engine's reach (one copy into the sender's shared buffer, a checksum on each side, one Ray
+  call per side for the whole stream). ``send_s`` is the sender's own part (opening the stream
+  to the last bucket packed); ``stream_s - send_s`` is what the Ray calls and the engine's check
   of the last bucket add.
 * memcpy: ``torch`` ``copy_`` of the same number of bytes between two warm buffers in this
   process, 1 thread and 2 threads (best of 3), measured right before each refit so both see
@@ -29,10 +29,12 @@ Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
     PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5]
 
 Measured on 2 CPU cores shared with other jobs, 0.508 GB bf16 stream, 64 MiB buckets (8),
-median of 5 refits: at load average 15-16, export 0.066 s (0.22-0.24 s before views), pack +
-checksum 0.296 s, transfer 0.382 s, engine load 0.366 s (in place), end to end 0.987 s;
-transfer / memcpy 0.28 (2 threads) / 0.30 (1 thread), end to end 0.11 / 0.13. See
-docs/performance.md (refit section) for the split and what bounds it.
+median of 5 refits, this version and the one before it (one Ray task per bucket on each side)
+run alternately at load average 4-5: transfer 0.125 / 0.158 s (pack + checksum 0.107 / 0.127
+s) against 0.166 / 0.217 s before; transfer / memcpy 0.41 / 0.37 (2 threads) and 0.53 / 0.50
+(1 thread), before 0.28 / 0.20 and 0.44 / 0.35; end to end 0.31-0.41 s. The 2-thread target
+is out of reach while one thread packs (the pack alone is 0.37-0.47 of a 2-thread memcpy).
+See docs/performance.md (refit section) for the split and what bounds it.
 """
 
 from __future__ import annotations

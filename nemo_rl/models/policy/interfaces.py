@@ -103,8 +103,9 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Names, shapes and dtypes of the HF-named weights the engine will receive."""
 
     @abstractmethod
-    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> list[list[str]]:
-        """Plan the IPC transfer: the weight names grouped into buckets that fit a memory budget."""
+    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
+        """Plan the IPC transfer: the weight names grouped into buckets that fit a memory budget
+        (with what the engines need to read the stream, e.g. an ``IpcStream``)."""
 
     @abstractmethod
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:

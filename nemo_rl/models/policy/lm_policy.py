@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from nemo_rl.algorithms.loss.interfaces import LossFunction
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.models.generation.refit.buckets import RefitInfo
+    from nemo_rl.models.generation.refit.ipc import IpcStream
     from nemo_rl.models.policy.config import PolicyConfig
 
 # Sequence dimension that dynamic batching / packing plan over (token ids and their lengths).
@@ -233,8 +234,9 @@ class Policy(ColocatablePolicyInterface):
             self._refit_infos[dtype] = self._refit_call("prepare_refit_info", dtype)
         return self._refit_infos[dtype]
 
-    def prepare_weights_for_ipc(self, bucket_bytes: int) -> list[list[str]]:
-        """Open a colocated refit stream; the weight names per bucket of ``bucket_bytes``."""
+    def prepare_weights_for_ipc(self, bucket_bytes: int) -> IpcStream:
+        """Open a colocated refit stream: the weight names per bucket of ``bucket_bytes``
+        (``.plan``), the stream buffer's handle and the version."""
         return self._refit_call("prepare_weights_for_ipc", bucket_bytes)
 
     def get_weights_ipc_handles(self, keys: list[str]) -> list[ray.ObjectRef]:
@@ -243,6 +245,19 @@ class Policy(ColocatablePolicyInterface):
         resolves to the bucket's ``IpcBucket`` (header and buffer handle, never the
         bytes): hand that future to the engines as is, so they start as soon as it is packed."""
         return self.worker_group.run_all_workers_single_data("get_weights_ipc_handles", keys)
+
+    def stream_weights_ipc(self, bucket_bytes: int) -> tuple[IpcStream, list[ray.ObjectRef]]:
+        """Open a colocated refit stream (as :meth:`prepare_weights_for_ipc`) and have every
+        rank export and pack all of it in one call, queued right behind the opening so the
+        packing starts without a round trip through the driver; rank 0 publishes each
+        bucket's record in the stream buffer as it is packed (engines given the stream poll
+        them). Returns the stream and the packing's futures, one per rank, rank 0's first:
+        hand that one to the engines so they notice a sender that fails."""
+        opened = self.worker_group.run_all_workers_single_data(
+            "prepare_weights_for_ipc", bucket_bytes
+        )
+        packed = self.worker_group.run_all_workers_single_data("stream_weights_ipc")
+        return self.worker_group.get_all_worker_results(opened)[0], packed
 
     def finish_weights_ipc(self) -> dict[str, float]:
         """End the colocated stream once the engines committed or aborted it (the next one

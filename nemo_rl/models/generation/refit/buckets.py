@@ -68,18 +68,24 @@ def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
     Works in chunks of :data:`_CHUNK` bytes, summing each right after copying it while it is
     still in cache, instead of reading the whole destination a second time.
 
+    Runs with torch-function handling off: these are plain byte copies and sums with no device
+    argument, which a torch-function mode (the CPU compatibility layer's, pushed for the whole
+    policy process) would pass through unchanged at the cost of a Python call per op (~8 % of
+    the packing loop on the benchmark model).
+
     Args:
         dst: uint8 [n], n a multiple of 8, 8-byte aligned; bytes past ``src`` are summed as
             they are (callers zero them).
         src: uint8 [<= n].
     """
     checksum = 0
-    for start in range(0, dst.numel(), _CHUNK):
-        chunk = dst[start : start + _CHUNK]
-        if start < src.numel():
-            piece = src[start : start + _CHUNK]
-            chunk[: piece.numel()].copy_(piece)
-        checksum += bucket_checksum(chunk)
+    with torch._C.DisableTorchFunction():
+        for start in range(0, dst.numel(), _CHUNK):
+            chunk = dst[start : start + _CHUNK]
+            if start < src.numel():
+                piece = src[start : start + _CHUNK]
+                chunk[: piece.numel()].copy_(piece)
+            checksum += bucket_checksum(chunk)
     return checksum & _MASK64
 
 

@@ -1,18 +1,19 @@
 """The driver's side of a refit: one call that moves the policy's weights into the engines.
 
-The driver sends only control messages (refit info, bucket headers and buffer handles, Ray
-object refs); weight bytes go from the trainer's rank 0 to the engines directly, through shared
-buffers (colocated) or a broadcast group (not colocated).
+The driver sends only control messages (refit info, the stream's buffer handle and version,
+Ray object refs); weight bytes go from the trainer's rank 0 to the engines directly, through
+shared buffers (colocated) or a broadcast group (not colocated).
 
 Colocated sequence: ``policy.offload_before_refit`` (optimizer state and gradients off the
 device), ``generation.prepare_for_generation`` (engines awake), the bucket stream,
 ``generation.commit_weight_update``, ``policy.finish_weights_ipc``,
 ``policy.offload_after_refit``. The sender packs the buckets one after another into their
-windows of one shared buffer of the stream's size while the engines check each bucket where it
-lies (the engines receive the sender's future of each bucket, so the driver is never between
-the two), and at commit the engines load straight from that buffer: every byte is copied once
-on its way into the engine. The commit (or the abort) is the engines' acknowledgement that the
-buffer may be refilled: the sender's next stream starts only after it.
+windows of one shared buffer of the stream's size, in one call, while the engines check each
+bucket where it lies as soon as its record in that buffer says it is packed (one call per
+engine; the driver is never between the two), and at commit the engines load straight from
+that buffer: every byte is copied once on its way into the engine. The commit (or the abort)
+is the engines' acknowledgement that the buffer may be refilled: the sender's next stream
+starts only after it.
 
 Either way the engines check every bucket before loading, and load only when every engine
 has checked the whole refit (two-phase): a failure anywhere before that aborts the refit on all
@@ -54,7 +55,7 @@ class RefitResult:
             as the driver saw it), ``commit_s`` (engines loading); the sender's ``export_s``
             (waiting for the export), ``pack_s`` (copying and checksumming) and ``send_s``
             (its own wall time from opening the stream to the last bucket packed or sent; the
-            rest of ``stream_s`` is Ray hand-offs and the engines' last checks); and, slowest
+            rest of ``stream_s`` is the Ray calls and the engines' last checks); and, slowest
             engine, ``receive_s`` (receiving and checking the buckets) and ``load_s`` (the
             engine's loader).
     """
@@ -169,16 +170,13 @@ def _stream_ipc(
     returns once all are checked. Raises RefitError, after aborting the engines, naming the
     first bucket that failed."""
     try:
-        plan = policy.prepare_weights_for_ipc(bucket_bytes)
-        # Per bucket: the futures of every policy rank's packing and every engine's check.
-        # Every bucket has a window of its own, so all are requested at once; the engines
-        # get the sender's future itself, so no bucket waits for a driver round trip.
-        pending = []
-        for keys in plan:
-            packed = policy.get_weights_ipc_handles(keys)
-            pending.append(packed + generation.update_weights_from_ipc_handles(packed[0]))
-        for index, refs in enumerate(pending):
-            _wait(refs, timeout_s, f"bucket {index}")
+        # One call per side for the whole stream: the sender publishes each bucket's record
+        # in the shared buffer once it is packed and the engines poll those records, so no
+        # bucket waits for a Ray hand-off; the engines watch the sender's future to notice
+        # a sender that fails.
+        stream, packed = policy.stream_weights_ipc(bucket_bytes)
+        checked = generation.receive_weights_ipc_stream(stream, packed[0], timeout_s)
+        _wait(checked + packed, timeout_s * len(stream.plan), "the refit stream")
     except Exception as err:
         _abort(generation)
         if isinstance(err, RefitError):

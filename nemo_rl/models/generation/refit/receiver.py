@@ -7,8 +7,11 @@ fails before that (a missing or corrupt bucket, a sender that died, a stream tha
 with the refit info) is discarded and leaves the engine on its previous weights and version.
 
 Where the stream lies. Colocated, in the sender's shared buffer of the stream's size: each
-bucket is checked in place (one read) and the loader gets views of that buffer, so the bytes
-are copied once, by the sender, before the engine's own load. The sender writes the buffer
+bucket is checked in place (one read), as its message arrives
+(:meth:`RefitReceiver.receive_ipc_bucket`) or as soon as its record in the buffer says it is
+packed (:meth:`RefitReceiver.receive_ipc_stream`, one call for the whole stream), and the
+loader gets views of that buffer, so the bytes are copied once, by the sender, before the
+engine's own load. The sender writes the buffer
 again only in its next stream, which the driver opens after every engine has committed or
 aborted this one. Over a broadcast, in a staging buffer of the stream's size owned by the
 engine. On CPU the mapping of the sender's buffer and the staging buffer are kept between
@@ -24,13 +27,20 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from nemo_rl.models.generation.refit.buckets import RefitInfo, StagingArea, StreamLayout
+from nemo_rl.models.generation.refit.buckets import (
+    BucketHeader,
+    RefitInfo,
+    StagingArea,
+    StreamLayout,
+)
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.ipc import (
+    BucketRecords,
     IpcBucket,
     IpcBuffer,
     IpcHandle,
+    IpcStream,
     attach_ipc_buffer,
     synchronize,
 )
@@ -40,6 +50,15 @@ logger = logging.getLogger(__name__)
 # Loads every (hf_name, tensor) of a refit into the engine; the tensors are views of the
 # stream buffer (the sender's shared buffer or the engine's staging).
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+
+# What became of the sender of a stream: None while it runs, else a description of its end.
+SenderOutcome = Callable[[], str | None]
+
+# Seconds between two looks at a bucket record that is not there yet (a read of shared
+# memory), and between two questions to the sender's future (a Ray call: a few per second
+# keep the engine's core free for the sender).
+_POLL_S = 0.0005
+_OUTCOME_S = 0.05
 
 # Checkpoint tensors an engine recomputes instead of loading (absent from the export).
 _NOT_EXPORTED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -142,6 +161,45 @@ class RefitReceiver:
                 raise
             raise RefitError(f"receiving bucket {header.index} failed: {err}") from err
         self._receive_s += time.perf_counter() - tick
+
+    def receive_ipc_stream(
+        self, stream: IpcStream, sender_outcome: SenderOutcome, timeout_s: float
+    ) -> None:
+        """Check every bucket of ``stream`` where the sender writes it, as soon as its record
+        says it is packed (polled in the shared buffer: no message per bucket).
+
+        Args:
+            stream: the stream the sender opened (buffer handle, version, bucket size).
+            sender_outcome: None while the sender is still packing, else what became of it
+                (e.g. "failed: ..."); asked every :data:`_OUTCOME_S` seconds while a bucket
+                is not there yet.
+            timeout_s: seconds any one bucket may take to appear.
+
+        Raises:
+            RefitError: a bucket never appeared (the sender failed, died or timed out), is
+                corrupt, or disagrees with the refit info; the refit is discarded.
+        """
+        index = 0
+        try:
+            buffer = self._attach(stream.buffer)
+            staging = self._begin(stream.bucket_bytes, buffer)
+            records = BucketRecords(buffer, staging.layout)
+            for index in range(staging.layout.num_buckets):
+                header = _await_record(records, index, sender_outcome, timeout_s)
+                tick = time.perf_counter()  # receive_s: checking, not waiting for the sender
+                if header.version != stream.version:
+                    raise RefitError(
+                        f"bucket {index} belongs to refit version {header.version}, the stream "
+                        f"opened version {stream.version}"
+                    )
+                staging.destination(header)
+                staging.verify(header)
+                self._receive_s += time.perf_counter() - tick
+        except Exception as err:
+            self._discard()
+            if isinstance(err, RefitError):
+                raise
+            raise RefitError(f"receiving bucket {index} failed: {err}") from err
 
     def _attach(self, handle: IpcHandle) -> torch.Tensor:
         """The sender's buffer ``handle`` as a uint8 tensor; the mapping is kept (on CPU
@@ -252,6 +310,33 @@ class RefitReceiver:
         self._staging = None
         if self.device.type == "cuda":  # the sender frees its buffer once no one maps it
             self._detach()
+
+
+def _await_record(
+    records: BucketRecords, index: int, sender_outcome: SenderOutcome, timeout_s: float
+) -> BucketHeader:
+    """Bucket ``index``'s header once the sender published it: the record is read every
+    :data:`_POLL_S` seconds, the sender's outcome (a Ray call) every :data:`_OUTCOME_S`.
+
+    Raises:
+        RefitError: the sender ended (``sender_outcome``) without publishing it, or
+            ``timeout_s`` passed.
+    """
+    start = last_asked = time.perf_counter()
+    while (header := records.read(index)) is None:
+        now = time.perf_counter()
+        if now - last_asked >= _OUTCOME_S:
+            last_asked = now
+            outcome = sender_outcome()
+            if outcome is not None:
+                header = records.read(index)  # published just before the sender ended
+                if header is not None:
+                    return header
+                raise RefitError(f"bucket {index} was never packed: the sender {outcome}")
+        if now - start > timeout_s:
+            raise RefitError(f"bucket {index} was not packed within {timeout_s:g} s")
+        time.sleep(_POLL_S)
+    return header
 
 
 def _check_against_checkpoint(info: RefitInfo, expected: dict[str, tuple[int, ...]]) -> None:

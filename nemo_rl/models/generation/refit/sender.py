@@ -7,7 +7,8 @@ nothing.
 
 Colocated (IPC): :meth:`RefitSender.start_stream` opens a stream (a new version; one shared
 buffer of the stream's size on the source), each :meth:`RefitSender.next_bucket` packs the next
-bucket into its window of that buffer and returns its :class:`~.ipc.IpcBucket`,
+bucket into its window of that buffer, publishes its record there and returns its
+:class:`~.ipc.IpcBucket` (:meth:`RefitSender.pack_stream` packs all of them in one call),
 :meth:`RefitSender.finish_stream` ends it once the engines have committed or aborted (they load
 straight from the buffer); :meth:`RefitSender.close` unlinks the buffer. Not colocated:
 :meth:`RefitSender.broadcast` streams everything over the :class:`~.collective.RefitCollective`
@@ -24,7 +25,15 @@ import torch
 from nemo_rl.models.generation.refit.buckets import BucketPacker, RefitInfo, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
-from nemo_rl.models.generation.refit.ipc import IpcBuffer, IpcBucket, create_ipc_buffer, synchronize
+from nemo_rl.models.generation.refit.ipc import (
+    BucketRecords,
+    IpcBucket,
+    IpcBuffer,
+    IpcStream,
+    create_ipc_buffer,
+    stream_buffer_bytes,
+    synchronize,
+)
 
 # Starts a fresh export of HF tensors in the given dtype (None: the parameters' dtype).
 ExportFn = Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
@@ -54,6 +63,7 @@ class RefitSender:
         self._dtype: torch.dtype | None = None
         self._packer: BucketPacker | None = None
         self._ipc_buffer: IpcBuffer | None = None  # the stream's bytes, see finish_stream
+        self._records: BucketRecords | None = None  # the bucket records in _ipc_buffer
         self._send_buffers: list[torch.Tensor] = []  # two buckets, kept, for broadcasts
         self._stream_start = 0.0
         self._stream_end: float | None = None  # when the last bucket was packed
@@ -77,8 +87,9 @@ class RefitSender:
 
     # ------------------------------------------------------------------ colocated (IPC)
 
-    def start_stream(self, bucket_bytes: int) -> list[list[str]] | None:
-        """Open an IPC stream; returns the names per bucket on the source (None elsewhere).
+    def start_stream(self, bucket_bytes: int) -> IpcStream | None:
+        """Open an IPC stream (a new version, every bucket record cleared); the source
+        returns its :class:`~.ipc.IpcStream` (plan, buffer handle, version), others None.
 
         The previous stream is finished first: call this only once every engine has
         committed or aborted it, since its buffer is about to be overwritten.
@@ -93,14 +104,19 @@ class RefitSender:
         self._stream_end = None
         if not self.is_source:
             return None
-        if self._ipc_buffer is None or self._ipc_buffer.nbytes != layout.total_bytes:
+        nbytes = stream_buffer_bytes(layout)
+        if self._ipc_buffer is None or self._ipc_buffer.nbytes != nbytes:
             self._close_ipc_buffer()
-            self._ipc_buffer = create_ipc_buffer(layout.total_bytes, self.device)
-        return layout.plan()
+            self._ipc_buffer = create_ipc_buffer(nbytes, self.device)
+        assert self._ipc_buffer.tensor is not None
+        self._records = BucketRecords(self._ipc_buffer.tensor, layout)
+        self._records.clear()
+        return IpcStream(layout.plan(), self._ipc_buffer.handle, self.version, bucket_bytes)
 
     def next_bucket(self, keys: list[str]) -> IpcBucket | None:
         """Export and pack the next bucket (which must carry ``keys``) into its window of the
-        stream buffer; the source returns its :class:`IpcBucket`, other ranks None.
+        stream buffer and publish its record; the source returns its :class:`IpcBucket`,
+        other ranks None.
 
         Raises:
             RefitError: no open stream, ``keys`` are not the next bucket's, or the export
@@ -122,12 +138,29 @@ class RefitSender:
             packer.advance(index)
             return None
         assert self._ipc_buffer is not None and self._ipc_buffer.tensor is not None
+        assert self._records is not None
         start, stop = packer.layout.span(index)
         header = packer.fill(index, self._ipc_buffer.tensor[start:stop])
         synchronize(self.device)
+        self._records.publish(header)
         if packer.done:
             self._stream_end = time.perf_counter()
         return IpcBucket(header, self._ipc_buffer.handle)
+
+    def pack_stream(self) -> None:
+        """Export and pack every remaining bucket of the open stream, publishing each one's
+        record as it is packed (engines given the :class:`~.ipc.IpcStream` poll them): one
+        call for the whole stream instead of one :meth:`next_bucket` per bucket.
+
+        Raises:
+            RefitError: as :meth:`next_bucket`.
+        """
+        if not self.exports:
+            return
+        if self._packer is None:
+            raise RefitError("no open refit stream: call prepare_weights_for_ipc() first")
+        for keys in self._packer.layout.plan()[self._packer.next_index :]:
+            self.next_bucket(keys)
 
     def finish_stream(self) -> dict[str, float] | None:
         """End the open IPC stream (if any) and return the source's timings in seconds
@@ -146,6 +179,7 @@ class RefitSender:
         return {**packer.timings.as_dict(), "stream_s": end - self._stream_start}
 
     def _close_ipc_buffer(self) -> None:
+        self._records = None
         if self._ipc_buffer is not None:
             self._ipc_buffer.close()
             self._ipc_buffer = None

@@ -30,7 +30,7 @@ from nemo_rl.models.generation.interfaces import (
     GenerationOutputSpec,
 )
 from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
 
 
@@ -171,6 +171,17 @@ class VllmGeneration(GenerationInterface):
         per engine, resolving to True once the bucket passed its checks."""
         return self.worker_group.run_all_workers_single_data(
             "update_weights_from_ipc_handles", bucket
+        )
+
+    def receive_weights_ipc_stream(
+        self, stream: IpcStream, sender: ray.ObjectRef, timeout_s: float
+    ) -> list[ray.ObjectRef]:
+        """Have every engine check each bucket of a colocated ``stream`` as soon as the
+        sender has packed it (the engines poll the bucket records in the shared buffer and
+        watch ``sender``, the future of the sender's packing); one future per engine,
+        resolving to True once every bucket passed its checks."""
+        return self.worker_group.run_all_workers_single_data(
+            "receive_weights_ipc_stream", stream, [sender], timeout_s
         )
 
     def init_collective(

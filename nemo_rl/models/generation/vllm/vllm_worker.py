@@ -38,7 +38,7 @@ import torch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
 from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_weights
 
@@ -243,6 +243,16 @@ class VllmGenerationWorker:
         self.refit.receive_ipc_bucket(bucket)
         return True
 
+    def receive_weights_ipc_stream(
+        self, stream: IpcStream, sender: list[Any], timeout_s: float
+    ) -> bool:
+        """Check every bucket of a colocated ``stream`` as the sender packs it; True once
+        all passed. ``sender``: ``[future of the sender's packing]`` (in a list so that Ray
+        hands over the future, not its result). The engine is untouched until
+        :meth:`commit_weight_update`."""
+        self.refit.receive_ipc_stream(stream, lambda: _task_outcome(sender[0]), timeout_s)
+        return True
+
     def init_collective(
         self, ip: str, port: int, world_size: int, rank: int, timeout_s: float = 300.0
     ) -> None:
@@ -279,6 +289,19 @@ class VllmGenerationWorker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+def _task_outcome(ref: Any) -> str | None:
+    """None while the Ray task behind ``ref`` runs, else how it ended."""
+    import ray
+
+    if not ray.wait([ref], timeout=0)[0]:
+        return None
+    try:
+        ray.get(ref)
+    except Exception as err:  # the task's error or its worker's death
+        return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return "finished"
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:

@@ -18,7 +18,7 @@ from nemo_rl.data_plane.interfaces import DataPlaneClient
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.megatron import destroy_megatron_parallel
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
@@ -237,14 +237,20 @@ class MegatronPolicyWorker:
             None if dtype is None else dtype_from_name(dtype)
         )
 
-    def prepare_weights_for_ipc(self, bucket_bytes: int) -> list[list[str]] | None:
-        """Open a colocated refit stream; rank 0 returns the weight names per bucket."""
+    def prepare_weights_for_ipc(self, bucket_bytes: int) -> IpcStream | None:
+        """Open a colocated refit stream; rank 0 returns it (the weight names per bucket, the
+        buffer's handle and the version)."""
         return self._refit_sender().start_stream(bucket_bytes)
 
     def get_weights_ipc_handles(self, keys: list[str]) -> IpcBucket | None:
         """Export and pack the next bucket (``keys``) into its window of the stream buffer;
         rank 0 returns its header and buffer handle."""
         return self._refit_sender().next_bucket(keys)
+
+    def stream_weights_ipc(self) -> None:
+        """Export and pack every remaining bucket of the open stream, each one's record
+        published in the stream buffer for the engines to poll."""
+        self._refit_sender().pack_stream()
 
     def finish_weights_ipc(self) -> dict[str, float] | None:
         """End the colocated stream once the engines committed or aborted it; rank 0 returns

@@ -99,21 +99,18 @@ def corrupted_colocated_refit(
     """The colocated stream of refit_policy_generation, with one byte of bucket
     ``corrupt_index`` flipped in the shared buffer after the sender packed it and before the
     engines check it (as memory corruption would); ``paths`` receives the buffer's file."""
-    plan = policy.prepare_weights_for_ipc(BUCKET_BYTES)
-    checks = []
+    stream = policy.prepare_weights_for_ipc(BUCKET_BYTES)
+    paths.add(stream.buffer.path)
     try:
-        for keys in plan:
-            bucket = ray.get(policy.get_weights_ipc_handles(keys))[0]
-            paths.add(bucket.buffer.path)
-            if bucket.header.index == corrupt_index:
-                offset = corrupt_index * BUCKET_BYTES + 100  # the bucket's window
-                with open(bucket.buffer.path, "r+b") as f:
-                    f.seek(offset)
-                    byte = f.read(1)[0]
-                    f.seek(offset)
-                    f.write(bytes([byte ^ 0x01]))
-            checks += generation.update_weights_from_ipc_handles(bucket)
-        ray.get(checks)
+        packed = [policy.get_weights_ipc_handles(keys) for keys in stream.plan]
+        ray.get([ref for refs in packed for ref in refs])  # every record published
+        offset = corrupt_index * BUCKET_BYTES + 100  # the bucket's window
+        with open(stream.buffer.path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x01]))
+        ray.get(generation.receive_weights_ipc_stream(stream, packed[-1][0], timeout_s=60))
     finally:
         generation.abort_weight_update()
         policy.finish_weights_ipc()

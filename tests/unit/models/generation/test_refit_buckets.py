@@ -9,12 +9,15 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from nemo_rl.models.generation.refit import RefitError
 from nemo_rl.models.generation.refit.buckets import (
@@ -27,7 +30,7 @@ from nemo_rl.models.generation.refit.buckets import (
     copy_with_checksum,
 )
 from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
-from nemo_rl.models.generation.refit.ipc import IpcBucket
+from nemo_rl.models.generation.refit.ipc import IpcBucket, stream_buffer_bytes
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.refit.shared_memory import (
@@ -165,6 +168,24 @@ def test_chunked_copy_checksums_what_it_copied():
     checksum = copy_with_checksum(dst, src)
     assert torch.equal(dst[: src.numel()], src) and (dst[src.numel() :] == 0).all()
     assert checksum == bucket_checksum(dst)
+
+
+def test_chunked_copy_bypasses_torch_function_modes():
+    """The pack loop's byte copies and sums skip torch-function modes (the CPU compatibility
+    layer keeps one pushed in the policy process) and copy the same bytes."""
+    calls = []
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    src = torch.randint(0, 256, (5 * 1024**2 + 3,), dtype=torch.uint8)
+    dst = torch.zeros(5 * 1024**2 + 8, dtype=torch.uint8)
+    with Counting():
+        checksum = copy_with_checksum(dst, src)
+    assert calls == []
+    assert torch.equal(dst[: src.numel()], src) and checksum == bucket_checksum(dst)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 100, -64, 64.0])
@@ -333,7 +354,7 @@ def stream_ipc(sender: RefitSender, receiver: RefitReceiver, corrupt: int | None
     """One colocated stream of 256-byte buckets; flips a byte of bucket ``corrupt`` in the
     shared buffer after the sender packed it. Returns the buckets."""
     buckets = []
-    for keys in sender.start_stream(256):
+    for keys in sender.start_stream(256).plan:
         bucket = sender.next_bucket(keys)
         if bucket.header.index == corrupt:
             flip_byte(bucket.buffer.path, bucket.header.index * 256 + 10)
@@ -361,7 +382,7 @@ def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corrupti
         # one buffer of the whole stream: every bucket names it
         assert len({b.buffer for b in buckets}) == 1 and len(buckets) > 4
         total = buckets[0].buffer.nbytes
-        assert total == StreamLayout(info_of(tensors), 256).total_bytes
+        assert total == stream_buffer_bytes(StreamLayout(info_of(tensors), 256))
         for name, tensor in tensors.items():
             assert_bitwise_equal(loads[0][name], tensor)
             # a view of the whole mapped buffer, not a copy
@@ -374,7 +395,7 @@ def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corrupti
         assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran
 
         # every bucket of a stream must lie in the stream's one buffer
-        plan = sender.start_stream(256)
+        plan = sender.start_stream(256).plan
         receiver.receive_ipc_bucket(sender.next_bucket(plan[0]))
         second = sender.next_bucket(plan[1])
         other = SharedMemoryBuffer.create(total)
@@ -393,6 +414,59 @@ def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corrupti
         receiver.close()
         sender.close()
     assert not Path(buckets[0].buffer.path).exists()
+
+
+def test_whole_stream_is_checked_from_the_bucket_records_while_it_is_packed():
+    """One call per side: the receiver polls the records the sender publishes after each
+    bucket, here while the sender packs on another thread; corrupt, partial and stale streams
+    are refused and leave the receiver's version alone."""
+    tensors = named_tensors()
+    loads: list[dict[str, torch.Tensor]] = []
+    cpu = torch.device("cpu")
+    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu)
+    receiver = RefitReceiver(lambda weights: loads.append(dict(weights)), cpu)
+    finished = lambda: "finished"  # noqa: E731
+    try:
+        receiver.prepare_refit_info(sender.prepare_refit_info())
+        stream = sender.start_stream(256)
+        assert len(stream.plan) > 4
+        packing = threading.Thread(target=lambda: (time.sleep(0.05), sender.pack_stream()))
+        packing.start()  # the receiver starts polling before the first bucket is packed
+        receiver.receive_ipc_stream(
+            stream, lambda: None if packing.is_alive() else "finished", timeout_s=30
+        )
+        packing.join()
+        assert receiver.commit()["version"] == stream.version == 1
+        sender.finish_stream()
+        for name, tensor in tensors.items():
+            assert_bitwise_equal(loads[0][name], tensor)
+
+        stream = sender.start_stream(256)
+        sender.pack_stream()
+        flip_byte(stream.buffer.path, 2 * 256 + 10)
+        with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
+            receiver.receive_ipc_stream(stream, finished, timeout_s=30)
+        sender.finish_stream()
+
+        stream = sender.start_stream(256)  # a sender that dies after two buckets
+        for keys in stream.plan[:2]:
+            sender.next_bucket(keys)
+        with pytest.raises(RefitError, match="bucket 2 was never packed: the sender failed"):
+            receiver.receive_ipc_stream(stream, lambda: "failed: killed", timeout_s=30)
+        with pytest.raises(RefitError, match="bucket 2 was not packed within"):
+            receiver.receive_ipc_stream(stream, lambda: None, timeout_s=0.05)
+        sender.finish_stream()
+
+        # a new stream clears the records: the last stream's are never taken for its own
+        stream = sender.start_stream(256)
+        with pytest.raises(RefitError, match="bucket 0 was never packed"):
+            receiver.receive_ipc_stream(stream, finished, timeout_s=30)
+        with pytest.raises(RefitError, match="no staged refit to commit"):
+            receiver.commit()
+        assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran again
+    finally:
+        receiver.close()
+        sender.close()
 
 
 # ------------------------------------------------------------------------------ broadcast group

@@ -71,7 +71,7 @@ def test_a_parameter_repacked_after_loading_is_not_in_checkpoint_format():
 def _refit(sender: RefitSender, generation: VllmGeneration) -> None:
     """One colocated refit, the sender in this process (as refit_policy_generation runs it)."""
     checks = []
-    for keys in sender.start_stream(bucket_bytes=256 * 1024) or []:
+    for keys in sender.start_stream(bucket_bytes=256 * 1024).plan:
         checks += generation.update_weights_from_ipc_handles(sender.next_bucket(keys))
     ray.get(checks)
     generation.commit_weight_update()
