@@ -378,38 +378,63 @@ def build_tiny_model(
     return final_dir
 
 
+# Files of a hub checkpoint that loading needs: config and tokenizer files, safetensors weights
+# (with their index), sentencepiece / tiktoken vocabularies, merges, chat templates.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
 def resolve_model_path(model_name: str) -> str:
-    """Map a model name to something ``from_pretrained`` can load without surprises.
+    """The local checkpoint folder of a model name.
 
     Args:
         model_name: a tiny model name (see :data:`TINY_MODEL_NAMES`), a local checkpoint
             folder, or a Hugging Face Hub name such as "Qwen/Qwen2.5-1.5B".
 
     Returns:
-        The local folder of a tiny model (built on first use), the given folder, or the hub
-        name unchanged.
+        The local folder of a tiny model (built on first use), the given folder, or the
+        snapshot folder of a hub model in the Hugging Face cache (``HF_HOME``; downloaded on
+        first use: config, tokenizer and safetensors files only). On several nodes, put
+        ``HF_HOME`` on a shared filesystem: the path is resolved once, on the driver.
 
     Raises:
-        FileNotFoundError: a local folder without config.json, or a path (starting with
-            "/", ".", or "~") that does not exist.
+        FileNotFoundError: a local folder without config.json; a path (starting with "/",
+            ".", or "~") that does not exist; a hub name the hub could not provide (no
+            network, gated without ``HF_TOKEN``, unknown), with the hub's error as the cause.
     """
     if model_name in TINY_MODEL_NAMES:
         family, vocab = TINY_MODEL_NAMES[model_name]
         return str(build_tiny_model(family, vocab=vocab))
     path = Path(model_name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model folder {path} has no config.json; point model_name at a folder saved "
-                f"with save_pretrained, or use one of {sorted(TINY_MODEL_NAMES)}"
-            )
-        return str(path)
     if model_name.startswith(("/", ".", "~")) or path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model path {path} is not an existing folder; give a checkpoint folder, a hub "
+                f"name, or one of {sorted(TINY_MODEL_NAMES)}"
+            )
+    else:
+        path = Path(_download_from_hub(model_name))
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model path {path} is not an existing folder; give a checkpoint folder, a hub "
-            f"name, or one of {sorted(TINY_MODEL_NAMES)}"
+            f"model folder {path} has no config.json; point model_name at a folder saved "
+            f"with save_pretrained, or use one of {sorted(TINY_MODEL_NAMES)}"
         )
-    return model_name
+    return str(path)
+
+
+def _download_from_hub(model_name: str) -> str:
+    """``snapshot_download`` of the loading files of hub model ``model_name`` (cached)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model_name, allow_patterns=HUB_ALLOW_PATTERNS)
+    except (LocalEntryNotFoundError, HfHubHTTPError, ValueError) as err:
+        raise FileNotFoundError(
+            f"model {model_name!r} is not a tiny model name or a local folder, and the Hugging "
+            f"Face Hub could not provide it ({type(err).__name__}). Give a local checkpoint "
+            "folder, or make the hub reachable (HF_TOKEN for gated models); offline, a model "
+            "already in the HF_HOME cache loads with HF_HUB_OFFLINE=1."
+        ) from err
 
 
 def load_hf_model_and_tokenizer(
@@ -418,32 +443,17 @@ def load_hf_model_and_tokenizer(
     """Load a causal LM and its tokenizer through transformers' ``from_pretrained``.
 
     Args:
-        model_name: anything :func:`resolve_model_path` accepts.
+        model_name: anything :func:`resolve_model_path` accepts (and raises for).
         dtype: parameter dtype of the loaded model.
 
     Returns:
         ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode on CPU and its
         ``AutoTokenizer``.
-
-    Raises:
-        OSError: a hub name that cannot be fetched; the message says the name was not found
-            locally and the hub is unreachable, the original error is the ``__cause__``.
-            Without network, huggingface_hub retries for ~45 s before failing (set
-            ``HF_HUB_OFFLINE=1`` to fail at once).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as err:
-        if Path(path).is_dir():
-            raise
-        raise OSError(
-            f"model {model_name!r} was not found locally (not a tiny model name, not a folder) "
-            f"and could not be fetched from the Hugging Face Hub: there is no network/hub "
-            f"access here. Use a local checkpoint folder or one of {sorted(TINY_MODEL_NAMES)}."
-        ) from err
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model, tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,6 @@ def test_resolve_model_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     resolved = resolve_model_path("tiny-llama")
     assert Path(resolved).parent == tmp_path / "cache" / "tiny_models"
     assert resolve_model_path(resolved) == resolved
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
 
     empty = tmp_path / "not_a_model"
     empty.mkdir()
@@ -190,16 +190,47 @@ def test_load_hf_model_and_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
-def test_unknown_hub_name_says_no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Offline mode makes the hub lookup fail at once; without it, a machine with no network
-    # fails the same way after ~45 s of huggingface_hub retries.
+@pytest.fixture
+def offline_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face hub cache in offline mode (no hub lookups, failures at once)."""
     import huggingface_hub.constants
 
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_name_resolves_to_its_cached_snapshot(
+    offline_hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hub cache's own layout (refs/main -> snapshots/<commit>/), filled with the tiny
+    # model's files, as a download by huggingface_hub leaves it.
+    monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path / "cache"))
+    source = Path(resolve_model_path("tiny-llama"))
+    repo = offline_hub_cache / "models--nemo-rl-test--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+
+    resolved = resolve_model_path("nemo-rl-test/tiny-llama")
+    assert Path(resolved) == snapshot
+    model, _ = load_hf_model_and_tokenizer("nemo-rl-test/tiny-llama")
+    reference, _ = load_hf_model_and_tokenizer(str(source))
+    ids = torch.tensor([[5, 17, 42]])
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_unknown_hub_name_says_what_to_do(offline_hub_cache: Path) -> None:
+    # Offline mode makes the hub lookup fail at once; without it, a machine with no network
+    # fails the same way after ~45 s of huggingface_hub retries.
     name = "nemo-rl-test/definitely-not-a-model"
-    with pytest.raises(OSError, match="not found locally") as info:
+    with pytest.raises(FileNotFoundError, match="could not provide it") as info:
         load_hf_model_and_tokenizer(name)
-    assert name in str(info.value) and "no network/hub access" in str(info.value)
+    assert name in str(info.value) and "local checkpoint folder" in str(info.value)
     assert info.value.__cause__ is not None
 
 
