@@ -8,6 +8,7 @@ TransferQueue runs one controller + 2 storage units. Every test leaves no partit
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -354,11 +355,18 @@ def test_attached_client_in_another_process_shares_the_store(
     assert len(plane.get("train", KEYS[:4], ["input_ids"])["input_ids"]) == 4
 
 
-def _kill_and_wait(actor: Any) -> None:
+def _kill_and_wait(actor: Any, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` and wait until the actor is gone. The kill is asynchronous: a call sent
+    right after it can still be served, so ask again until the actor is reported dead."""
     ray.kill(actor)
-    # ray.kill is asynchronous: wait until the actor is really gone before asking it
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(actor.__ray_ready__.remote(), timeout=60)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"actor {actor} still answers {timeout_s:g} s after ray.kill")
 
 
 @pytest.mark.slow
