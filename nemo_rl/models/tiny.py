@@ -399,7 +399,8 @@ def resolve_model_path(model_name: str) -> str:
     Raises:
         FileNotFoundError: a local folder without config.json; a path (starting with "/",
             ".", or "~") that does not exist; a hub name the hub could not provide (no
-            network, gated without ``HF_TOKEN``, unknown), with the hub's error as the cause.
+            network, gated without ``HF_TOKEN``, unknown), with the hub's error as the cause;
+            with no network and no ``HF_HUB_OFFLINE=1`` only after huggingface_hub's retries.
     """
     if model_name in TINY_MODEL_NAMES:
         family, vocab = TINY_MODEL_NAMES[model_name]
