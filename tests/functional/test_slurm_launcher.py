@@ -352,16 +352,19 @@ def test_attach_job_serves_shells_until_scancel(slurm: LoopbackSlurm) -> None:
     # `ray status` shows the autoscaler's view, refreshed every few seconds: it can list one
     # node for a moment after both registered, so it is asked until it lists two (20 tries).
     count_nodes = "ray status --address $RAY_ADDRESS | grep -c '^ 1 node_'"
-    shell = subprocess.run(
-        ["nsenter", f"--net=/run/netns/{slurm.netns}", "bash", str(log_dir / job_id / "attach.sh")],
-        input='echo "ATTACHED to=$RAY_ADDRESS on=$SLURMD_NODENAME"\n'
-        f'for i in $(seq 20); do n=$({count_nodes}); [ "$n" = 2 ] && break; sleep 1; done\n'
-        'echo "$n"\nexit\n',
-        capture_output=True, text=True, env=slurm.env(), timeout=180,
-    )
-    assert "ATTACHED to=127.0.0.1:21000 on=node1" in shell.stdout, shell.stderr
-    assert shell.stdout.strip().endswith("\n2"), shell.stdout  # two active Ray nodes
-    assert slurm.run("scancel", job_id).returncode == 0
+    try:
+        shell = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{slurm.netns}", "bash", str(log_dir / job_id / "attach.sh")],
+            input='echo "ATTACHED to=$RAY_ADDRESS on=$SLURMD_NODENAME"\n'
+            f'for i in $(seq 20); do n=$({count_nodes}); [ "$n" = 2 ] && break; sleep 1; done\n'
+            'echo "$n"\nexit\n',
+            capture_output=True, text=True, env=slurm.env(), timeout=180,
+        )
+        assert "ATTACHED to=127.0.0.1:21000 on=node1" in shell.stdout, shell.stderr
+        assert shell.stdout.strip().endswith("\n2"), shell.stdout  # two active Ray nodes
+    finally:  # a failed check must not leave the job (and its Ray) running
+        cancelled = slurm.run("scancel", job_id).returncode
+    assert cancelled == 0
     fields = slurm.wait_job_done(job_id, FAILURE_DONE_S)
     assert fields["ExitCode"] == "143:0"  # 128 + SIGTERM
     assert "received SIGTERM (scancel, the time limit or Ctrl-C); stopping the job" in (
