@@ -28,13 +28,12 @@ Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
     PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5]
 
-Measured on 2 CPU cores shared with other jobs, 0.508 GB bf16 stream, 64 MiB buckets (8),
-median of 5 refits, this version and the one before it (one Ray task per bucket on each side)
-run alternately at load average 4-5: transfer 0.125 / 0.158 s (pack + checksum 0.107 / 0.127
-s) against 0.166 / 0.217 s before; transfer / memcpy 0.41 / 0.37 (2 threads) and 0.53 / 0.50
-(1 thread), before 0.28 / 0.20 and 0.44 / 0.35; end to end 0.31-0.41 s. The 2-thread target
-is out of reach while one thread packs (the pack alone is 0.37-0.47 of a 2-thread memcpy).
-See docs/performance.md (refit section) for the split and what bounds it.
+Measured on the quiet 2-core machine, 0.508 GB bf16 stream, 64 MiB buckets (8), median of 5
+refits, this version (one-pass copy + checksum on two threads) and the one before it (torch
+copy, then sum, one thread) run alternately: transfer 0.069 / 0.071 s (pack 0.046 / 0.050 s)
+against 0.099 / 0.098 s before; transfer / memcpy 0.53 / 0.52 (2 threads) and 0.75 / 0.75
+(1 thread), before 0.31 / 0.38 and 0.53 / 0.54; end to end 0.21-0.23 s, of which the engine
+load is 0.11 s. See docs/performance.md (refit section) for the split and what bounds it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.logger import read_metrics_jsonl
 
 
@@ -45,6 +47,17 @@ def tiny_grpo_config(
             **sections,
         }
     )
+
+
+def run_grpo(cfg: GRPOMasterConfig) -> dict[str, float]:
+    """Set up, train and tear down (components, then the local Ray) one GRPO run; its final
+    metrics."""
+    components = setup(cfg)
+    try:
+        return grpo_train(components)
+    finally:
+        shutdown(components)
+        shutdown_ray()
 
 
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:

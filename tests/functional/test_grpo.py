@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 
-from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.logger import read_metrics_jsonl
 
-from tiny_grpo import tiny_grpo_config, train_records
+from tiny_grpo import run_grpo, tiny_grpo_config, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +29,12 @@ def config(tmp: Path, model: Path, *, colocated: bool, steps: int, **extra: Any)
     )
 
 
-def run(cfg: GRPOMasterConfig) -> dict[str, float]:
-    components = setup(cfg)
-    try:
-        return grpo_train(components)
-    finally:
-        shutdown(components)
-        shutdown_ray()
-
-
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "non_colocated"])
 def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, colocated):
     # with a short SFT warm start: its steps change the policy, so the first GRPO step's
     # on-policy checks also show that the warm-started weights reached the engines
     warmup = {"enabled": True, "num_steps": 4, "log_period": 2}
-    run(config(tmp_path, tiny_llama_path, colocated=colocated, steps=2, sft_warmup=warmup))
+    run_grpo(config(tmp_path, tiny_llama_path, colocated=colocated, steps=2, sft_warmup=warmup))
     (warm,) = [
         r["metrics"]
         for r in read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
@@ -70,13 +59,13 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_llama_path):
     ckpt = {"checkpointing": {"enabled": True, "save_period": 1, "keep_top_k": None}}
     warmup = {"enabled": True, "num_steps": 3}
     whole, part = tmp_path / "whole", tmp_path / "part"
-    run(config(whole, tiny_llama_path, colocated=True, steps=3, sft_warmup=warmup))
+    run_grpo(config(whole, tiny_llama_path, colocated=True, steps=3, sft_warmup=warmup))
     part_cfg = lambda steps: config(  # noqa: E731
         part, tiny_llama_path, colocated=True, steps=steps, sft_warmup=warmup,
         checkpointing={**ckpt["checkpointing"], "checkpoint_dir": str(part / "ckpt")},
     )
-    run(part_cfg(1))
-    run(part_cfg(3))  # resumes from step 1
+    run_grpo(part_cfg(1))
+    run_grpo(part_cfg(3))  # resumes from step 1
     expected, resumed = train_records(whole / "logs"), train_records(part / "logs")
     for step in (2, 3):
         for name in ("loss", "grad_norm", "reward"):

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
+
+from tiny_grpo import run_grpo
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +39,7 @@ def test_demo_recipe_raises_sampled_validation_accuracy(tmp_path):
         ],
         GRPOMasterConfig,
     )
-    components = setup(cfg)
-    try:
-        grpo_train(components)
-    finally:
-        shutdown(components)
-        shutdown_ray()
+    run_grpo(cfg)
     records = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
     accuracy = {r["step"]: r["metrics"]["accuracy"] for r in records if r["prefix"] == "validation"}
     assert sorted(accuracy) == [0, STEPS]

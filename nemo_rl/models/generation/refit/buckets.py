@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from nemo_rl.models.generation.refit.errors import RefitError
@@ -31,9 +32,6 @@ from nemo_rl.models.generation.refit.errors import RefitError
 ALIGNMENT = 64
 
 _MASK64 = (1 << 64) - 1
-
-# Bytes copied and checksummed at a time (fits the last-level cache).
-_CHUNK = 4 * 1024**2
 
 # {hf_name: (shape, dtype)}, in export order.
 RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -62,31 +60,59 @@ def bucket_checksum(data: torch.Tensor) -> int:
     return int(data.view(torch.int64).sum().item()) & _MASK64
 
 
-def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """Copy ``src`` to the start of ``dst`` and return :func:`bucket_checksum` of ``dst``.
+def copy_with_checksum(
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> int | torch.Tensor:
+    """Copy each ``(dst, src)`` piece's ``src`` to the start of its ``dst``; return the sum of
+    :func:`bucket_checksum` over the ``dst`` windows, mod 2**64 (a bucket's checksum when
+    the pieces and zero padding tile it).
 
-    Works in chunks of :data:`_CHUNK` bytes, summing each right after copying it while it is
-    still in cache, instead of reading the whole destination a second time.
+    On CPU (8-byte aligned pieces) one pass does both: a numba kernel that stores each word
+    and adds it to the sum, on several threads sharing the pieces' chunks
+    (:mod:`.copy_checksum`). Elsewhere (CUDA) torch copies, then sums, each piece
+    (:func:`_copy_then_sum`), and the result is a 0-dim int64 tensor on the device, so a
+    bucket costs one host sync (``int(result) & (2**64 - 1)``), not one per piece.
 
     Runs with torch-function handling off: these are plain byte copies and sums with no device
     argument, which a torch-function mode (the CPU compatibility layer's, pushed for the whole
-    policy process) would pass through unchanged at the cost of a Python call per op (~8 % of
-    the packing loop on the benchmark model).
+    policy process) would pass through unchanged at the cost of a Python call per op.
 
     Args:
-        dst: uint8 [n], n a multiple of 8, 8-byte aligned; bytes past ``src`` are summed as
-            they are (callers zero them).
-        src: uint8 [<= n].
+        pieces: ``dst`` uint8 [n], n a multiple of 8, 8-byte aligned (bytes past ``src`` are
+            summed as they are: callers zero them); ``src`` uint8 [<= n], same device.
     """
-    checksum = 0
     with torch._C.DisableTorchFunction():
-        for start in range(0, dst.numel(), _CHUNK):
-            chunk = dst[start : start + _CHUNK]
-            if start < src.numel():
-                piece = src[start : start + _CHUNK]
-                chunk[: piece.numel()].copy_(piece)
-            checksum += bucket_checksum(chunk)
+        on_cpu = [
+            d.device.type == s.device.type == "cpu" and d.data_ptr() % 8 == s.data_ptr() % 8 == 0
+            for d, s in pieces
+        ]
+        others = [_copy_then_sum(d, s) for (d, s), cpu in zip(pieces, on_cpu) if not cpu]
+        total = _copy_and_sum_on_cpu([p for p, cpu in zip(pieces, on_cpu) if cpu])
+        return sum(others, total)
+
+
+def _copy_and_sum_on_cpu(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    if not pieces:
+        return 0
+    from nemo_rl.models.generation.refit.copy_checksum import copy_and_sum
+
+    words = lambda t: t.numpy().view(np.uint64)  # noqa: E731 (shares t's memory)
+    whole = [s.numel() // 8 * 8 for _, s in pieces]
+    checksum = copy_and_sum([(words(d[:w]), words(s[:w])) for (d, s), w in zip(pieces, whole)])
+    for (dst, src), w in zip(pieces, whole):
+        if w < dst.numel():  # src's last partial word, then dst's padding
+            dst[w : src.numel()].copy_(src[w:])
+            checksum += bucket_checksum(dst[w:])
     return checksum & _MASK64
+
+
+def _copy_then_sum(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """One piece of :func:`copy_with_checksum` with two torch ops (any device): the sum as a
+    0-dim int64 tensor on ``dst``'s device (int64 addition wraps: it is the sum mod 2**64)."""
+    if dst.numel() % 8:
+        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {dst.numel()}")
+    dst[: src.numel()].copy_(src)
+    return dst.view(torch.int64).sum()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,10 +312,9 @@ class BucketPacker:
         if out.dtype != torch.uint8 or out.numel() < stop - start:
             raise ValueError(f"bucket {index} needs a uint8 buffer of >= {stop - start} bytes")
         dest = out[: stop - start]
-        cursor = checksum = 0
+        cursor, pieces = 0, []
         for entry in self.layout.manifest(index):
             source = self._tensor_bytes(entry)
-            tick = time.perf_counter()
             # Padding is zero, so the bucket's checksum is the sum of its pieces' (each
             # taken over whole 8-byte words, zero tail included).
             if entry.bucket_offset > cursor:
@@ -297,14 +322,15 @@ class BucketPacker:
             end = entry.bucket_offset + entry.length
             cursor = -(-end // 8) * 8
             dest[end:cursor].zero_()
-            checksum += copy_with_checksum(
+            pieces.append((
                 dest[entry.bucket_offset : cursor],
                 source[entry.tensor_offset : entry.tensor_offset + entry.length],
-            )
-            self.timings.pack_s += time.perf_counter() - tick
+            ))
         if cursor < dest.numel():
             dest[cursor:].zero_()
-        checksum &= _MASK64
+        tick = time.perf_counter()
+        checksum = int(copy_with_checksum(pieces)) & _MASK64  # a device bucket's one sync
+        self.timings.pack_s += time.perf_counter() - tick
         self._next_index += 1
         if self.done:
             self._expect_end()

@@ -15,8 +15,9 @@ weights earlier steps left behind):
 5. a colocated refit whose bucket is corrupted in the shared buffer before the engines check
    it, and refit info that does not match the engines' checkpoint: both refused, version and
    output unchanged;
-6. the sender (policy rank 0) is killed while the engines wait for a broadcast: refused,
-   version and output unchanged; the shared buffer it could not unlink is swept.
+6. the sender (policy rank 0) is killed while the engines wait for a broadcast, and with a
+   colocated stream open of which it packed bucket 0 only: both refused, version and output
+   unchanged; the shared buffer it could not unlink is swept.
 """
 
 from __future__ import annotations
@@ -223,8 +224,14 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
                 generation.prepare_refit_info(info)
             out["mismatch_error"] = str(mismatch.value)
 
+            # a colocated stream whose sender dies after packing bucket 0: opened and bucket 0
+            # packed now, the engines read it after the kill below
+            stream = policy.prepare_weights_for_ipc(BUCKET_BYTES)
+            ray.get(policy.get_weights_ipc_handles(stream.plan[0]))
+
             receives = generation.update_weights_from_collective(BUCKET_BYTES)
-            ray.kill(policy.worker_group.workers[0], no_restart=True)
+            sender = policy.worker_group.workers[0]
+            ray.kill(sender, no_restart=True)
             errors = []
             for ref in receives:
                 with pytest.raises(RefitError) as died:
@@ -232,6 +239,16 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
                 errors.append(str(died.value))
             out["died_errors"] = errors
             out["after_death"] = (before, generation.weight_version(), greedy(generation, prompts))
+
+            dead = sender.get_weights_ipc_handles.remote(stream.plan[1])  # a dead actor's task
+            errors = []
+            for ref in generation.receive_weights_ipc_stream(stream, dead, timeout_s=120):
+                with pytest.raises(RefitError) as died:
+                    ray.get(ref, timeout=120)
+                errors.append(str(died.value))
+            generation.abort_weight_update()
+            out["died_stream_errors"] = errors
+            out["after_stream_death"] = (generation.weight_version(), greedy(generation, prompts))
             # a killed sender cannot unlink its shared buffers; the next sweep does
             out["shm_left_by_dead_sender"] = sorted(p for p in shm_paths if Path(p).exists())
             swept = remove_stale_segments()
@@ -317,6 +334,15 @@ def test_sender_death_is_refused_and_the_engines_keep_their_weights(run):
     before, after, output = run["after_death"]
     assert before == after == 6
     assert output == run["A_greedy"]
+
+
+def test_colocated_stream_of_a_killed_sender_is_refused_at_its_first_missing_bucket(run):
+    errors = run["died_stream_errors"]
+    assert len(errors) == 2
+    assert all("bucket 1 was never packed: the sender failed" in e for e in errors), errors
+    assert all("ActorDiedError" in e for e in errors), errors
+    version, output = run["after_stream_death"]
+    assert version == 6 and output == run["A_greedy"]
 
 
 def test_shared_buffers_of_a_killed_sender_are_swept(run):

@@ -26,6 +26,7 @@ from nemo_rl.models.generation.refit.buckets import (
     RefitInfo,
     StagingArea,
     StreamLayout,
+    _copy_then_sum,
     bucket_checksum,
     copy_with_checksum,
 )
@@ -162,15 +163,37 @@ def test_checksum_is_the_wrapping_sum_of_words():
         bucket_checksum(data[:7])
 
 
-def test_chunked_copy_checksums_what_it_copied():
-    src = torch.randint(0, 256, (9 * 1024**2 + 5,), dtype=torch.uint8)  # > 2 chunks
-    dst = torch.full((9 * 1024**2 + 8,), 0, dtype=torch.uint8)
-    checksum = copy_with_checksum(dst, src)
-    assert torch.equal(dst[: src.numel()], src) and (dst[src.numel() :] == 0).all()
-    assert checksum == bucket_checksum(dst)
+@pytest.mark.parametrize("src_offset", [0, 3])  # 3: src not 8-byte aligned, torch's path
+@pytest.mark.parametrize("length", [0, 8, 1000, 5 * 1024**2 + 5])
+def test_one_pass_copy_matches_torchs_copy_then_sum(src_offset, length):
+    """The numba kernel (CPU, aligned) and torch's copy + sum (CUDA, unaligned) copy the same
+    bytes, zero padding kept, and give the same checksum."""
+    padded = -(-length // 8) * 8
+    source = torch.randint(0, 256, (length + src_offset,), dtype=torch.uint8)[src_offset:]
+    fused, torch_path = (torch.zeros(padded + 16, dtype=torch.uint8) for _ in range(2))
+    got = copy_with_checksum([(fused[:padded], source)])
+    want = _copy_then_sum(torch_path[:padded], source)
+    assert torch.equal(fused, torch_path) and torch.equal(fused[:length], source)
+    assert int(got) % 2**64 == int(want) % 2**64 == bucket_checksum(torch_path[:padded])
 
 
-def test_chunked_copy_bypasses_torch_function_modes():
+def test_pieces_of_a_bucket_are_copied_together_across_chunks_and_threads():
+    """Pieces of every size (several chunks, under one chunk, a partial last word, one
+    unaligned source) land at their places and sum to the bucket's checksum."""
+    lengths = [9 * 1024**2 + 3, 12, 1 << 20, 5, 3 * 1024**2]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in lengths]
+    sources[3] = torch.randint(0, 256, (6,), dtype=torch.uint8)[1:]  # unaligned
+    bucket = torch.full((sum(-(-n // 64) * 64 for n in lengths),), 0, dtype=torch.uint8)
+    pieces, offset = [], 0
+    for src in sources:
+        pieces.append((bucket[offset : offset + -(-src.numel() // 8) * 8], src))
+        offset += -(-src.numel() // 64) * 64
+    assert int(copy_with_checksum(pieces)) % 2**64 == bucket_checksum(bucket)
+    for dst, src in pieces:
+        assert torch.equal(dst[: src.numel()], src) and (dst[src.numel() :] == 0).all()
+
+
+def test_copy_with_checksum_bypasses_torch_function_modes():
     """The pack loop's byte copies and sums skip torch-function modes (the CPU compatibility
     layer keeps one pushed in the policy process) and copy the same bytes."""
     calls = []
@@ -183,7 +206,7 @@ def test_chunked_copy_bypasses_torch_function_modes():
     src = torch.randint(0, 256, (5 * 1024**2 + 3,), dtype=torch.uint8)
     dst = torch.zeros(5 * 1024**2 + 8, dtype=torch.uint8)
     with Counting():
-        checksum = copy_with_checksum(dst, src)
+        checksum = copy_with_checksum([(dst, src)])
     assert calls == []
     assert torch.equal(dst[: src.numel()], src) and checksum == bucket_checksum(dst)
 
