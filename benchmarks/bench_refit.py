@@ -30,10 +30,10 @@ Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
 Measured on the quiet 2-core machine, 0.508 GB bf16 stream, 64 MiB buckets (8), median of 5
 refits, this version (one-pass copy + checksum on two threads) and the one before it (torch
-copy, then sum, one thread) run alternately: transfer 0.069 / 0.071 s (pack 0.046 / 0.050 s)
-against 0.099 / 0.098 s before; transfer / memcpy 0.53 / 0.52 (2 threads) and 0.75 / 0.75
-(1 thread), before 0.31 / 0.38 and 0.53 / 0.54; end to end 0.21-0.23 s, of which the engine
-load is 0.11 s. See docs/performance.md (refit section) for the split and what bounds it.
+copy, then sum, one thread) run alternately, four pairs: transfer 0.069-0.075 s (pack
+0.046-0.053 s) against 0.095-0.099 s; transfer / memcpy 0.48-0.53 (2 threads) and 0.69-0.75
+(1 thread), before 0.31-0.38 and 0.53-0.55; end to end 0.21-0.23 s, of which the engine load
+is 0.11 s. See docs/performance.md (refit section) for the split and what bounds it.
 """
 
 from __future__ import annotations

@@ -42,6 +42,18 @@ def copy_and_sum_words(dst: np.ndarray, src: np.ndarray) -> np.uint64:
     return total
 
 
+@numba.njit(nogil=True, cache=True)
+def sum_words(words: np.ndarray) -> np.uint64:
+    """The sum of ``words`` (uint64 [n]) mod 2**64, on the calling thread: a receiver's check
+    of a bucket, which then takes one core whatever the process's torch threads (torch's
+    2-thread sum, spinning for a core the sender's packing threads hold, slowed the sender
+    by a third in bench_ipc_refit_transport.py --device cpu)."""
+    total = np.uint64(0)
+    for i in range(words.shape[0]):
+        total += words[i]
+    return total
+
+
 @functools.cache
 def _helpers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(THREADS - 1, thread_name_prefix="refit-pack")
