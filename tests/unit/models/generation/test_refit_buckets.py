@@ -160,8 +160,6 @@ def test_checksum_is_the_wrapping_sum_of_words():
     words = [int.from_bytes(bytes(data[i : i + 8].tolist()), "little") for i in range(0, 4096, 8)]
     assert sum(words) >= 2**64  # the sum wraps
     assert bucket_checksum(data) == sum(words) % 2**64
-    # what a CUDA buffer gets: torch's int64 sum
-    assert int(data.view(torch.int64).sum()) % 2**64 == sum(words) % 2**64
     with pytest.raises(ValueError, match="multiple of 8"):
         bucket_checksum(data[:7])
 
