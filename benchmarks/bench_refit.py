@@ -33,7 +33,7 @@ refits, this version (one-pass copy + checksum on two threads) and the one befor
 copy, then sum, one thread) run alternately, four pairs: transfer 0.069-0.075 s (pack
 0.046-0.053 s) against 0.095-0.099 s; transfer / memcpy 0.48-0.53 (2 threads) and 0.69-0.75
 (1 thread), before 0.31-0.38 and 0.53-0.55; end to end 0.21-0.23 s, of which the engine load
-is 0.11 s. See docs/performance.md (refit section) for the split and what bounds it.
+is 0.11 s. Over ten runs of this version: 0.48-0.55 of the 2-thread memcpy, median 0.525. See docs/performance.md (refit section) for the split and what bounds it.
 """
 
 from __future__ import annotations
