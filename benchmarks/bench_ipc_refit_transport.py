@@ -137,6 +137,7 @@ def main() -> None:
     sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, device)
     info = sender.prepare_refit_info()
     bucket_bytes = args.bucket_mb * 1024**2
+    nbytes = sum(t.numel() * t.itemsize for t in tensors.values())
 
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox, packing_done = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -148,8 +149,7 @@ def main() -> None:
         if (answer := outbox.get(timeout=300)) != "ready":
             raise RuntimeError(f"receiver: {answer}")
         for repeat in range(args.repeats + 1):  # the first one warms up both sides
-            baseline = copy_bandwidth(sum(t.numel() * t.itemsize for t in tensors.values()),
-                                      device)
+            baseline = copy_bandwidth(nbytes, device)
             packing_done.clear()
             stream = sender.start_stream(bucket_bytes)
             inbox.put(stream)
@@ -170,7 +170,6 @@ def main() -> None:
             child.kill()
         sender.close()
 
-    nbytes = sum(t.numel() * t.itemsize for t in tensors.values())
     transfer, pack, load, baseline = (statistics.median(c) for c in zip(*rows))
     ratios = [nbytes / r[0] / r[3] for r in rows]
     name = "device-to-device copy" if device.type == "cuda" else "memcpy"

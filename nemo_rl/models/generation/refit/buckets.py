@@ -53,12 +53,18 @@ def bucket_checksum(data: torch.Tensor) -> int:
     hash, and blind to 8-byte words swapped in place. Torch's sum, also on CPU: engines check
     buckets with it and must not load numba (see :mod:`.copy_checksum`).
     """
-    if data.numel() % 8:
-        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {data.numel()}")
     if data.numel() == 0:
         return 0
-    # int64 addition wraps in two's complement, i.e. it is addition mod 2**64 in any order.
-    return int(data.view(torch.int64).sum().item()) & _MASK64
+    return int(_word_sum(data).item()) & _MASK64
+
+
+def _word_sum(data: torch.Tensor) -> torch.Tensor:
+    """The sum of ``data``'s 8-byte words (uint8 [n], n a multiple of 8) as a 0-dim int64
+    tensor on its device: int64 addition wraps in two's complement, i.e. it is the sum mod
+    2**64 in any order."""
+    if data.numel() % 8:
+        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {data.numel()}")
+    return data.view(torch.int64).sum()
 
 
 def copy_with_checksum(
@@ -109,11 +115,9 @@ def _copy_and_sum_on_cpu(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> int
 
 def _copy_then_sum(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """One piece of :func:`copy_with_checksum` with two torch ops (any device): the sum as a
-    0-dim int64 tensor on ``dst``'s device (int64 addition wraps: it is the sum mod 2**64)."""
-    if dst.numel() % 8:
-        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {dst.numel()}")
+    0-dim int64 tensor on ``dst``'s device (:func:`_word_sum`)."""
     dst[: src.numel()].copy_(src)
-    return dst.view(torch.int64).sum()
+    return _word_sum(dst)
 
 
 @dataclasses.dataclass(frozen=True)
