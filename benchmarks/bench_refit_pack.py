@@ -1,0 +1,134 @@
+"""The refit sender's pack alone (copy into buckets + checksum), in this process, vs memcpy.
+
+Workload: bf16 tensors of the shapes bench_refit.py's 0.24 B Llama exports (hidden 1024, 16
+layers, 16 query / 8 KV heads of 64, MLP 4096, a 1,000-token vocabulary), packed by
+:class:`BucketPacker` into 64 MiB buckets of one buffer. Variants, each the best of
+``--repeats`` packs of the whole stream, alternated ``--rounds`` times:
+
+* ``numba, N threads``: the pack as it runs (:mod:`nemo_rl.models.generation.refit.copy_checksum`,
+  one-pass copy + sum, chunks shared by N threads; N = 1 and the module's ``THREADS``);
+* ``torch copy, then sum``: each piece copied with ``copy_`` and summed with torch (the path
+  CUDA buckets take; one thread and the process's torch threads);
+* baseline: ``copy_`` of the stream's bytes between two warm buffers, 1 and 2 torch threads.
+
+Run (about 30 s, ~2 GB of RAM):
+
+    PYTHONPATH=. python benchmarks/bench_refit_pack.py [--rounds 3] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+
+from nemo_rl.models.generation.refit import buckets, copy_checksum
+from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
+
+HIDDEN, LAYERS, KV, MLP, VOCAB = 1024, 16, 512, 4096, 1000
+
+
+def llama_shapes() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            p + "self_attn.k_proj.weight": (KV, HIDDEN),
+            p + "self_attn.v_proj.weight": (KV, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+            p + "mlp.gate_proj.weight": (MLP, HIDDEN),
+            p + "mlp.up_proj.weight": (MLP, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, MLP),
+        }
+    return shapes | {"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)}
+
+
+def best_seconds(run: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - tick)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    tensors = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in llama_shapes().items()}
+    layout = StreamLayout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, 64 << 20)
+    out = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    src = torch.ones_like(out)
+
+    def pack() -> None:
+        packer = BucketPacker(layout, iter(tensors.items()), version=1)
+        for index in range(layout.num_buckets):
+            start, stop = layout.span(index)
+            packer.fill(index, out[start:stop])
+
+    def torch_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return sum(buckets._copy_then_sum(dst, src) for dst, src in pieces)
+
+    def variant(threads: int | None, torch_path: bool, torch_threads: int) -> Callable[[], None]:
+        def run() -> None:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(torch_threads)
+            try:
+                with mock.patch.object(copy_checksum, "THREADS", threads or copy_checksum.THREADS):
+                    if torch_path:  # every piece takes the device path (torch copy, then sum)
+                        with mock.patch.object(buckets, "copy_with_checksum", torch_pieces):
+                            pack()
+                    else:
+                        pack()
+            finally:
+                torch.set_num_threads(previous)
+        return run
+
+    def memcpy(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                out.copy_(src)
+            finally:
+                torch.set_num_threads(previous)
+        return run
+
+    variants = {
+        "numba, 1 thread": variant(1, False, 1),
+        f"numba, {copy_checksum.THREADS} threads": variant(None, False, 1),
+        "torch copy, then sum, 1 thread": variant(None, True, 1),
+        f"torch copy, then sum, {torch.get_num_threads()} threads": variant(
+            None, True, torch.get_num_threads()
+        ),
+        "memcpy, 1 thread": memcpy(1),
+        "memcpy, 2 threads": memcpy(2),
+    }
+    pack()  # compile the kernel, fault the pages in
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, run in variants.items():
+            results[name].append(layout.total_bytes / best_seconds(run, args.repeats))
+
+    print(f"command: PYTHONPATH=. python benchmarks/bench_refit_pack.py --rounds {args.rounds} "
+          f"--repeats {args.repeats}")
+    print(f"stream: {layout.total_bytes / 1e9:.3f} GB bf16 in {layout.num_buckets} buckets of "
+          "64 MiB; GB/s per round, best of the repeats")
+    for name, rates in results.items():
+        ratios = [r / m for r, m in zip(rates, results["memcpy, 2 threads"])]
+        print(f"{name:<34} " + " ".join(f"{r / 1e9:6.2f}" for r in rates)
+              + "   / 2-thread memcpy: " + " ".join(f"{q:.2f}" for q in ratios))
+
+
+if __name__ == "__main__":
+    main()
