@@ -37,10 +37,13 @@ from typing import Any
 import torch
 
 
-def llama_tensors(layers: int, hidden: int, device: torch.device) -> dict[str, torch.Tensor]:
+def llama_tensors(
+    layers: int, hidden: int, device: torch.device, *, kv: int | None = None, vocab: int = 32768
+) -> dict[str, torch.Tensor]:
     """HF-named bf16 tensors of a Llama with ``layers`` layers of width ``hidden`` (MLP 4x,
-    4 query heads per KV head, 32k vocabulary), random, on ``device``."""
-    kv, mlp, vocab = hidden // 4, 4 * hidden, 32768
+    K/V projections of ``kv`` rows, by default ``hidden // 4``: 4 query heads per KV head),
+    random, on ``device``."""
+    kv, mlp = kv or hidden // 4, 4 * hidden
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."

@@ -1,7 +1,7 @@
 """The refit sender's pack alone (copy into buckets + checksum), in this process, vs memcpy.
 
-Workload: bf16 tensors of the shapes bench_refit.py's 0.24 B Llama exports (hidden 1024, 16
-layers, 16 query / 8 KV heads of 64, MLP 4096, a 1,000-token vocabulary), packed by
+Workload: random bf16 tensors of the shapes bench_refit.py's 0.24 B Llama exports (hidden
+1024, 16 layers, 16 query / 8 KV heads of 64, MLP 4096, a 1,000-token vocabulary), packed by
 :class:`BucketPacker` into 64 MiB buckets of one buffer. Variants, each the best of
 ``--repeats`` packs of the whole stream, alternated ``--rounds`` times:
 
@@ -25,29 +25,9 @@ from unittest import mock
 
 import torch
 
+from benchmarks.bench_ipc_refit_transport import llama_tensors
 from nemo_rl.models.generation.refit import buckets, copy_checksum
 from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
-
-HIDDEN, LAYERS, KV, MLP, VOCAB = 1024, 16, 512, 4096, 1000
-
-
-def llama_shapes() -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (HIDDEN,),
-            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-            p + "self_attn.k_proj.weight": (KV, HIDDEN),
-            p + "self_attn.v_proj.weight": (KV, HIDDEN),
-            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-            p + "post_attention_layernorm.weight": (HIDDEN,),
-            p + "mlp.gate_proj.weight": (MLP, HIDDEN),
-            p + "mlp.up_proj.weight": (MLP, HIDDEN),
-            p + "mlp.down_proj.weight": (HIDDEN, MLP),
-        }
-    return shapes | {"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)}
-
 
 def best_seconds(run: Callable[[], None], repeats: int) -> float:
     best = float("inf")
@@ -64,8 +44,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    tensors = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in llama_shapes().items()}
+    # bench_refit.py's model: hidden 1024, 16 layers, 8 KV heads of 64, MLP 4096, 1,000 tokens
+    tensors = llama_tensors(16, 1024, torch.device("cpu"), kv=512, vocab=1000)
     layout = StreamLayout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, 64 << 20)
     out = torch.empty(layout.total_bytes, dtype=torch.uint8)
     src = torch.ones_like(out)
