@@ -5,6 +5,11 @@
     megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1
     megatron-bridge info PATH
 
+An HF checkpoint may be given as a local folder or as a Hugging Face Hub name
+(``Qwen/Qwen2.5-1.5B``): a name that is not an existing path resolves to its snapshot in the hub
+cache (``HF_HOME``), downloaded on first use (config, tokenizer and safetensors files only;
+``HF_HUB_OFFLINE=1`` uses the cache alone). Megatron checkpoints are local folders.
+
 ``convert`` streams tensors from one format into the other in the command's own process,
 without building a model or starting process groups (the dist checkpoint is laid out as a
 ``--tp`` x ``--pp`` model would save it; it loads at any layout). ``verify`` builds the model on
@@ -58,6 +63,20 @@ def _checkpoint_kind(path: Path) -> str:
     if (path / "config.json").is_file():
         return "hf"
     raise CliError(f"{path} is neither an HF checkpoint (config.json) nor a Megatron one ({BRIDGE_FILE})")
+
+
+def _hf_source(name: str) -> Path:
+    """The local folder of HF checkpoint argument ``name``: an existing path as it is, else the
+    hub model's cached snapshot (see :func:`nemo_rl.models.tiny.resolve_model_path`)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    from nemo_rl.models.tiny import resolve_model_path
+
+    try:
+        return Path(resolve_model_path(name))
+    except FileNotFoundError as err:
+        raise CliError(str(err)) from err
 
 
 def _bridge_for(path: Path, kind: str) -> BridgeConfig:
@@ -197,9 +216,10 @@ def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    src, dst = Path(args.src), Path(args.dst)
     if args.from_ == args.to:
         raise CliError(f"--from and --to are both {args.from_!r}; nothing to convert")
+    src = _hf_source(args.src) if args.from_ == "hf" else Path(args.src)
+    dst = Path(args.dst)
     if args.dtype:
         try:
             dtype_from_name(args.dtype)
@@ -235,7 +255,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_dir = Path(args.hf)
+    hf_dir = _hf_source(args.hf)
     bridge = _check_source(hf_dir, "hf")
     if args.megatron:
         mg_bridge = _check_source(Path(args.megatron), "megatron")
@@ -289,7 +309,7 @@ def _hf_summary(path: Path) -> dict[str, Any]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    path = Path(args.path)
+    path = _hf_source(args.path)
     kind = _checkpoint_kind(path)
     try:
         bridge = _bridge_for(path, kind)
@@ -359,12 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--fsync", action="store_true",
                          help="flush the Megatron checkpoint's files to disk before it is "
                               "renamed into place (durable against a machine crash; slower)")
-    convert.add_argument("src")
+    convert.add_argument("src", help="source checkpoint folder (or hub model name with --from hf)")
     convert.add_argument("dst")
     convert.set_defaults(func=cmd_convert)
 
     verify = sub.add_parser("verify", help="compare Megatron logits with transformers' logits")
-    verify.add_argument("hf", help="HF checkpoint folder (reference, and tokenizer)")
+    verify.add_argument("hf", help="HF checkpoint folder or hub model name (reference, and "
+                        "tokenizer)")
     verify.add_argument("megatron", nargs="?", default=None,
                         help="Megatron checkpoint; default: load the HF folder through the bridge")
     verify.add_argument("--tp", type=int, default=1)
@@ -376,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=cmd_verify)
 
     info = sub.add_parser("info", help="what a checkpoint holds")
-    info.add_argument("path")
+    info.add_argument("path", help="checkpoint folder, or hub model name of an HF checkpoint")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_info)
     return parser

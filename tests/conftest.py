@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,28 @@ def tiny_llama_path() -> Path:
 def tiny_qwen2_path() -> Path:
     """Tiny random Qwen2 checkpoint (tied embeddings, QKV bias, GQA), built once and cached."""
     return build_tiny_model("qwen2")
+
+
+@pytest.fixture
+def offline_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face hub cache in offline mode (no hub lookups, failures at once)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+@pytest.fixture
+def hub_tiny_llama(offline_hub_cache: Path, tiny_llama_path: Path) -> tuple[str, Path]:
+    """The tiny Llama as hub model "nemo-rl-test/tiny-llama" in the offline cache, laid out as
+    a huggingface_hub download leaves it (refs/main -> snapshots/<commit>/): (name, snapshot)."""
+    repo = offline_hub_cache / "models--nemo-rl-test--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_llama_path, snapshot)
+    return "nemo-rl-test/tiny-llama", snapshot

@@ -46,6 +46,7 @@ from nemo_rl.algorithms.grpo import (
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.experience.sync_rollout_actor import RolloutCarry, SyncRolloutActor
 from nemo_rl.models.policy.tq_policy import VAL_PARTITION_ID, TQPolicy
 
@@ -72,7 +73,7 @@ def stop_rollout_actor(actor: ActorHandle) -> None:
     try:
         ray.get(actor.close.remote(), timeout=60)
     finally:
-        ray.kill(actor)
+        kill_actors([actor])
 
 
 def rollout_to_dataplane(

@@ -36,6 +36,7 @@ from nemo_rl.data_plane.interfaces import (
     missing_keys_error,
     not_registered_error,
 )
+from nemo_rl.distributed.ray_actors import kill_actors
 
 DIRECTORY_NAME = "nemo_rl_data_plane_directory"
 DIRECTORY_NAMESPACE = "nemo_rl"
@@ -233,7 +234,7 @@ class RayObjectStoreDataPlane(DataPlaneClient):
             return
         self._closed = True
         if self._owner:
-            ray.kill(self._directory)
+            kill_actors([self._directory])
 
     # ------------------------------------------------------------------ partitions
 

@@ -27,6 +27,7 @@ from ray.actor import ActorClass, ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.named_sharding import NamedSharding
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class RayWorkerGroup:
         try:
             ray.get([w.__ray_ready__.remote() for w in workers], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
-            _kill(workers)
+            kill_actors(workers)
             raise TimeoutError(
                 f"{len(workers)} workers did not all start within {timeout_s:g} s. Either "
                 f"__init__ hangs (e.g. a rendezvous waiting for a missing rank) or the bundles "
@@ -194,7 +195,7 @@ class RayWorkerGroup:
                 f"{self.cluster.worker_resources()}"
             ) from err
         except ray.exceptions.RayError:
-            _kill(workers)
+            kill_actors(workers)
             raise
         return workers
 
@@ -385,7 +386,8 @@ class RayWorkerGroup:
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self, cleanup_method: str | None = None, timeout_s: float = 30.0) -> bool:
-        """Stop this group's actors (and only them); the cluster's bundles stay reserved.
+        """Stop this group's actors (and only them), returning once they are dead; the cluster's
+        bundles stay reserved.
 
         Args:
             cleanup_method: a worker method to call on every rank first (e.g. to destroy the
@@ -393,7 +395,8 @@ class RayWorkerGroup:
             timeout_s: seconds allowed for ``cleanup_method``.
 
         Returns:
-            False if the cleanup method failed or timed out, True otherwise.
+            False if the cleanup method failed or timed out, or a killed actor still answered
+            30 s later; True otherwise.
         """
         clean = True
         if cleanup_method is not None and self.workers:
@@ -402,13 +405,7 @@ class RayWorkerGroup:
             except (ray.exceptions.RayError, ValueError) as err:
                 logger.warning("cleanup %r failed before killing workers: %s", cleanup_method, err)
                 clean = False
-        _kill(self.workers)
+        clean = not kill_actors(self.workers) and clean
         self.workers = []
         self._side_results = []
         return clean
-
-
-def _kill(workers: Sequence[ActorHandle]) -> None:
-    for worker in workers:
-        ray.kill(worker, no_restart=True)
-

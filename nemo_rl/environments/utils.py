@@ -17,6 +17,7 @@ import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.environments.calculator_environment import CalculatorEnvironment
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.environments.config import EnvActorConfig, EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.math_environment import MathEnvironment
@@ -68,10 +69,9 @@ def create_environments(env_cfgs: Union[EnvConfigs, dict[str, Any]]) -> dict[str
 
 
 def shutdown_environments(task_to_env: dict[str, Any]) -> None:
-    """Kill every environment actor of ``task_to_env`` (in-process environments are skipped)."""
-    for handle in task_to_env.values():
-        if isinstance(handle, ray.actor.ActorHandle):
-            ray.kill(handle, no_restart=True)
+    """Kill every environment actor of ``task_to_env`` and wait for their deaths (in-process
+    environments are skipped)."""
+    kill_actors([h for h in task_to_env.values() if isinstance(h, ray.actor.ActorHandle)])
 
 
 def failed_step_return(size: int) -> EnvironmentReturn:

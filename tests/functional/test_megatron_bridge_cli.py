@@ -125,3 +125,20 @@ def test_dtype_mismatch_and_wrong_source_kind_are_refused(hf_src, converted, cap
     err = _error(["convert", "--from", "hf", "--to", "megatron", "--dtype", "int8",
                   str(hf_src), str(mg) + "y"], capsys)
     assert "--dtype" in err
+
+
+def test_hub_model_names_are_resolved_through_the_hub_cache(hub_tiny_llama, tmp_path, capsys):
+    name, snapshot = hub_tiny_llama
+    assert main(["info", "--json", name]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(snapshot) and info["format"] == "hf"
+    mg, hf = tmp_path / "megatron", tmp_path / "hf"
+    assert main(["convert", "--from", "hf", "--to", "megatron", name, str(mg)]) == 0
+    assert main(["convert", "--from", "megatron", "--to", "hf", str(mg), str(hf)]) == 0
+    original = load_file(str(snapshot / "model.safetensors"))
+    roundtrip = load_file(str(hf / "model.safetensors"))
+    assert sorted(roundtrip) == sorted(original)
+    assert all(torch.equal(roundtrip[k], original[k]) for k in original)
+    # Offline, an unknown name fails at once, naming the way out.
+    err = _error(["info", "nemo-rl-test/not-a-model"], capsys)
+    assert "could not provide it" in err and "HF_HUB_OFFLINE=1" in err

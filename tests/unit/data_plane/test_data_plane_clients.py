@@ -8,7 +8,6 @@ TransferQueue runs one controller + 2 storage units. Every test leaves no partit
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from nemo_rl.data_plane import (
     MissingSamplesError,
 )
 from nemo_rl.data_plane.config import attach_data_plane, start_data_plane
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
 
 KEYS = [f"k{i}" for i in range(6)]
@@ -347,26 +347,12 @@ def test_attached_client_in_another_process_shares_the_store(
     assert [t.tolist() for t in plane.get("train", ["k0"], ["input_ids"])["input_ids"]] == [
         [0, 1, 2]
     ]
-    _kill_and_wait(worker)
+    assert kill_actors([worker], timeout_s=60) == []
     if backend == "transfer_queue":  # the storage units hold what the worker wrote
         got = plane.get("train", KEYS[1:4], ["half_ids"])["half_ids"]
         assert [t.tolist() for t in got] == [[0.0], [0.0, 0.5, 1.0, 1.5], [0.0, 0.5]]
     # the driver's own samples are unaffected
     assert len(plane.get("train", KEYS[:4], ["input_ids"])["input_ids"]) == 4
-
-
-def _kill_and_wait(actor: Any, timeout_s: float = 60.0) -> None:
-    """``ray.kill`` and wait until the actor is gone. The kill is asynchronous: a call sent
-    right after it can still be served, so ask again until the actor is reported dead."""
-    ray.kill(actor)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"actor {actor} still answers {timeout_s:g} s after ray.kill")
 
 
 @pytest.mark.slow
@@ -376,7 +362,8 @@ def test_dead_storage_unit_gives_a_clear_error_instead_of_a_hang(tq_plane: Any) 
     tq_plane.put("train", KEYS[:4], {"x": torch.arange(4.0)})
     impatient = attach_data_plane({"backend": "transfer_queue", "op_timeout_s": 5})
     for unit in range(2):
-        _kill_and_wait(ray.get_actor(f"TransferQueueStorageUnit#{unit}"))
+        unit_actor = ray.get_actor(f"TransferQueueStorageUnit#{unit}")
+        assert kill_actors([unit_actor], timeout_s=60) == []
     with pytest.raises(DataPlaneError) as err:
         impatient.get("train", KEYS[:4], ["x"])
     assert str(err.value) == (
@@ -397,7 +384,8 @@ def test_dead_directory_gives_a_clear_error_instead_of_a_hang(object_store_plane
     object_store_plane.register_partition("train")
     object_store_plane.put("train", KEYS[:4], {"x": torch.arange(4.0)})
     reader = attach_data_plane({"backend": "ray_object_store", "op_timeout_s": 5})
-    _kill_and_wait(ray.get_actor(DIRECTORY_NAME, namespace=DIRECTORY_NAMESPACE))
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=DIRECTORY_NAMESPACE)
+    assert kill_actors([directory], timeout_s=60) == []
     with pytest.raises(DataPlaneError) as err:
         reader.get("train", KEYS[:4], ["x"])
     assert str(err.value) == (

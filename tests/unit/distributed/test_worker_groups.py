@@ -276,7 +276,8 @@ def test_shutdown_kills_only_own_actors(
     cluster: RayVirtualCluster, gloo_group: RayWorkerGroup, light_group: RayWorkerGroup
 ) -> None:
     workers = list(gloo_group.workers)
-    # Rank 0 is still blocked in the previous test's collective, so cleanup cannot finish.
+    # Rank 1 fails, leaving rank 0 blocked in its TP all_reduce, so cleanup cannot finish.
+    gloo_group.run_all_workers_sharded_data("fail_on_rank", [0, 1], common_kwargs={"bad_rank": 1})
     assert gloo_group.shutdown(cleanup_method="destroy", timeout_s=2) is False
     assert gloo_group.workers == []
     for worker in workers:
@@ -289,3 +290,17 @@ def test_shutdown_kills_only_own_actors(
     for worker in light_workers:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(worker.last_seen.remote(), timeout=30)
+
+
+def test_shutdown_returns_once_its_actors_are_dead(cluster: RayVirtualCluster) -> None:
+    # ray.kill alone lets an idle actor answer a call made right after it (4 of 30 here), so
+    # shutdown waits for the deaths; each round also reuses the bundles the last one freed.
+    for round_ in range(3):
+        group = RayWorkerGroup(
+            cluster, ray.remote(EchoWorker), {"dp": 4}, actor_kwargs={"tag": f"round{round_}"}
+        )
+        workers = list(group.workers)
+        assert group.shutdown() is True
+        for worker in workers:
+            with pytest.raises(ray.exceptions.ActorDiedError):
+                ray.get(worker.last_seen.remote(), timeout=30)

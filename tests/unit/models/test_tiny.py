@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -192,36 +191,13 @@ def test_load_hf_model_and_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
-@pytest.fixture
-def offline_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty Hugging Face hub cache in offline mode (no hub lookups, failures at once)."""
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
 def test_hub_name_resolves_to_its_cached_snapshot(
-    offline_hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hub_tiny_llama: tuple[str, Path], tiny_llama_path: Path
 ) -> None:
-    # The hub cache's own layout (refs/main -> snapshots/<commit>/), filled with the tiny
-    # model's files, as a download by huggingface_hub leaves it.
-    monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path / "cache"))
-    source = Path(resolve_model_path("tiny-llama"))
-    repo = offline_hub_cache / "models--nemo-rl-test--tiny-llama"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    shutil.copytree(source, snapshot)
-
-    resolved = resolve_model_path("nemo-rl-test/tiny-llama")
-    assert Path(resolved) == snapshot
-    model, _ = load_hf_model_and_tokenizer("nemo-rl-test/tiny-llama")
-    reference, _ = load_hf_model_and_tokenizer(str(source))
+    name, snapshot = hub_tiny_llama
+    assert Path(resolve_model_path(name)) == snapshot
+    model, _ = load_hf_model_and_tokenizer(name)
+    reference, _ = load_hf_model_and_tokenizer(str(tiny_llama_path))
     ids = torch.tensor([[5, 17, 42]])
     assert torch.equal(model(ids).logits, reference(ids).logits)
 
