@@ -18,10 +18,8 @@ from ray.actor import ActorHandle
 logger = logging.getLogger(__name__)
 
 
-def kill_actors(
-    actors: Sequence[ActorHandle], timeout_s: float = 30.0, no_restart: bool = True
-) -> list[ActorHandle]:
-    """Kill ``actors`` and wait up to ``timeout_s`` seconds for all of them to die.
+def kill_actors(actors: Sequence[ActorHandle], timeout_s: float = 30.0) -> list[ActorHandle]:
+    """Kill ``actors`` (no restart) and wait up to ``timeout_s`` seconds for all to die.
 
     Each survivor is pinged (``__ray_ready__``) until the ping fails with ``ActorDiedError``.
 
@@ -30,7 +28,7 @@ def kill_actors(
         logged as a warning.
     """
     for actor in actors:
-        ray.kill(actor, no_restart=no_restart)
+        ray.kill(actor, no_restart=True)
     alive = list(actors)
     deadline = time.monotonic() + timeout_s
     while alive and time.monotonic() < deadline:

@@ -34,6 +34,7 @@ from nemo_rl.algorithms.grpo_sync import (
 )
 from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.models.policy.tq_policy import TQPolicy
 
@@ -257,7 +258,7 @@ def test_worker_death_names_partition_and_keys_and_clears_partition(data_plane_r
         KVBatchMeta("train", [f"doomed/{i}" for i in range(8)], [4] * 8),
         {"input_ids": torch.ones(8, 4, dtype=torch.long), "input_lengths": torch.full((8,), 4)},
     )
-    ray.kill(policy.worker_group.workers[0], no_restart=True)
+    assert kill_actors([policy.worker_group.workers[0]]) == []
     with pytest.raises(DataPlaneError) as failure:
         policy.get_logprobs_from_meta(meta)
     message = str(failure.value)

@@ -33,6 +33,7 @@ import torch
 
 from nemo_rl.algorithms.loss import NLLLoss
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
@@ -240,7 +241,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
 
             receives = generation.update_weights_from_collective(BUCKET_BYTES)
             sender = policy.worker_group.workers[0]
-            ray.kill(sender, no_restart=True)
+            assert kill_actors([sender]) == []
             errors = []
             for ref in receives:
                 with pytest.raises(RefitError) as died:
