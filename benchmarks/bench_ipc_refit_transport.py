@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.memcpy_baseline import Memcpy, synchronize
+
 
 def llama_tensors(
     layers: int, hidden: int, device: torch.device, *, kv: int | None = None, vocab: int = 32768
@@ -64,25 +66,6 @@ def llama_tensors(
         name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
         for name, shape in shapes.items()
     }
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 3) -> float:
-    """Bytes/s of ``dst.copy_(src)`` for ``nbytes`` on ``device``, best of ``repeats``."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        tick = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - tick)
-    return nbytes / best
 
 
 def receiver_main(device_name: str, inbox: Any, outbox: Any, packing_done: Any) -> None:
@@ -146,13 +129,13 @@ def main() -> None:
     inbox, outbox, packing_done = ctx.Queue(), ctx.Queue(), ctx.Event()
     child = ctx.Process(target=receiver_main, args=(str(device), inbox, outbox, packing_done))
     child.start()
-    rows = []
+    memcpy, rows = Memcpy(nbytes, device), []
     try:
         inbox.put(info)
         if (answer := outbox.get(timeout=300)) != "ready":
             raise RuntimeError(f"receiver: {answer}")
         for repeat in range(args.repeats + 1):  # the first one warms up both sides
-            baseline = copy_bandwidth(nbytes, device)
+            baseline = memcpy.bandwidth()
             packing_done.clear()
             stream = sender.start_stream(bucket_bytes)
             inbox.put(stream)

@@ -33,16 +33,16 @@ refits, this version (one-pass copy + checksum on two threads) and the one befor
 copy, then sum, one thread) run alternately, four pairs: transfer 0.069-0.075 s (pack
 0.046-0.053 s) against 0.095-0.099 s; transfer / memcpy 0.48-0.53 (2 threads) and 0.69-0.75
 (1 thread), before 0.31-0.38 and 0.53-0.55; end to end 0.21-0.23 s, of which the engine load
-is 0.11 s. Over ten runs of this version: 0.48-0.55 of the 2-thread memcpy, median 0.525. See docs/performance.md (refit section) for the split and what bounds it.
+is 0.11 s. Over ten runs of this version: 0.48-0.55 of the 2-thread memcpy, median 0.525.
+See docs/performance.md (refit section) for the split and what bounds it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import torch
+from benchmarks.memcpy_baseline import Memcpy
 
 SIZES = dict(
     hidden_size=1024,
@@ -52,29 +52,6 @@ SIZES = dict(
     head_dim=64,
     intermediate_size=4096,
 )
-
-
-class Memcpy:
-    """``dst.copy_(src)`` bandwidth for ``nbytes`` between two warm buffers in this process."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.src = torch.ones(nbytes, dtype=torch.uint8)
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
-
-    def bandwidth(self, threads: int, repeats: int = 3) -> float:
-        """Bytes/s with ``threads`` torch threads, best of ``repeats``."""
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            best = float("inf")
-            for _ in range(repeats):
-                tick = time.perf_counter()
-                self.dst.copy_(self.src)
-                best = min(best, time.perf_counter() - tick)
-            return self.nbytes / best
-        finally:
-            torch.set_num_threads(previous)
 
 
 def median_and_range(values: list[float]) -> str:

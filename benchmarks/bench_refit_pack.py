@@ -26,8 +26,10 @@ from unittest import mock
 import torch
 
 from benchmarks.bench_ipc_refit_transport import llama_tensors
+from benchmarks.memcpy_baseline import Memcpy, torch_threads
 from nemo_rl.models.generation.refit import buckets, copy_checksum
 from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
+
 
 def best_seconds(run: Callable[[], None], repeats: int) -> float:
     best = float("inf")
@@ -48,7 +50,7 @@ def main() -> None:
     tensors = llama_tensors(16, 1024, torch.device("cpu"), kv=512, vocab=1000)
     layout = StreamLayout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, 64 << 20)
     out = torch.empty(layout.total_bytes, dtype=torch.uint8)
-    src = torch.ones_like(out)
+    memcpy = Memcpy(layout.total_bytes)
 
     def pack() -> None:
         packer = BucketPacker(layout, iter(tensors.items()), version=1)
@@ -59,30 +61,20 @@ def main() -> None:
     def torch_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return sum(buckets._copy_then_sum(dst, src) for dst, src in pieces)
 
-    def variant(threads: int | None, torch_path: bool, torch_threads: int) -> Callable[[], None]:
+    def variant(
+        numba_threads: int | None, torch_path: bool, intra_op_threads: int
+    ) -> Callable[[], float]:
+        """A measurement of the pack's bytes/s (best of the repeats)."""
         def run() -> None:
-            previous = torch.get_num_threads()
-            torch.set_num_threads(torch_threads)
-            try:
-                with mock.patch.object(copy_checksum, "THREADS", threads or copy_checksum.THREADS):
-                    if torch_path:  # every piece takes the device path (torch copy, then sum)
-                        with mock.patch.object(buckets, "copy_with_checksum", torch_pieces):
-                            pack()
-                    else:
+            with torch_threads(intra_op_threads), mock.patch.object(
+                copy_checksum, "THREADS", numba_threads or copy_checksum.THREADS
+            ):
+                if torch_path:  # every piece takes the device path (torch copy, then sum)
+                    with mock.patch.object(buckets, "copy_with_checksum", torch_pieces):
                         pack()
-            finally:
-                torch.set_num_threads(previous)
-        return run
-
-    def memcpy(threads: int) -> Callable[[], None]:
-        def run() -> None:
-            previous = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                out.copy_(src)
-            finally:
-                torch.set_num_threads(previous)
-        return run
+                else:
+                    pack()
+        return lambda: layout.total_bytes / best_seconds(run, args.repeats)
 
     variants = {
         "numba, 1 thread": variant(1, False, 1),
@@ -91,14 +83,14 @@ def main() -> None:
         f"torch copy, then sum, {torch.get_num_threads()} threads": variant(
             None, True, torch.get_num_threads()
         ),
-        "memcpy, 1 thread": memcpy(1),
-        "memcpy, 2 threads": memcpy(2),
+        "memcpy, 1 thread": lambda: memcpy.bandwidth(1, args.repeats),
+        "memcpy, 2 threads": lambda: memcpy.bandwidth(2, args.repeats),
     }
     pack()  # compile the kernel, fault the pages in
     results: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, run in variants.items():
-            results[name].append(layout.total_bytes / best_seconds(run, args.repeats))
+            results[name].append(run())
 
     print(f"command: PYTHONPATH=. python benchmarks/bench_refit_pack.py --rounds {args.rounds} "
           f"--repeats {args.repeats}")
