@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.config import BridgeConfig, dtype_from_name
+from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
 from megatron_bridge.safetensors_stream import SafetensorsStreamWriter, TensorSpec, tensor_nbytes
 
@@ -36,10 +36,6 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # Files of an HF folder that are not weights and not config.json: tokenizer, chat template,
 # generation config. Copied next to converted weights so the result is a complete checkpoint.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _is_writer() -> bool:
@@ -69,7 +65,6 @@ def save_hf_checkpoint(
     bridge: BridgeConfig,
     out_dir: str | Path,
     assets_dir: str | Path | None = None,
-    dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write an HF checkpoint folder from a ``(name, tensor)`` stream.
@@ -82,10 +77,10 @@ def save_hf_checkpoint(
             :func:`export_hf_weights` and :func:`~megatron_bridge.dist_ckpt_reader.
             checkpoint_hf_weights` yield). Names and shapes are known from ``bridge`` and the
             dtype from the first tensor, so each shard's header is written before its data.
-        bridge: provides ``config.json`` (written unchanged except ``dtype`` when casting).
+        bridge: provides ``config.json``, written unchanged except its dtype label
+            (``dtype`` and ``torch_dtype``), which is set to the tensors' dtype.
         out_dir: destination folder (created if missing).
         assets_dir: folder whose tokenizer/generation files are copied; None copies none.
-        dtype: the dtype the tensors were exported in, recorded in config.json.
         max_shard_bytes: start a new shard file once a shard would exceed this many bytes.
 
     Raises:
@@ -134,9 +129,10 @@ def save_hf_checkpoint(
             )),
         }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    # The label is the tensors' dtype, whatever the source config said (transformers 5
+    # reads "dtype", older versions "torch_dtype").
     config = dict(bridge.hf_config)
-    if dtype is not None:
-        config["dtype"] = _dtype_name(dtype)
+    config["dtype"] = config["torch_dtype"] = dtype_name(first[1].dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if assets_dir is not None:
         copy_hf_assets(assets_dir, out)
@@ -224,15 +220,22 @@ def save_megatron_checkpoint(
 
 
 def write_bridge_files(
-    ckpt_dir: Path, bridge: BridgeConfig, tp: int, dtype: torch.dtype, assets_dir: str | Path | None
+    ckpt_dir: Path,
+    bridge: BridgeConfig,
+    tp: int,
+    dtype: torch.dtype,
+    assets_dir: str | Path | None,
+    source_dtype: torch.dtype | None = None,
 ) -> None:
     """Add our own files to a dist checkpoint: ``bridge.json`` (HF config, padded vocabulary
-    at TP size ``tp``, parameter dtype) and the tokenizer files under ``hf_assets/``."""
+    at TP size ``tp``, parameter dtype, and the dtype of the HF tensors it was converted from
+    when they had one) and the tokenizer files under ``hf_assets/``."""
     meta = {
         "hf_config": bridge.hf_config,
         "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
         "padded_vocab_size": bridge.padded_vocab(tp),
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name(dtype),
+        "source_dtype": None if source_dtype is None else dtype_name(source_dtype),
     }
     (ckpt_dir / BRIDGE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     if assets_dir is not None:
@@ -252,6 +255,14 @@ def read_bridge_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
             f"{meta_file} not found: {ckpt_dir} is not a megatron_bridge checkpoint"
         )
     return json.loads(meta_file.read_text())
+
+
+def export_dtype(ckpt_dir: str | Path) -> torch.dtype:
+    """The dtype an export of a Megatron checkpoint writes by default: that of the HF tensors
+    it was converted from (so a bf16 source round-trips bit for bit through a float32
+    checkpoint), else the checkpoint's own parameter dtype."""
+    meta = read_bridge_metadata(ckpt_dir)
+    return dtype_from_name(meta.get("source_dtype") or meta["dtype"])
 
 
 def checkpoint_bridge(ckpt_dir: str | Path) -> BridgeConfig:
@@ -282,7 +293,7 @@ def load_megatron_checkpoint(
     if dtype is not None and dtype != saved:
         raise ValueError(
             f"dtype mismatch: the checkpoint in {ckpt_dir} holds {meta['dtype']} weights, "
-            f"{_dtype_name(dtype)} was requested; pass dtype={meta['dtype']} (--dtype "
+            f"{dtype_name(dtype)} was requested; pass dtype={meta['dtype']} (--dtype "
             f"{meta['dtype']}) or convert to HF and reload"
         )
     bridge = checkpoint_bridge(ckpt_dir)

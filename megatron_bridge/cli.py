@@ -34,11 +34,14 @@ from megatron_bridge.checkpoint import (
     BRIDGE_FILE,
     HF_ASSETS_DIR,
     checkpoint_bridge,
+    export_dtype,
     read_bridge_metadata,
     save_hf_checkpoint,
 )
-from megatron_bridge.config import BridgeConfig, dtype_from_name
+from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
+from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
 from megatron_bridge.load import SafetensorsReader
+from megatron_bridge.tensor_check import check_hf_tensors
 
 DEFAULT_PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -84,20 +87,20 @@ def _bridge_for(path: Path, kind: str) -> BridgeConfig:
 
 
 def _check_source(path: Path, kind: str) -> BridgeConfig:
-    """Validate that ``path`` is a readable checkpoint of ``kind`` and return its bridge."""
+    """Validate that ``path`` is a readable checkpoint of ``kind`` whose tensors match its
+    config (none missing, misshapen or left over) and return its bridge."""
     actual = _checkpoint_kind(path)
     if actual != kind:
         raise CliError(f"{path} is a {actual} checkpoint, but --from {kind} was given")
     try:
         bridge = _bridge_for(path, kind)
         if kind == "hf":
-            reader = SafetensorsReader(path)
-            expected = {n for m in bridge.plan() for n in m.hf_names}
-            missing = sorted(expected - set(reader.names()))
-            if missing:
-                raise CliError(f"{path} lacks tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            check_hf_tensors(SafetensorsReader(path), bridge)
         elif not (path / "metadata.json").is_file():
             raise CliError(f"{path} has {BRIDGE_FILE} but no dist-checkpoint metadata.json")
+        else:
+            reader = DistCheckpointReader(path)
+            reader.check_files()
     except (ValueError, FileNotFoundError) as err:
         raise CliError(str(err)) from err
     return bridge
@@ -147,7 +150,7 @@ def _convert(opts: dict[str, Any]) -> None:
         return
     from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
 
-    dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else None
+    dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else export_dtype(opts["src"])
     bridge = checkpoint_bridge(opts["src"])
     count = sum(len(m.hf_names) for m in bridge.plan())
     weights = _progress(checkpoint_hf_weights(opts["src"], bridge, dtype), count, "exporting")
@@ -157,7 +160,6 @@ def _convert(opts: dict[str, Any]) -> None:
         bridge,
         opts["tmp"],
         assets_dir=assets if assets.is_dir() else None,
-        dtype=dtype,
         max_shard_bytes=opts["max_shard_bytes"],
     )
 
@@ -181,6 +183,8 @@ def _run_ranks(fn: Any, world: int, *args: Any) -> None:
             fn(0, 1, find_free_port(), *args)
         except (ValueError, KeyError, FileNotFoundError) as err:
             raise CliError(str(err)) from err
+        except Exception as err:  # e.g. torch.load on damaged bytes: one line, as for ranks
+            raise CliError(f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}") from err
         return
     import torch.multiprocessing as mp
 
@@ -225,6 +229,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             dtype_from_name(args.dtype)
         except ValueError as err:
             raise CliError(f"--dtype: {err}") from err
+    if args.from_ == "megatron" and (args.tp or args.pp):
+        raise CliError(
+            "--tp/--pp set the layout of a Megatron checkpoint being written (--to megatron); "
+            "a Megatron checkpoint exports the same whatever layout wrote it: drop them"
+        )
+    args.tp, args.pp = args.tp or 1, args.pp or 1
     bridge = _check_source(src, args.from_)
     _check_parallel(bridge, args.tp, args.pp)
     tmp = _prepare_output(dst, args.overwrite)
@@ -238,7 +248,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         "max_shard_bytes": int(args.max_shard_gb * 1024**3),
         "fsync": args.fsync,
     }
-    print(f"converting {src} ({args.from_}) -> {dst} ({args.to}) with tp={args.tp} pp={args.pp}")
+    if args.from_ == "hf":
+        layout = f"laid out for tp={args.tp} pp={args.pp}, {args.dtype or 'float32'}"
+    else:
+        layout = f"{args.dtype or dtype_name(export_dtype(src))}"
+    print(f"converting {src} ({args.from_}) -> {dst} ({args.to}, {layout})")
     try:
         _convert(opts)
     except (ValueError, KeyError, FileNotFoundError) as err:
@@ -252,8 +266,54 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_inputs(hf_dir: Path, bridge: BridgeConfig, prompts: list[str] | None,
+                   long_tokens: int | None) -> list[tuple[str, torch.Tensor]]:
+    """``(label, token ids [seq])`` to compare logits on.
+
+    Text prompts (the defaults, or ``prompts``) when the checkpoint has a tokenizer; then
+    token ids that reach what short prompts miss: a random sequence longer than the sliding
+    window and than a scaled RoPE's original context (``long_tokens`` overrides its length,
+    0 leaves it out), and the highest ids of the vocabulary.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    except (OSError, ValueError, TypeError) as err:
+        if prompts:
+            raise CliError(f"--prompt needs a tokenizer, and {hf_dir} has none usable: {err}") from err
+        tokenizer = None
+        print(f"no tokenizer in {hf_dir}: comparing on token ids only")
+    inputs = []
+    if tokenizer is not None:
+        for prompt in prompts or DEFAULT_PROMPTS:
+            ids = torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long)
+            inputs.append((repr(prompt[:40]), ids))
+    vocab = bridge.vocab_size
+    length = _long_sequence_length(bridge) if long_tokens is None else long_tokens
+    if length:
+        generator = torch.Generator().manual_seed(0)
+        inputs.append(("random ids (> window / RoPE context)",
+                       torch.randint(0, vocab, (length,), generator=generator)))
+    inputs.append(("highest ids", torch.arange(vocab - 1, max(vocab - 17, -1), -1)))
+    return inputs
+
+
+def _long_sequence_length(bridge: BridgeConfig) -> int:
+    """Tokens of the random sequence: past the sliding window and a scaled RoPE's original
+    context (where set), at least 64, at most ``max_position_embeddings``."""
+    reach = [48]
+    if bridge.features.window:
+        reach.append(bridge.features.window)
+    original = bridge.rope_parameters().get("original_max_position_embeddings")
+    if bridge.rope_parameters()["rope_type"] != "default" and original:
+        reach.append(int(original))
+    limit = int(bridge.hf_config.get("max_position_embeddings") or 1 << 30)
+    return min(max(reach) + 16, limit)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     hf_dir = _hf_source(args.hf)
     bridge = _check_source(hf_dir, "hf")
@@ -274,24 +334,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"dtype mismatch: {args.megatron} holds {saved} weights but --dtype "
                 f"{args.dtype} was given; pass --dtype {saved} or omit it"
             )
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    ids = [torch.tensor(tokenizer(p)["input_ids"], dtype=torch.long) for p in prompts]
+    inputs = _verify_inputs(hf_dir, bridge, args.prompt, args.long_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.pt"
         opts = {"hf": str(hf_dir), "megatron": args.megatron, "tp": args.tp, "pp": args.pp,
-                "ids": ids, "out": str(out)}
+                "ids": [ids for _, ids in inputs], "out": str(out)}
         _run_ranks(_logits_rank, args.tp * args.pp, opts)
         megatron = torch.load(out)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     worst = 0.0
-    for prompt, tokens, mg in zip(prompts, ids, megatron):
+    for (label, tokens), mg in zip(inputs, megatron):
         with torch.no_grad():
             ref = model(tokens.unsqueeze(0)).logits[0]
         diff = (ref - mg.float()).abs()
         worst = max(worst, diff.max().item())
-        print(f"{len(tokens):4d} tokens  max abs diff {diff.max().item():.3e}  "
-              f"mean abs diff {diff.mean().item():.3e}  {prompt[:40]!r}")
+        print(f"{len(tokens):5d} tokens  max abs diff {diff.max().item():.3e}  "
+              f"mean abs diff {diff.mean().item():.3e}  {label}")
     ok = worst <= args.atol
     print(f"{'OK' if ok else 'MISMATCH'}: max abs diff {worst:.3e} (atol {args.atol:.1e})")
     return 0 if ok else 1
@@ -365,14 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert between HF and Megatron checkpoints")
     convert.add_argument("--from", dest="from_", choices=("hf", "megatron"), required=True)
     convert.add_argument("--to", choices=("hf", "megatron"), required=True)
-    convert.add_argument("--tp", type=int, default=1,
-                         help="tensor-parallel size the Megatron checkpoint is laid out for "
-                              "(sets the vocabulary padding; it loads at any TP/PP)")
-    convert.add_argument("--pp", type=int, default=1,
-                         help="pipeline-parallel size the Megatron checkpoint is laid out for")
+    convert.add_argument("--tp", type=int, default=None,
+                         help="--to megatron: tensor-parallel size the checkpoint is laid out "
+                              "for (sets the vocabulary padding; it loads at any TP/PP); "
+                              "default 1")
+    convert.add_argument("--pp", type=int, default=None,
+                         help="--to megatron: pipeline-parallel size the checkpoint is laid "
+                              "out for; default 1")
     convert.add_argument("--dtype", default=None,
-                         help="output dtype (float32, bfloat16, float16); default: source dtype "
-                              "for megatron->hf, float32 for hf->megatron")
+                         help="output dtype (float32, bfloat16, float16); default: float32 for "
+                              "hf->megatron; for megatron->hf the dtype of the HF checkpoint "
+                              "it was converted from (a bitwise round trip), else the "
+                              "checkpoint's own")
     convert.add_argument("--max-shard-gb", type=float, default=2.0,
                          help="largest HF safetensors shard, GiB")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing DST")
@@ -390,7 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Megatron checkpoint; default: load the HF folder through the bridge")
     verify.add_argument("--tp", type=int, default=1)
     verify.add_argument("--pp", type=int, default=1)
-    verify.add_argument("--prompt", action="append", help="prompt to compare on (repeatable)")
+    verify.add_argument("--prompt", action="append",
+                        help="prompt to compare on instead of the default ones (repeatable; "
+                             "needs the checkpoint's tokenizer)")
+    verify.add_argument("--long-tokens", type=int, default=None,
+                        help="length of the random-token sequence; default: past the sliding "
+                             "window and a scaled RoPE's original context; 0 leaves it out")
     verify.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed")
     verify.add_argument("--dtype", default=None,
                         help="expected dtype of the Megatron checkpoint (checked, not cast)")

@@ -8,18 +8,16 @@ before any model is built, with errors naming the config fields involved.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_bridge.families import Family, ModelDims, ParamMapping, get_family
+from megatron_bridge.families import Family, Features, ModelDims, ParamMapping, get_family
+from megatron_bridge.families.config_fields import check_config
 from megatron_bridge.transforms import padded_vocab_size
-
-# RoPE variants: "default" is built by Megatron itself; these are computed with transformers'
-# own functions and written into Megatron's rotary embedding (all have attention factor 1).
-_HF_COMPUTED_ROPE = ("linear", "llama3")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,6 +39,11 @@ def dtype_from_name(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the name config.json and bridge.json use)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class BridgeConfig:
     """Everything needed to build, load and export one model.
@@ -57,6 +60,15 @@ class BridgeConfig:
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse an unsupported architecture, and any config field whose value the
+        conversion does not implement (:mod:`megatron_bridge.families.config_fields`).
+
+        Raises:
+            ValueError: naming the architecture or the fields (``UnsupportedConfigError``).
+        """
+        check_config(self.family.architecture, self.family.config_fields, self.hf_config)
+
     @classmethod
     def from_hf(cls, path: str | Path, **kwargs: Any) -> "BridgeConfig":
         """Read ``config.json`` from an HF checkpoint folder.
@@ -68,9 +80,7 @@ class BridgeConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} not found: not an HF checkpoint folder")
-        bridge = cls(json.loads(config_file.read_text()), **kwargs)
-        bridge.family  # fail early on an unsupported architecture
-        return bridge
+        return cls(json.loads(config_file.read_text()), **kwargs)
 
     # ---- derived model facts -------------------------------------------------------------
 
@@ -78,6 +88,11 @@ class BridgeConfig:
     def family(self) -> Family:
         architectures = self.hf_config.get("architectures") or [None]
         return get_family(architectures[0])
+
+    @property
+    def features(self) -> Features:
+        """Biases, QK-norm and sliding windows this config selects."""
+        return self.family.features(self.hf_config)
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.hf_config.get(key, default)
@@ -140,7 +155,7 @@ class BridgeConfig:
         )
 
     def plan(self) -> list[ParamMapping]:
-        return self.family.plan(self.num_layers, self.tie_word_embeddings)
+        return self.family.plan(self.num_layers, self.tie_word_embeddings, self.features)
 
     # ---- validation ----------------------------------------------------------------------
 
@@ -176,23 +191,8 @@ class BridgeConfig:
                 f"num_hidden_layers ({self.num_layers}) must be divisible by pp ({pp})"
             )
         self.padded_vocab(tp)
-        rope_type = self.rope_parameters()["rope_type"]
-        if rope_type != "default" and rope_type not in _HF_COMPUTED_ROPE:
-            raise ValueError(
-                f"rope_parameters.rope_type {rope_type!r} is not supported; supported: "
-                f"{['default', *_HF_COMPUTED_ROPE]}"
-            )
-        if self._get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {self._get('hidden_act')!r} is not supported (silu only)")
 
     # ---- Megatron objects ----------------------------------------------------------------
-
-    def sliding_window(self) -> int | None:
-        """Tokens a query attends to (itself included), None for full causal attention."""
-        if not self.family.sliding_window:
-            return None
-        window = self._get("sliding_window")
-        return int(window) if window else None
 
     def transformer_config(self, tp: int, pp: int, dtype: torch.dtype = torch.float32) -> Any:
         """A Megatron ``TransformerConfig`` for this model at the given parallel sizes.
@@ -203,7 +203,15 @@ class BridgeConfig:
         from megatron.core.transformer import TransformerConfig
 
         self.validate_parallelism(tp, pp)
-        window = self.sliding_window()
+        features = self.features
+        window = features.window
+        dropout = {k: self._get(k) for k in ("attention_dropout", "hidden_dropout") if self._get(k)}
+        if dropout:
+            warnings.warn(
+                f"config.json asks for dropout {dropout}; the Megatron model runs without "
+                f"dropout (attention_dropout=0, hidden_dropout=0)",
+                stacklevel=2,
+            )
         return TransformerConfig(
             num_layers=self.num_layers,
             hidden_size=int(self.hf_config["hidden_size"]),
@@ -215,11 +223,17 @@ class BridgeConfig:
             layernorm_epsilon=float(self._get("rms_norm_eps", 1e-6)),
             gated_linear_unit=True,
             activation_func=torch.nn.functional.silu,
-            add_bias_linear=False,
-            add_qkv_bias=self.family.qkv_bias,
-            qk_layernorm=self.family.qk_layernorm,
+            # Megatron switches the o_proj and MLP biases together (add_bias_linear); the
+            # layer spec drops the ones this model lacks (megatron_bridge.layer_spec).
+            add_bias_linear=features.out_bias or features.mlp_bias,
+            add_qkv_bias=features.qkv_bias,
+            qk_layernorm=features.qk_layernorm,
             # Megatron's window (left, right) excludes the query itself; HF's includes it.
             window_size=(window - 1, 0) if window else None,
+            # Per layer (1-based in Megatron): a true entry uses the window.
+            window_attn_skip_freq=(
+                [int(s) for s in features.window_layers] if features.window_layers else None
+            ),
             hidden_dropout=0.0,
             attention_dropout=0.0,
             tensor_model_parallel_size=tp,

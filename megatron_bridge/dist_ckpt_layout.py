@@ -108,11 +108,12 @@ def _chunks(
     if dim is None:
         return [TensorChunk(key, global_shape, (*base, *[0] * len(shape)), (*lead, *shape),
                             mapping, tp_rank)]
-    if mapping.kind == "gate_up":
+    if mapping.kind == "gate_up":  # weight [2*ffn, h] or bias [2*ffn]
         lo, hi = tp_range(shape[0] // 2, tp_rank, tp)
+        rest = shape[1:]
         return [
-            TensorChunk(key, global_shape, (*base, part * shape[0] // 2 + lo, 0),
-                        (*lead, hi - lo, shape[1]), mapping, tp_rank, part)
+            TensorChunk(key, global_shape, (*base, part * shape[0] // 2 + lo, *[0] * len(rest)),
+                        (*lead, hi - lo, *rest), mapping, tp_rank, part)
             for part in (0, 1)
         ]
     lo, hi = tp_range(shape[dim], tp_rank, tp)

@@ -67,14 +67,43 @@ class DistCheckpointReader:
 
     Raises (on construction):
         FileNotFoundError: no ``.metadata`` in ``ckpt_dir``.
+        ValueError: an unreadable ``.metadata``.
     """
 
     def __init__(self, ckpt_dir: str | Path) -> None:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.path = Path(ckpt_dir)
-        self.metadata = FileSystemReader(self.path).read_metadata()
+        if not (self.path / ".metadata").is_file():
+            raise FileNotFoundError(f"{self.path} has no .metadata: not a dist checkpoint")
+        try:
+            self.metadata = FileSystemReader(self.path).read_metadata()
+        except Exception as err:  # unpickling a damaged file raises anything
+            raise ValueError(
+                f"{self.path}/.metadata is unreadable (corrupt or truncated?): "
+                f"{type(err).__name__}: {err}"
+            ) from err
         self._fds: dict[str, int] = {}
+
+    def check_files(self) -> None:
+        """Check that every file the metadata points into exists and is long enough.
+
+        Raises:
+            ValueError: a missing or truncated ``.distcp`` file, named with its sizes.
+        """
+        needed: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        for name, end in sorted(needed.items()):
+            file = self.path / name
+            if not file.is_file():
+                raise ValueError(f"{self.path} is incomplete: {name} is missing")
+            size = file.stat().st_size
+            if size < end:
+                raise ValueError(
+                    f"{file} is truncated: {size} bytes, the checkpoint's metadata needs {end}"
+                )
 
     def close(self) -> None:
         """Close the checkpoint files."""
@@ -159,13 +188,23 @@ def checkpoint_hf_weights(
         where the HF tensor is a contiguous piece of it).
 
     Raises:
-        ValueError: a stored tensor's shape differs from the one ``bridge`` implies.
+        ValueError: a stored tensor's shape differs from the one ``bridge`` implies, or the
+            checkpoint holds tensors ``bridge`` does not produce.
         KeyError: a tensor missing from the checkpoint.
     """
     reader = DistCheckpointReader(ckpt_dir)
     dims = bridge.dims(1)
+    plan = bridge.plan()
+    stored = {k for k, md in reader.metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+    leftover = sorted(stored - {global_region(m, bridge)[0] for m in plan})
+    if leftover:
+        reader.close()
+        raise ValueError(
+            f"{ckpt_dir} holds tensors that the config in bridge.json does not produce, so the "
+            f"export would drop them: {leftover}"
+        )
     try:
-        for mapping in bridge.plan():
+        for mapping in plan:
             key, offset, shape = global_region(mapping, bridge)
             expected = shape if mapping.layer is None else (bridge.num_layers, *shape[1:])
             if reader.shape(key) != expected:

@@ -29,6 +29,7 @@ from megatron_bridge.config import BridgeConfig
 from megatron_bridge.dist_ckpt_layout import ExtraStateObject, TensorChunk, checkpoint_layout
 from megatron_bridge.families import ModelDims
 from megatron_bridge.load import SafetensorsReader
+from megatron_bridge.tensor_check import check_hf_tensors
 from megatron_bridge.transforms import split_shard
 
 # megatron-core's files next to the DCP ones: the format description it checks on load, and
@@ -45,7 +46,7 @@ def chunk_data(
     chunk: TensorChunk, reader: SafetensorsReader, dims: ModelDims, tp: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The tensor of one checkpoint chunk, ``chunk.shape``, read from the HF checkpoint
-    (whose tensor shapes :func:`check_hf_shapes` has checked)."""
+    (whose tensors :func:`~megatron_bridge.tensor_check.check_hf_tensors` has checked)."""
     mapping = chunk.mapping
     if chunk.part is not None:
         # One half of the fused gate/up: this TP rank's rows of the HF gate or up matrix.
@@ -53,23 +54,6 @@ def chunk_data(
     else:
         tensor = mapping.shard(reader, dims, chunk.tp_rank, tp)
     return tensor.to(dtype).reshape(chunk.shape)
-
-
-def check_hf_shapes(reader: SafetensorsReader, bridge: BridgeConfig) -> None:
-    """Check that every HF tensor the conversion reads exists with the config's shape.
-
-    Raises:
-        KeyError: a tensor is missing.
-        ValueError: a tensor's shape is not the one the config implies.
-    """
-    dims = bridge.dims(1)
-    for mapping in bridge.plan():
-        for name, shape in zip(mapping.hf_names, mapping.hf_shapes(dims)):
-            if reader.shape(name) != shape:
-                raise ValueError(
-                    f"{reader.path}: tensor {name} has shape {reader.shape(name)}, the config "
-                    f"implies {shape}"
-                )
 
 
 def _extra_state_bytes() -> io.BytesIO:
@@ -151,7 +135,9 @@ def convert_hf_to_dist_checkpoint(
         ckpt_dir: destination folder; must not exist or be empty.
         tp, pp: the parallel layout whose save this reproduces (TP sets the vocabulary
             padding and the chunks; the loaded checkpoint works at any layout).
-        dtype: parameter dtype of the checkpoint; HF tensors are cast to it.
+        dtype: parameter dtype of the checkpoint; HF tensors are cast to it. The HF
+            tensors' own dtype is recorded (``bridge.json`` ``source_dtype``) so the export
+            back restores it by default.
         sync_files: fsync the tensor files before writing the metadata (durable against a
             crash of the machine; costs a disk flush of the whole checkpoint).
         **bridge_kwargs: extra :class:`BridgeConfig` settings (vocabulary padding).
@@ -160,8 +146,9 @@ def convert_hf_to_dist_checkpoint(
         The model's :class:`BridgeConfig`.
 
     Raises:
-        ValueError: TP/PP that do not fit the model, a corrupt file, or a shape mismatch.
-        FileNotFoundError / KeyError: missing shards or tensors.
+        ValueError: TP/PP that do not fit the model, a corrupt file, or tensors that do not
+            match the config (missing, misshapen, left over).
+        FileNotFoundError: missing shards.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -171,7 +158,7 @@ def convert_hf_to_dist_checkpoint(
     bridge = BridgeConfig.from_hf(hf_path, **bridge_kwargs)
     layout = checkpoint_layout(bridge, tp, pp)
     reader = SafetensorsReader(hf_path)
-    check_hf_shapes(reader, bridge)
+    check_hf_tensors(reader, bridge)
     dims = bridge.dims(tp)
 
     def make(chunk: TensorChunk) -> torch.Tensor:
@@ -193,5 +180,7 @@ def convert_hf_to_dist_checkpoint(
             raise cause from err
     torch.save({}, ckpt / "common.pt")
     (ckpt / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
-    write_bridge_files(ckpt, bridge, tp, dtype, hf_path)
+    source_dtypes = {reader.dtype(name) for name in reader.names()}
+    source_dtype = source_dtypes.pop() if len(source_dtypes) == 1 else None
+    write_bridge_files(ckpt, bridge, tp, dtype, hf_path, source_dtype=source_dtype)
     return bridge

@@ -21,6 +21,8 @@ import torch
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
 from megatron_bridge.families.base import TE_NORM_NAMES
+from megatron_bridge.layer_spec import with_model_biases
+from megatron_bridge.tensor_check import check_hf_tensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -192,10 +194,14 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 
 def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, ParamMapping]:
-    """This stage's parameter name -> the mapping that fills it.
+    """This stage's parameter name -> the mapping that fills it (and that exports it).
 
     With tied embeddings on a multi-stage pipeline, the last stage has its own copy of the
     output matrix; it is filled from the HF embedding.
+
+    Raises:
+        ValueError: a parameter of the model with no HF tensor, or an HF tensor of the plan
+            with no parameter: loading or exporting would drop it.
     """
     offset = layer_offset(model)
     num_local = len(model.decoder.layers)
@@ -203,6 +209,10 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
     result: dict[str, ParamMapping] = {}
     for mapping in bridge.plan():
         if mapping.layer is not None and not offset <= mapping.layer < offset + num_local:
+            continue
+        if mapping.layer is None and not (
+            model.pre_process if mapping.megatron_name.startswith("embedding.") else model.post_process
+        ):
             continue
         name = mapping.local_name(offset)
         if te:
@@ -212,6 +222,14 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
     if bridge.tie_word_embeddings and model.post_process and not model.pre_process:
         embedding = next(m for m in bridge.plan() if m.kind == "vocab")
         result["output_layer.weight"] = embedding
+    params = {name for name, _ in model.named_parameters()}
+    unmapped, unbuilt = sorted(params - set(result)), sorted(set(result) - params)
+    if unmapped or unbuilt:
+        raise ValueError(
+            f"the {bridge.family.architecture} model and its HF tensors disagree: Megatron "
+            f"parameters without an HF tensor {unmapped}, HF tensors without a Megatron "
+            f"parameter {[result[n].hf_names for n in unbuilt]}"
+        )
     return result
 
 
@@ -278,14 +296,14 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
 
 def gpt_model_stage(bridge: BridgeConfig, config: Any, spec: Any, tp: int) -> torch.nn.Module:
     """This rank's pipeline stage of the GPTModel ``bridge`` describes, from a megatron
-    ``TransformerConfig`` and layer spec, with transformers' RoPE frequencies (uninitialised
-    weights)."""
+    ``TransformerConfig`` (:meth:`BridgeConfig.transformer_config`) and layer spec, with the
+    model's biases and transformers' RoPE frequencies (uninitialised weights)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=with_model_biases(spec, bridge.features),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **bridge.gpt_model_kwargs(tp),
@@ -302,22 +320,19 @@ def load_hf_weights(model: torch.nn.Module, bridge: BridgeConfig, hf_path: str |
     """Fill this rank's parameters from an HF checkpoint, one TP slice at a time.
 
     Raises:
-        ValueError: a parameter with no HF source, a shape mismatch, or a corrupt file.
-        FileNotFoundError / KeyError: missing shards or tensors.
+        ValueError: missing, misshapen or left-over HF tensors (:func:`check_hf_tensors`),
+            a parameter with no HF source, or a corrupt file.
+        FileNotFoundError: missing shards.
     """
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     reader = SafetensorsReader(hf_path)
+    check_hf_tensors(reader, bridge)
     mappings = stage_mappings(model, bridge)
     dims = bridge.dims(tp)
     for name, param in model.named_parameters():
-        if name not in mappings:
-            raise ValueError(
-                f"Megatron parameter {name} has no HF source in family "
-                f"{bridge.family.architecture}"
-            )
         tensor = mappings[name].shard(reader, dims, tp_rank, tp)
         if tensor.shape != param.shape:
             raise ValueError(

@@ -6,7 +6,7 @@ then list it in :data:`FAMILIES`.
 
 from __future__ import annotations
 
-from megatron_bridge.families.base import Family, ModelDims, ParamMapping
+from megatron_bridge.families.base import Family, Features, ModelDims, ParamMapping
 from megatron_bridge.families.llama import LLAMA
 from megatron_bridge.families.mistral import MISTRAL
 from megatron_bridge.families.qwen2 import QWEN2
@@ -30,4 +30,4 @@ def get_family(architecture: str) -> Family:
         ) from None
 
 
-__all__ = ["FAMILIES", "Family", "ModelDims", "ParamMapping", "get_family"]
+__all__ = ["FAMILIES", "Family", "Features", "ModelDims", "ParamMapping", "get_family"]

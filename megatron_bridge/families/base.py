@@ -1,8 +1,9 @@
 """What a model family is (rename tables + fusions) and the conversion plan built from it.
 
-A :class:`Family` is declarative: which HF tensors map 1:1 onto which Megatron tensors, and
-which HF tensors are fused into one Megatron tensor. :meth:`Family.plan` expands it, for a
-given number of layers, into :class:`ParamMapping` s; each mapping knows how to build one
+A :class:`Family` is declarative: which HF tensors map 1:1 onto which Megatron tensors, which
+HF tensors are fused into one Megatron tensor, and which config fields it implements (with the
+:class:`Features` they select: biases, QK-norm, sliding windows). :meth:`Family.plan` expands
+it, for a given number of layers and features, into :class:`ParamMapping` s; each mapping knows how to build one
 tensor-parallel rank's Megatron tensor from HF tensors (:meth:`ParamMapping.shard`) and how
 to turn all ranks' tensors back into HF tensors (:meth:`ParamMapping.unshard`).
 """
@@ -10,7 +11,7 @@ to turn all ranks' tensors back into HF tensors (:meth:`ParamMapping.unshard`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
@@ -51,8 +52,53 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
+class Features:
+    """What one model's config switches on beyond its sizes: optional tensors and attention.
+
+    Attributes:
+        qkv_bias: the q/k/v projections have biases.
+        out_bias: the attention output projection (o_proj) has a bias.
+        mlp_bias: the gate/up/down projections have biases.
+        qk_layernorm: per-head RMSNorm on queries and keys.
+        window: sliding-window size in tokens (a query attends to itself and the
+            ``window - 1`` tokens before it); None for full causal attention everywhere.
+        window_layers: with a window, which layers use it (index = layer); None for all.
+    """
+
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_layernorm: bool = False
+    window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+
+
+# Tensors an option adds, named alike in every family here (HF suffix after
+# ``model.layers.{i}.``, Megatron suffix after ``decoder.layers.{i}.``). Biases follow their
+# weight's layout: q/k/v biases fused per query group, gate/up biases fused like the rows.
+QKV_BIAS_FUSIONS = {
+    "self_attention.linear_qkv.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
+}
+OUT_BIAS_RENAMES = {"self_attn.o_proj.bias": "self_attention.linear_proj.bias"}
+MLP_BIAS_RENAMES = {"mlp.down_proj.bias": "mlp.linear_fc2.bias"}
+MLP_BIAS_FUSIONS = {"mlp.linear_fc1.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias")}
+QK_NORM_RENAMES = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+
+# A config-field check: the field's value and the whole config -> why it cannot be converted,
+# or None when the conversion implements it (see megatron_bridge.families.config_fields).
+FieldCheck = Callable[[Any, Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
 class Family:
-    """One HF architecture: rename tables, fusions and the feature flags config.py reads.
+    """One HF architecture: rename tables, fusions, the config fields it implements.
 
     Attributes:
         architecture: HF ``architectures[0]``, e.g. "LlamaForCausalLM".
@@ -60,9 +106,9 @@ class Family:
         layer_renames: per-layer HF suffix -> Megatron suffix, copied unchanged.
         qkv_fusions: Megatron suffix -> (q, k, v) HF suffixes fused per query group.
         gate_up_fusions: Megatron suffix -> (gate, up) HF suffixes fused into linear_fc1.
-        qkv_bias: the q/k/v projections have biases.
-        qk_layernorm: per-head RMSNorm on queries and keys.
-        sliding_window: the HF config may set ``sliding_window``.
+        config_fields: every config.json field this family understands -> its check. A field
+            not listed is refused: it could change the computation.
+        features: the config -> the :class:`Features` it selects.
     """
 
     architecture: str
@@ -70,11 +116,12 @@ class Family:
     layer_renames: dict[str, str]
     qkv_fusions: dict[str, tuple[str, str, str]]
     gate_up_fusions: dict[str, tuple[str, str]]
-    qkv_bias: bool = False
-    qk_layernorm: bool = False
-    sliding_window: bool = False
+    config_fields: Mapping[str, FieldCheck]
+    features: Callable[[Mapping[str, Any]], Features]
 
-    def plan(self, num_layers: int, tie_word_embeddings: bool) -> list["ParamMapping"]:
+    def plan(
+        self, num_layers: int, tie_word_embeddings: bool, features: Features
+    ) -> list["ParamMapping"]:
         """Every Megatron tensor of a full model, in export order (embedding, layers, head).
 
         With tied embeddings there is no separate ``lm_head.weight``; the output layer (which
@@ -88,16 +135,28 @@ class Family:
         ]
         first = [m for m in head if m.megatron_name == "embedding.word_embeddings.weight"]
         last = [m for m in head if m.megatron_name != "embedding.word_embeddings.weight"]
+        renames = dict(self.layer_renames)
+        qkv_fusions = dict(self.qkv_fusions)
+        gate_up_fusions = dict(self.gate_up_fusions)
+        if features.qk_layernorm:
+            renames.update(QK_NORM_RENAMES)
+        if features.qkv_bias:
+            qkv_fusions.update(QKV_BIAS_FUSIONS)
+        if features.out_bias:
+            renames.update(OUT_BIAS_RENAMES)
+        if features.mlp_bias:
+            renames.update(MLP_BIAS_RENAMES)
+            gate_up_fusions.update(MLP_BIAS_FUSIONS)
         layers: list[ParamMapping] = []
         for layer in range(num_layers):
             hf_prefix = HF_LAYER_PREFIX.format(layer=layer)
             mg_prefix = MEGATRON_LAYER_PREFIX.format(layer=layer)
-            for hf, megatron in self.layer_renames.items():
+            for hf, megatron in renames.items():
                 layers.append(ParamMapping(mg_prefix + megatron, (hf_prefix + hf,), "copy", layer))
-            for megatron, hf_names in self.qkv_fusions.items():
+            for megatron, hf_names in qkv_fusions.items():
                 names = tuple(hf_prefix + n for n in hf_names)
                 layers.append(ParamMapping(mg_prefix + megatron, names, "qkv", layer))
-            for megatron, hf_names in self.gate_up_fusions.items():
+            for megatron, hf_names in gate_up_fusions.items():
                 names = tuple(hf_prefix + n for n in hf_names)
                 layers.append(ParamMapping(mg_prefix + megatron, names, "gate_up", layer))
         return first + layers + last
@@ -133,7 +192,7 @@ class ParamMapping:
         if self.kind == "vocab":
             return (dims.padded_vocab_size, hidden)
         if self.kind == "gate_up":
-            return (2 * dims.ffn, hidden)
+            return (2 * dims.ffn, hidden) if name.endswith(".weight") else (2 * dims.ffn,)
         if self.kind == "qkv":
             rows = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim
             return (rows, hidden) if name.endswith(".weight") else (rows,)
@@ -143,7 +202,7 @@ class ParamMapping:
             return (hidden, dims.ffn)
         if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
             return (dims.head_dim,)
-        return (hidden,)  # input / pre-MLP / final RMSNorm
+        return (hidden,)  # input / pre-MLP / final RMSNorm, o_proj and down_proj biases
 
     def hf_shapes(self, dims: ModelDims) -> list[tuple[int, ...]]:
         """Shapes of the HF tensors, in ``hf_names`` order (the unshard of a meta tensor)."""

@@ -1,6 +1,9 @@
-"""Llama (``LlamaForCausalLM``): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings."""
+"""Llama (``LlamaForCausalLM``): RMSNorm, SwiGLU, RoPE, GQA, optional biases."""
 
-from megatron_bridge.families.base import Family
+from typing import Any, Mapping
+
+from megatron_bridge.families.base import Family, Features
+from megatron_bridge.families.config_fields import COMMON_FIELDS, only
 
 # HF name -> Megatron name, for tensors outside the decoder layers.
 GLOBAL_RENAMES = {
@@ -32,10 +35,29 @@ GATE_UP_FUSIONS = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 
+# attention_bias: biases on q, k, v and o; mlp_bias: on gate, up and down.
+CONFIG_FIELDS = {
+    **COMMON_FIELDS,
+    "attention_bias": only(True, False, fix="use a boolean"),
+    "mlp_bias": only(True, False, fix="use a boolean"),
+}
+
+
+def features(config: Mapping[str, Any]) -> Features:
+    attention_bias = bool(config.get("attention_bias", False))
+    return Features(
+        qkv_bias=attention_bias,
+        out_bias=attention_bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+    )
+
+
 LLAMA = Family(
     architecture="LlamaForCausalLM",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,
     gate_up_fusions=GATE_UP_FUSIONS,
+    config_fields=CONFIG_FIELDS,
+    features=features,
 )

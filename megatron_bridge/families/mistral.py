@@ -1,6 +1,9 @@
-"""Mistral (``MistralForCausalLM``): Llama's tensors; optional sliding-window attention."""
+"""Mistral (``MistralForCausalLM``): Llama's tensors; optional sliding window on every layer."""
 
-from megatron_bridge.families.base import Family
+from typing import Any, Mapping
+
+from megatron_bridge.families.base import Family, Features
+from megatron_bridge.families.config_fields import COMMON_FIELDS, positive_or_null
 from megatron_bridge.families.llama import (
     GATE_UP_FUSIONS,
     GLOBAL_RENAMES,
@@ -8,13 +11,20 @@ from megatron_bridge.families.llama import (
     QKV_FUSIONS,
 )
 
-# Same tensor names and layouts as Llama; the sliding window (config.sliding_window) is a
-# config setting handled in megatron_bridge.config, not a weight transform.
+CONFIG_FIELDS = {**COMMON_FIELDS, "sliding_window": positive_or_null}
+
+
+def features(config: Mapping[str, Any]) -> Features:
+    window = config.get("sliding_window")
+    return Features(window=int(window) if window else None)
+
+
 MISTRAL = Family(
     architecture="MistralForCausalLM",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,
     gate_up_fusions=GATE_UP_FUSIONS,
-    sliding_window=True,
+    config_fields=CONFIG_FIELDS,
+    features=features,
 )

@@ -1,21 +1,33 @@
-"""Qwen2 (``Qwen2ForCausalLM``): Llama plus a bias on the q/k/v projections."""
+"""Qwen2 (``Qwen2ForCausalLM``): Llama with q/k/v biases and optional sliding windows on the
+upper layers (``use_sliding_window``, ``sliding_window``, ``max_window_layers``)."""
 
-from megatron_bridge.families.base import Family
-from megatron_bridge.families.llama import GATE_UP_FUSIONS, GLOBAL_RENAMES, LAYER_RENAMES
+from typing import Any, Mapping
 
-# The q/k/v biases are fused exactly like the weights (1-D, same per-group interleave).
-QKV_FUSIONS = {
-    "self_attention.linear_qkv.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "self_attention.linear_qkv.bias": (
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ),
+from megatron_bridge.families.base import Family, Features
+from megatron_bridge.families.config_fields import (
+    COMMON_FIELDS,
+    QWEN_WINDOW_FIELDS,
+    only,
+    qwen_window,
+)
+from megatron_bridge.families.llama import (
+    GATE_UP_FUSIONS,
+    GLOBAL_RENAMES,
+    LAYER_RENAMES,
+    QKV_FUSIONS,
+)
+
+CONFIG_FIELDS = {
+    **COMMON_FIELDS,
+    **QWEN_WINDOW_FIELDS,
+    "use_mrope": only(False, fix="multimodal RoPE (Qwen2-VL) is not supported"),
 }
+
+
+def features(config: Mapping[str, Any]) -> Features:
+    window, window_layers = qwen_window(config)
+    return Features(qkv_bias=True, window=window, window_layers=window_layers)
+
 
 QWEN2 = Family(
     architecture="Qwen2ForCausalLM",
@@ -23,5 +35,6 @@ QWEN2 = Family(
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,
     gate_up_fusions=GATE_UP_FUSIONS,
-    qkv_bias=True,
+    config_fields=CONFIG_FIELDS,
+    features=features,
 )

@@ -1,8 +1,13 @@
-"""Tiny HF checkpoints of every supported family, built locally (no downloads).
+"""Tiny HF checkpoints of every supported family and option, built locally (no downloads).
 
-Llama and Qwen2 come from ``nemo_rl.models.tiny``; Qwen3 (QK-norm), Mistral (sliding window
-of 5 tokens, shorter than the test sequences) and a Llama with llama3-scaled RoPE are built
-here from transformers configs with a fixed seed and ``save_pretrained``.
+Llama and Qwen2 come from ``nemo_rl.models.tiny``; the others are built here from transformers
+configs with a fixed seed and ``save_pretrained``, one per option the conversion implements:
+Qwen3 (QK-norm), Mistral (sliding window of 5 tokens), Llama with llama3-scaled RoPE, Llama
+with attention biases, with MLP biases, with both, tied embeddings with linear RoPE, Qwen2 with
+a sliding window on its upper layer only (``max_window_layers``), Qwen3 with attention biases
+and a window on every layer. Their norms and biases are drawn away from 1 and 0 (transformers
+initialises them to exactly that), so a dropped bias or a swapped norm changes the logits.
+Every window is shorter than the test sequences.
 """
 
 from __future__ import annotations
@@ -24,9 +29,57 @@ SIZES = dict(
     max_position_embeddings=1024,
     rms_norm_eps=1e-6,
 )
-# Test token sequences are this long; Mistral's window is shorter so it matters.
-SEQ_LEN = 12
+# Test token sequences are this long; every window below is shorter so it matters.
+SEQ_LEN = 20
 MISTRAL_WINDOW = 5
+VOCAB = dict(vocab_size=1000, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+
+
+def _variants() -> dict:
+    """name -> transformers config of each checkpoint built here."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    return {
+        "qwen3": Qwen3Config(**SIZES, **VOCAB, tie_word_embeddings=True, attention_bias=False),
+        "mistral": MistralConfig(
+            **SIZES, **VOCAB, tie_word_embeddings=False, sliding_window=MISTRAL_WINDOW
+        ),
+        "llama3rope": LlamaConfig(**SIZES, **VOCAB, rope_parameters=llama3_rope),
+        "llama_attention_bias": LlamaConfig(**SIZES, **VOCAB, attention_bias=True),
+        "llama_mlp_bias": LlamaConfig(**SIZES, **VOCAB, mlp_bias=True),
+        "llama_all_bias": LlamaConfig(**SIZES, **VOCAB, attention_bias=True, mlp_bias=True),
+        "llama_tied_linear_rope": LlamaConfig(
+            **SIZES, **VOCAB, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+        # Layer 0 full attention, layer 1 a 6-token window.
+        "qwen2_window": Qwen2Config(
+            **SIZES, **VOCAB, use_sliding_window=True, sliding_window=6, max_window_layers=1
+        ),
+        "qwen3_bias_window": Qwen3Config(
+            **SIZES, **VOCAB, attention_bias=True, use_sliding_window=True, sliding_window=7,
+            max_window_layers=0,
+        ),
+    }
+
+
+def perturb_norms_and_biases(model: torch.nn.Module, seed: int = 99) -> None:
+    """Draw every norm weight from 1 + 0.3 N(0, 1) and every bias from 0.3 N(0, 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            elif "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
 
 
 def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:
@@ -35,6 +88,7 @@ def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4321)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_norms_and_biases(model)
     model.save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).is_file():
@@ -43,31 +97,11 @@ def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:
 
 
 def build_family_checkpoints(root: Path) -> dict[str, Path]:
-    """family name -> HF checkpoint folder, for llama, qwen2, qwen3, mistral, llama3rope."""
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
-
+    """name -> HF checkpoint folder: llama, qwen2 and every variant of :func:`_variants`."""
     llama = build_tiny_model("llama", cache_dir=root / "tiny")
     qwen2 = build_tiny_model("qwen2", cache_dir=root / "tiny")
-    vocab = dict(vocab_size=1000, eos_token_id=2, pad_token_id=0, bos_token_id=None)
-    qwen3 = Qwen3Config(**SIZES, **vocab, tie_word_embeddings=True, attention_bias=False)
-    mistral = MistralConfig(
-        **SIZES, **vocab, tie_word_embeddings=False, sliding_window=MISTRAL_WINDOW
-    )
-    scaled = LlamaConfig(
-        **SIZES,
-        **vocab,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-    )
     paths = {"llama": llama, "qwen2": qwen2}
-    for name, config in (("qwen3", qwen3), ("mistral", mistral), ("llama3rope", scaled)):
+    for name, config in _variants().items():
         out = root / name
         if not (out / "config.json").is_file():
             out.mkdir(parents=True, exist_ok=True)
