@@ -78,7 +78,7 @@ def save_hf_checkpoint(
             checkpoint_hf_weights` yield). Names and shapes are known from ``bridge`` and the
             dtype from the first tensor, so each shard's header is written before its data.
         bridge: provides ``config.json``, written unchanged except its dtype label
-            (``dtype`` and ``torch_dtype``), which is set to the tensors' dtype.
+            (``dtype`` / ``torch_dtype``), which is set to the tensors' dtype.
         out_dir: destination folder (created if missing).
         assets_dir: folder whose tokenizer/generation files are copied; None copies none.
         max_shard_bytes: start a new shard file once a shard would exceed this many bytes.
@@ -129,10 +129,11 @@ def save_hf_checkpoint(
             )),
         }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    # The label is the tensors' dtype, whatever the source config said (transformers 5
-    # reads "dtype", older versions "torch_dtype").
+    # The label is the tensors' dtype, whatever the source config said: in the key(s) the
+    # config uses ("dtype" since transformers 4.56, "torch_dtype" before), "dtype" if neither.
     config = dict(bridge.hf_config)
-    config["dtype"] = config["torch_dtype"] = dtype_name(first[1].dtype)
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = dtype_name(first[1].dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if assets_dir is not None:
         copy_hf_assets(assets_dir, out)

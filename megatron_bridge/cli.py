@@ -50,6 +50,10 @@ DEFAULT_PROMPTS = (
 )
 
 
+# Files one of which an HF folder with a tokenizer holds.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 class CliError(Exception):
     """A user error: printed without a traceback, exit status 2."""
 
@@ -277,17 +281,22 @@ def _verify_inputs(hf_dir: Path, bridge: BridgeConfig, prompts: list[str] | None
     """
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    except (OSError, ValueError, TypeError) as err:
-        if prompts:
-            raise CliError(f"--prompt needs a tokenizer, and {hf_dir} has none usable: {err}") from err
-        tokenizer = None
+    tokenizer = None
+    if any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        except (OSError, ValueError, TypeError) as err:
+            raise CliError(f"cannot load the tokenizer of {hf_dir}: {err}") from err
+    elif prompts:
+        raise CliError(f"--prompt needs a tokenizer, and {hf_dir} has none ({TOKENIZER_FILES})")
+    else:
         print(f"no tokenizer in {hf_dir}: comparing on token ids only")
     inputs = []
     if tokenizer is not None:
         for prompt in prompts or DEFAULT_PROMPTS:
             ids = torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long)
+            if not len(ids):
+                raise CliError(f"the tokenizer of {hf_dir} turns {prompt!r} into no tokens")
             inputs.append((repr(prompt[:40]), ids))
     vocab = bridge.vocab_size
     length = _long_sequence_length(bridge) if long_tokens is None else long_tokens

@@ -21,11 +21,11 @@ def hf_src(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(hf_src, tmp_path_factory):
-    """HF -> Megatron at TP=2, then Megatron -> HF at PP=2 in ~100 KB shards."""
+    """HF -> Megatron at TP=2, then Megatron -> HF in ~100 KB shards."""
     root = tmp_path_factory.mktemp("cli_convert")
     mg, hf = root / "megatron", root / "hf"
     assert main(["convert", "--from", "hf", "--to", "megatron", "--tp", "2", str(hf_src), str(mg)]) == 0
-    assert main(["convert", "--from", "megatron", "--to", "hf", "--pp", "2",
+    assert main(["convert", "--from", "megatron", "--to", "hf",
                  "--max-shard-gb", str(100_000 / 1024**3), str(mg), str(hf)]) == 0
     return mg, hf
 
@@ -60,7 +60,9 @@ def test_verify_reports_small_logit_differences(hf_src, converted, capsys):
     mg, _ = converted
     assert main(["verify", str(hf_src), str(mg), "--pp", "2", "--atol", "1e-5"]) == 0
     out = capsys.readouterr().out
-    assert out.count("max abs diff") == 4 and "OK" in out
+    # 3 default prompts, the random long sequence, the highest ids, and the verdict.
+    assert out.count("max abs diff") == 6 and "OK" in out
+    assert "random ids" in out and "highest ids" in out
 
 
 @pytest.mark.slow
@@ -142,3 +144,106 @@ def test_hub_model_names_are_resolved_through_the_hub_cache(hub_tiny_llama, tmp_
     # Offline, an unknown name fails at once, naming the way out.
     err = _error(["info", "nemo-rl-test/not-a-model"], capsys)
     assert "could not provide it" in err and "HF_HUB_OFFLINE=1" in err
+
+
+def _copy_with(src: Path, dst: Path, scale_norm: float | None = None, drop=()) -> Path:
+    """A copy of HF checkpoint ``src`` without the files ``drop``, its final norm weight
+    scaled by ``scale_norm`` (a different model with the same config)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for name in drop:
+        (dst / name).unlink(missing_ok=True)
+    if scale_norm is not None:
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale_norm
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.slow
+def test_verify_exit_codes_mismatch_1_bad_input_2(hf_src, tmp_path, capsys):
+    other = _copy_with(hf_src, tmp_path / "other", scale_norm=1.5)
+    mg = tmp_path / "mg"
+    assert main(["convert", "--from", "hf", "--to", "megatron", str(other), str(mg)]) == 0
+    assert main(["verify", str(hf_src), str(mg)]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    # A truncated shard of the Megatron checkpoint: one line, exit 2, before any model loads.
+    shard = next(mg.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    err = _error(["verify", str(hf_src), str(mg)], capsys)
+    assert "is truncated" in err and shard.name in err and len(err.strip().splitlines()) == 1
+    err = _error(["convert", "--from", "megatron", "--to", "hf", str(mg), str(tmp_path / "o")],
+                 capsys)
+    assert "is truncated" in err
+
+
+@pytest.mark.slow
+def test_verify_works_without_a_tokenizer(hf_src, tmp_path, capsys):
+    bare = _copy_with(hf_src, tmp_path / "bare",
+                      drop=("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"))
+    assert main(["verify", str(bare), "--atol", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "no tokenizer" in out and out.count("max abs diff") == 3
+
+
+@pytest.mark.slow
+def test_verify_compares_past_the_sliding_window(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=500, max_position_embeddings=256,
+        use_sliding_window=True, sliding_window=100, max_window_layers=1,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "qwen2")
+    assert main(["verify", str(tmp_path / "qwen2"), "--tp", "2", "--atol", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    # The random sequence outruns the 100-token window: 100 + 16 tokens.
+    assert "  116 tokens" in out and "OK" in out
+
+
+def test_dtype_labels_are_honest_and_a_bf16_roundtrip_is_bitwise(hf_src, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    bf16 = _copy_with(hf_src, tmp_path / "bf16")
+    tensors = {k: v.bfloat16() for k, v in load_file(str(bf16 / "model.safetensors")).items()}
+    save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    # Default: a float32 Megatron checkpoint, and back to the source's bfloat16, bit for bit.
+    assert main(["convert", "--from", "hf", "--to", "megatron", str(bf16), str(tmp_path / "m")]) == 0
+    assert main(["convert", "--from", "megatron", "--to", "hf", str(tmp_path / "m"),
+                 str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert all(torch.equal(back[k], tensors[k]) and back[k].dtype == torch.bfloat16
+               for k in tensors)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    # --dtype bfloat16 on a float32 source: the export restores float32 and says so.
+    assert main(["convert", "--from", "hf", "--to", "megatron", "--dtype", "bfloat16",
+                 str(hf_src), str(tmp_path / "m16")]) == 0
+    assert main(["convert", "--from", "megatron", "--to", "hf", str(tmp_path / "m16"),
+                 str(tmp_path / "f32")]) == 0
+    f32 = load_file(str(tmp_path / "f32" / "model.safetensors"))
+    assert {t.dtype for t in f32.values()} == {torch.float32}
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["dtype"] == "float32"
+    assert main(["convert", "--from", "megatron", "--to", "hf", "--dtype", "bf16",
+                 str(tmp_path / "m16"), str(tmp_path / "b16")]) == 0
+    b16 = load_file(str(tmp_path / "b16" / "model.safetensors"))
+    assert {t.dtype for t in b16.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "b16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_unsupported_config_and_layout_flags_on_export_are_refused(hf_src, tmp_path, capsys):
+    gelu = _copy_with(hf_src, tmp_path / "gelu")
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    err = _error(["convert", "--from", "hf", "--to", "megatron", str(gelu), str(tmp_path / "o")],
+                 capsys)
+    assert "hidden_act='gelu'" in err and len(err.strip().splitlines()) == 1
+    mg = tmp_path / "mg"
+    assert main(["convert", "--from", "hf", "--to", "megatron", str(hf_src), str(mg)]) == 0
+    err = _error(["convert", "--from", "megatron", "--to", "hf", "--tp", "2", str(mg),
+                  str(tmp_path / "x")], capsys)
+    assert "--tp/--pp" in err

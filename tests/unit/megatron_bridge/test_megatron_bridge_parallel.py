@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from mb_fixtures import (
-    MISTRAL_WINDOW,
+    SEQ_LEN,
     checkpoint_contents,
     hf_reference_logits,
     sample_input_ids,
@@ -235,16 +235,30 @@ def test_streamed_export_of_a_tp2_checkpoint_is_bitwise(layouts, family_checkpoi
             assert torch.equal(exported[key], tensor), f"{name}: {key} changed"
 
 
-def test_mistral_reference_depends_on_the_sliding_window(family_checkpoints, references):
-    # Guards the Mistral check above: the window must change the reference, or matching it
-    # would not show that Megatron's window is set right.
+def _reference_with_layer_types(path: Path, layer_types: list[str] | None) -> torch.Tensor:
+    """transformers' logits for the fixed inputs with the config's windows changed:
+    ``layer_types`` None removes every window."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = family_checkpoints["mistral"]
     config = AutoConfig.from_pretrained(path)
-    assert config.sliding_window == MISTRAL_WINDOW
-    config.sliding_window = None
-    full = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    if layer_types is None:
+        config.sliding_window = None
+        layer_types = ["full_attention"] * config.num_hidden_layers
+    if hasattr(config, "layer_types"):
+        config.layer_types = layer_types
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = full(sample_input_ids(config.vocab_size)).logits
-    assert (logits - references["mistral"]).abs().max().item() > 1e-3
+        return model(sample_input_ids(config.vocab_size)).logits
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2_window", "qwen3_bias_window"])
+def test_references_depend_on_the_sliding_windows(family_checkpoints, references, name):
+    # Guards the window checks above: the windows must change the reference (so matching it
+    # shows Megatron's windows are set right), and for Qwen2 which layers slide must too.
+    path = family_checkpoints[name]
+    assert BridgeConfig.from_hf(path).features.window < SEQ_LEN
+    full = _reference_with_layer_types(path, None)
+    assert (full - references[name]).abs().max().item() > 1e-3
+    if name == "qwen2_window":
+        every_layer = _reference_with_layer_types(path, ["sliding_attention"] * 2)
+        assert (every_layer - references[name]).abs().max().item() > 1e-3
