@@ -40,6 +40,7 @@ from megatron_bridge.checkpoint import (
 )
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
+from megatron_bridge.hub import resolve_hf_checkpoint
 from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.tensor_check import check_hf_tensors
 
@@ -73,15 +74,14 @@ def _checkpoint_kind(path: Path) -> str:
 
 
 def _hf_source(name: str) -> Path:
-    """The local folder of HF checkpoint argument ``name``: an existing path as it is, else the
-    hub model's cached snapshot (see :func:`nemo_rl.models.tiny.resolve_model_path`)."""
+    """The local folder of checkpoint argument ``name``: an existing path as it is (its kind
+    is checked later), else a hub model's cached snapshot
+    (:func:`megatron_bridge.hub.resolve_hf_checkpoint`)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
-    from nemo_rl.models.tiny import resolve_model_path
-
     try:
-        return Path(resolve_model_path(name))
+        return resolve_hf_checkpoint(name)
     except FileNotFoundError as err:
         raise CliError(str(err)) from err
 

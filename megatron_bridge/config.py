@@ -7,6 +7,7 @@ before any model is built, with errors naming the config fields involved.
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.families import Family, Features, ModelDims, ParamMapping, get_family
-from megatron_bridge.families.config_fields import check_config
+from megatron_bridge.families.config_fields import UnsupportedConfigError, check_config
 from megatron_bridge.transforms import padded_vocab_size
 
 DTYPES: dict[str, torch.dtype] = {
@@ -68,6 +69,36 @@ class BridgeConfig:
             ValueError: naming the architecture or the fields (``UnsupportedConfigError``).
         """
         check_config(self.family.architecture, self.family.config_fields, self.hf_config)
+        self.resolved  # noqa: B018 - refuse values transformers itself rejects, now
+
+    @functools.cached_property
+    def resolved(self) -> dict[str, Any]:
+        """The config as transformers reads it: its config class's defaults for the fields
+        config.json leaves out (e.g. Mistral's 4096-token window, Qwen2's KV heads) and its
+        derived fields (e.g. Qwen2's ``layer_types``). Every model fact is read from here;
+        ``hf_config`` stays verbatim for writing back.
+
+        Raises:
+            UnsupportedConfigError: transformers' config class rejects the config.
+        """
+        return self.transformers_config().to_dict()
+
+    def transformers_config(self) -> Any:
+        """The config as a transformers config object of the family's class.
+
+        Raises:
+            UnsupportedConfigError: the class rejects the config.
+        """
+        import transformers
+        from huggingface_hub.errors import StrictDataclassError
+
+        config_class = getattr(transformers, self.family.hf_config_class)
+        try:
+            return config_class.from_dict(self.hf_config)
+        except (TypeError, ValueError, StrictDataclassError) as err:
+            raise UnsupportedConfigError(
+                f"transformers' {self.family.hf_config_class} rejects this config.json: {err}"
+            ) from err
 
     @classmethod
     def from_hf(cls, path: str | Path, **kwargs: Any) -> "BridgeConfig":
@@ -92,18 +123,18 @@ class BridgeConfig:
     @property
     def features(self) -> Features:
         """Biases, QK-norm and sliding windows this config selects."""
-        return self.family.features(self.hf_config)
+        return self.family.features(self.resolved)
 
     def _get(self, key: str, default: Any = None) -> Any:
-        return self.hf_config.get(key, default)
+        return self.resolved.get(key, default)
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
+        return int(self.resolved["num_hidden_layers"])
 
     @property
     def num_heads(self) -> int:
-        return int(self.hf_config["num_attention_heads"])
+        return int(self.resolved["num_attention_heads"])
 
     @property
     def num_kv_heads(self) -> int:
@@ -111,11 +142,11 @@ class BridgeConfig:
 
     @property
     def head_dim(self) -> int:
-        return int(self._get("head_dim") or self.hf_config["hidden_size"] // self.num_heads)
+        return int(self._get("head_dim") or self.resolved["hidden_size"] // self.num_heads)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.resolved["vocab_size"])
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -145,11 +176,11 @@ class BridgeConfig:
 
     def dims(self, tp: int) -> ModelDims:
         return ModelDims(
-            hidden_size=int(self.hf_config["hidden_size"]),
+            hidden_size=int(self.resolved["hidden_size"]),
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            ffn=int(self.hf_config["intermediate_size"]),
+            ffn=int(self.resolved["intermediate_size"]),
             vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab(tp),
         )
@@ -181,9 +212,9 @@ class BridgeConfig:
             raise ValueError(
                 f"num_key_value_heads ({self.num_kv_heads}) must be divisible by tp ({tp})"
             )
-        if int(self.hf_config["intermediate_size"]) % tp:
+        if int(self.resolved["intermediate_size"]) % tp:
             raise ValueError(
-                f"intermediate_size ({self.hf_config['intermediate_size']}) must be divisible "
+                f"intermediate_size ({self.resolved['intermediate_size']}) must be divisible "
                 f"by tp ({tp})"
             )
         if self.num_layers % pp:
@@ -214,8 +245,8 @@ class BridgeConfig:
             )
         return TransformerConfig(
             num_layers=self.num_layers,
-            hidden_size=int(self.hf_config["hidden_size"]),
-            ffn_hidden_size=int(self.hf_config["intermediate_size"]),
+            hidden_size=int(self.resolved["hidden_size"]),
+            ffn_hidden_size=int(self.resolved["intermediate_size"]),
             num_attention_heads=self.num_heads,
             num_query_groups=self.num_kv_heads,
             kv_channels=self.head_dim,
@@ -272,11 +303,11 @@ class BridgeConfig:
         params = self.rope_parameters()
         if params["rope_type"] == "default":
             return None
-        from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        hf = AutoConfig.for_model(**{k: v for k, v in self.hf_config.items() if k != "architectures"})
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](
+            self.transformers_config(), "cpu"
+        )
         if attention_factor != 1.0:
             raise ValueError(
                 f"rope_type {params['rope_type']!r} with attention factor {attention_factor} "

@@ -102,6 +102,8 @@ class Family:
 
     Attributes:
         architecture: HF ``architectures[0]``, e.g. "LlamaForCausalLM".
+        hf_config_class: the transformers config class, e.g. "LlamaConfig": its defaults fill
+            the fields config.json leaves out, as transformers fills them.
         global_renames: HF name -> Megatron name outside the decoder layers.
         layer_renames: per-layer HF suffix -> Megatron suffix, copied unchanged.
         qkv_fusions: Megatron suffix -> (q, k, v) HF suffixes fused per query group.
@@ -112,6 +114,7 @@ class Family:
     """
 
     architecture: str
+    hf_config_class: str
     global_renames: dict[str, str]
     layer_renames: dict[str, str]
     qkv_fusions: dict[str, tuple[str, str, str]]

@@ -54,6 +54,7 @@ def features(config: Mapping[str, Any]) -> Features:
 
 LLAMA = Family(
     architecture="LlamaForCausalLM",
+    hf_config_class="LlamaConfig",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,

@@ -21,6 +21,7 @@ def features(config: Mapping[str, Any]) -> Features:
 
 MISTRAL = Family(
     architecture="MistralForCausalLM",
+    hf_config_class="MistralConfig",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,

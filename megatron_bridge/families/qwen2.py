@@ -31,6 +31,7 @@ def features(config: Mapping[str, Any]) -> Features:
 
 QWEN2 = Family(
     architecture="Qwen2ForCausalLM",
+    hf_config_class="Qwen2Config",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,

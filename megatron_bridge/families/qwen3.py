@@ -38,6 +38,7 @@ def features(config: Mapping[str, Any]) -> Features:
 
 QWEN3 = Family(
     architecture="Qwen3ForCausalLM",
+    hf_config_class="Qwen3Config",
     global_renames=GLOBAL_RENAMES,
     layer_renames=LAYER_RENAMES,
     qkv_fusions=QKV_FUSIONS,

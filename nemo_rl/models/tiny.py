@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_bridge.hub import resolve_hf_checkpoint
+
 Family = Literal["llama", "qwen2"]
 Vocab = Literal["bpe", "qwen"]
 
@@ -378,11 +380,6 @@ def build_tiny_model(
     return final_dir
 
 
-# Files of a hub checkpoint that loading needs: config and tokenizer files, safetensors weights
-# (with their index), sentencepiece / tiktoken vocabularies, merges, chat templates.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
 def resolve_model_path(model_name: str) -> str:
     """The local checkpoint folder of a model name.
 
@@ -391,51 +388,21 @@ def resolve_model_path(model_name: str) -> str:
             folder, or a Hugging Face Hub name such as "Qwen/Qwen2.5-1.5B".
 
     Returns:
-        The local folder of a tiny model (built on first use), the given folder, or the
-        snapshot folder of a hub model in the Hugging Face cache (``HF_HOME``; downloaded on
-        first use: config, tokenizer and safetensors files only). On several nodes, put
-        ``HF_HOME`` on a shared filesystem: the path is resolved once, on the driver.
+        The local folder of a tiny model (built on first use), or what
+        :func:`megatron_bridge.hub.resolve_hf_checkpoint` resolves the name to (the folder, or
+        the hub snapshot in the ``HF_HOME`` cache).
 
     Raises:
-        FileNotFoundError: a local folder without config.json; a path (starting with "/",
-            ".", or "~") that does not exist; a hub name the hub could not provide (no
-            network, gated without ``HF_TOKEN``, unknown), with the hub's error as the cause;
-            with no network and no ``HF_HUB_OFFLINE=1`` only after huggingface_hub's retries.
+        FileNotFoundError: as :func:`~megatron_bridge.hub.resolve_hf_checkpoint`, the message
+            also naming the tiny models.
     """
     if model_name in TINY_MODEL_NAMES:
         family, vocab = TINY_MODEL_NAMES[model_name]
         return str(build_tiny_model(family, vocab=vocab))
-    path = Path(model_name).expanduser()
-    if model_name.startswith(("/", ".", "~")) or path.exists():
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"model path {path} is not an existing folder; give a checkpoint folder, a hub "
-                f"name, or one of {sorted(TINY_MODEL_NAMES)}"
-            )
-    else:
-        path = Path(_download_from_hub(model_name))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model folder {path} has no config.json; point model_name at a folder saved "
-            f"with save_pretrained, or use one of {sorted(TINY_MODEL_NAMES)}"
-        )
-    return str(path)
-
-
-def _download_from_hub(model_name: str) -> str:
-    """``snapshot_download`` of the loading files of hub model ``model_name`` (cached)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     try:
-        return snapshot_download(model_name, allow_patterns=HUB_ALLOW_PATTERNS)
-    except (LocalEntryNotFoundError, HfHubHTTPError, ValueError) as err:
-        raise FileNotFoundError(
-            f"model {model_name!r} is not a tiny model name or a local folder, and the Hugging "
-            f"Face Hub could not provide it ({type(err).__name__}). Give a local checkpoint "
-            "folder, or make the hub reachable (HF_TOKEN for gated models); offline, a model "
-            "already in the HF_HOME cache loads with HF_HUB_OFFLINE=1."
-        ) from err
+        return str(resolve_hf_checkpoint(model_name))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} (or use one of {sorted(TINY_MODEL_NAMES)})") from err
 
 
 def load_hf_model_and_tokenizer(

@@ -107,6 +107,9 @@ def test_every_offending_field_is_named_at_once():
                               "max_window_layers": 0}, dict(window=6, window_layers=None)),
         ("MistralForCausalLM", {"sliding_window": 5}, dict(window=5, window_layers=None)),
         ("MistralForCausalLM", {"sliding_window": None}, dict(window=None)),
+        # A field config.json leaves out means what transformers' default says: Mistral
+        # slides a 4096-token window unless sliding_window is null.
+        ("MistralForCausalLM", {}, dict(window=4096, window_layers=None)),
     ],
 )
 def test_features_are_read_as_transformers_reads_them(architecture, fields, expected):
@@ -135,3 +138,13 @@ def test_dropout_in_the_config_is_announced_not_applied():
     with pytest.warns(UserWarning, match="without dropout"):
         config = _bridge("LlamaForCausalLM", attention_dropout=0.1).transformer_config(1, 1)
     assert config.attention_dropout == 0.0 and config.hidden_dropout == 0.0
+
+
+def test_fields_config_json_leaves_out_take_the_transformers_defaults():
+    # Qwen3Config's head_dim defaults to 128 and Qwen2Config's KV heads to 32, not to
+    # hidden_size / heads and the query heads: read as transformers reads them.
+    qwen3 = {k: v for k, v in BASE.items() if k != "head_dim"}
+    assert BridgeConfig({"architectures": ["Qwen3ForCausalLM"], **qwen3}).head_dim == 128
+    qwen2 = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
+    qwen2["num_attention_heads"] = 32
+    assert BridgeConfig({"architectures": ["Qwen2ForCausalLM"], **qwen2}).num_kv_heads == 32

@@ -128,7 +128,7 @@ def test_plan_covers_every_hf_tensor_once():
     [
         ({}, 3, 1, "num_attention_heads"),
         ({"num_attention_heads": 8}, 4, 1, "num_key_value_heads"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, "num_key_value_heads"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192}, 2, 1, "num_key_value_heads"),
         ({}, 1, 3, "num_hidden_layers"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, 1, 1, "rope_type"),
     ],
