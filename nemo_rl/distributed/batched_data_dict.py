@@ -174,8 +174,8 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
         self, reordered_indices: torch.Tensor | Sequence[int]
     ) -> BatchedDataDict[DictT]:
         """Undo a reordering: row ``j`` of ``self`` belongs at original position
-        ``reordered_indices[j]``. Pass the indices :meth:`shard_by_batch_size` returned to put
-        results gathered from the shards (concatenated in shard order) back in original order.
+        ``reordered_indices[j]``. Pass the ``sorted_indices`` of :meth:`shard_by_batch_size` to
+        put results gathered from the shards (concatenated in shard order) back in order.
         """
         size = self.size
         idx = _index_list(reordered_indices, size)
