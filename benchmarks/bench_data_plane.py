@@ -298,10 +298,10 @@ def in_memory_step(producer: ActorHandle, replicas: list[ActorHandle]) -> float:
     data["advantages"] = fields["advantages"][:, None] * data["token_mask"]
     data["sample_mask"] = fields["sample_mask"]
     for name, scale in (("prev_logprobs", 0.01), ("reference_policy_logprobs", 0.02)):
-        shards = data.shard_by_batch_size(len(replicas))
+        shards = data.shard_by_batch_size(len(replicas)).shards
         outs = ray.get([r.logprobs.remote(s, scale) for r, s in zip(replicas, shards)])
         data[name] = torch.cat(outs)
-    shards = data.shard_by_batch_size(len(replicas))
+    shards = data.shard_by_batch_size(len(replicas)).shards
     return sum(ray.get([r.train.remote(s) for r, s in zip(replicas, shards)]))
 
 

@@ -171,15 +171,15 @@ def run_worker(path: str, steps: int, mode: str) -> list[float]:
     common = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
               "max_tokens_per_microbatch": TOKEN_BUDGET}
     if mode == "dynamic":
-        (batch,), _ = batch.shard_by_batch_size(
+        (batch,) = batch.shard_by_batch_size(
             1, batch_size=gbs, dynamic_batching_args={**common, "sequence_length_round": 8}
-        )
+        ).shards
     elif mode == "packed":
-        (batch,), _ = batch.shard_by_batch_size(
+        (batch,) = batch.shard_by_batch_size(
             1, batch_size=gbs,
             sequence_packing_args={**common, "sequence_length_round": 2,
                                    "algorithm": "modified_first_fit_decreasing"},
-        )
+        ).shards
     torch.manual_seed(0)
     worker = MegatronPolicyWorker(config, path, init_reference_model=False)
     times = []

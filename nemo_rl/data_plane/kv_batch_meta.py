@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nemo_rl.distributed.batched_data_dict import MicroBatchPlan
+from nemo_rl.distributed.shard_planner import MicroBatchPlan
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 :func:`shard_meta_for_dp` gives each data-parallel rank the keys it must fetch and, under dynamic
 batching or sequence packing, its micro-batch plan. It makes exactly the decisions
 :meth:`BatchedDataDict.shard_by_batch_size` makes on a batch with the same sequence lengths
-(both call :func:`nemo_rl.distributed.batched_data_dict.plan_shards`), so a worker that fetches
+(both call :func:`nemo_rl.distributed.shard_planner.plan_shards`), so a worker that fetches
 its keys in shard order and attaches the plan gets the shard the in-memory path would have sent.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 from typing import Optional
 
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
-from nemo_rl.distributed.batched_data_dict import (
+from nemo_rl.distributed.shard_planner import (
     DynamicBatchingArgs,
     SequencePackingArgs,
     plan_shards,

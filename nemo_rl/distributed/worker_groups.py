@@ -334,7 +334,7 @@ class RayWorkerGroup:
             if not isinstance(node, (list, tuple)):
                 raise TypeError(
                     f"{path} is a {type(node).__name__}; it must be a list of {size} shards along "
-                    f"axis '{axis}' (e.g. batch.shard_by_batch_size({size}))"
+                    f"axis '{axis}' (e.g. batch.shard_by_batch_size({size}).shards)"
                 )
             if len(node) != size:
                 raise ValueError(

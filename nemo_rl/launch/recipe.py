@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
 from nemo_rl.utils.config import ConfigError
 
 
@@ -48,19 +49,16 @@ def recipe_shape(command: list[str]) -> RecipeShape | None:
         ConfigError: the recipe or its overrides do not load or validate (the same error the
             driver would hit on the cluster).
     """
-    from nemo_rl import cli
-
-    if len(command) < 2 or Path(command[0]).name != "nemo-rl" or command[1] not in cli.SCHEMAS:
+    is_nemo_rl = len(command) >= 2 and Path(command[0]).name == "nemo-rl"
+    if not is_nemo_rl or command[1] not in RECIPE_COMMANDS:
         return None
-    parser = cli.build_parser()
     try:
-        args, extra = parser.parse_known_args(command[1:])
+        args = parse_recipe_command(command[1:])
     except SystemExit:
         raise ConfigError(
             f"cannot parse the driver command {' '.join(command)!r} (see the usage above)"
         ) from None
-    overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
-    cfg = cli.load_typed_config(args.config, overrides, cli.SCHEMAS[args.command])
+    cfg = load_recipe(args)
     if isinstance(cfg, GRPOMasterConfig):
         return grpo_shape(cfg)
     raise ConfigError(f"nemo-rl launch does not know the machines of a {args.command!r} recipe")

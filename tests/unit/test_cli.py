@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from nemo_rl import cli
+from nemo_rl.commands import RECIPE_COMMANDS, RecipeCommand
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,6 +21,9 @@ def _fake_run(cfg: GRPOMasterConfig) -> int:
     """Stands in for the GRPO entry point: records its argument, returns a telltale code."""
     _received.append(cfg)
     return 7
+
+
+FAKE_GRPO = RecipeCommand(GRPOMasterConfig, __name__, "_fake_run")
 
 
 def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,7 +64,7 @@ def test_missing_recipe_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_dispatches_validated_config_to_entry_point(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(cli.ENTRY_POINTS, "grpo", (__name__, "_fake_run"))
+    monkeypatch.setitem(RECIPE_COMMANDS, "grpo", FAKE_GRPO)
     _received.clear()
     assert cli.main(["grpo", "--config", TINY, "grpo.max_num_steps=3"]) == 7
     (cfg,) = _received
@@ -69,7 +73,7 @@ def test_dispatches_validated_config_to_entry_point(
 
 
 def test_print_config_does_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cli.ENTRY_POINTS, "grpo", (__name__, "_fake_run"))
+    monkeypatch.setitem(RECIPE_COMMANDS, "grpo", FAKE_GRPO)
     _received.clear()
     assert cli.main(["grpo", "--config", TINY, "--print-config"]) == 0
     assert _received == []

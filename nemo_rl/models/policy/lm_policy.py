@@ -12,11 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
-from nemo_rl.distributed.batched_data_dict import (
-    BatchedDataDict,
-    DynamicBatchingArgs,
-    SequencePackingArgs,
-)
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
+from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.interfaces import (
     ColocatablePolicyInterface,
@@ -82,25 +79,20 @@ class Policy(ColocatablePolicyInterface):
 
     def _shard(
         self, data: BatchedDataDict, stage: str, batch_size: Optional[int] = None
-    ) -> tuple[list[BatchedDataDict], Optional[list[int]]]:
+    ) -> ShardedBatch:
         """Split ``data`` into one shard per DP replica.
 
         Args:
             stage: "train" or "logprob": selects the token budget of dynamic batching/packing.
             batch_size: global batch per optimizer step (train) or None (the whole batch).
-
-        Returns:
-            ``(shards, sorted_indices)``; ``sorted_indices`` maps rows of the concatenated
-            shards back to ``data``'s rows when a token-budget plan reordered them, else None.
         """
         packing, dynamic = self._packing_args(f"{stage}_mb_tokens")
-        shards = data.shard_by_batch_size(
+        return data.shard_by_batch_size(
             self.layout.dp,
             batch_size=batch_size,
             sequence_packing_args=packing,
             dynamic_batching_args=dynamic,
         )
-        return shards if packing or dynamic else (shards, None)
 
     def _packing_args(
         self, mb_tokens_key: str
@@ -139,10 +131,11 @@ class Policy(ColocatablePolicyInterface):
         return self.worker_group.get_all_worker_results(futures)
 
     def _logprob_pass(self, data: BatchedDataDict, method: str) -> BatchedDataDict:
-        shards, sorted_indices = self._shard(data, "logprob")
-        outputs = self._run_sharded(method, shards, micro_batch_size=self.cfg.logprob_batch_size)
-        merged = BatchedDataDict.from_batches(outputs)
-        return merged.reorder_data(sorted_indices) if sorted_indices is not None else merged
+        sharded = self._shard(data, "logprob")
+        outputs = self._run_sharded(
+            method, sharded.shards, micro_batch_size=self.cfg.logprob_batch_size
+        )
+        return BatchedDataDict.from_batches(outputs).reorder_data(sharded.sorted_indices)
 
     # ---- PolicyInterface -----------------------------------------------------------------
 
@@ -171,7 +164,7 @@ class Policy(ColocatablePolicyInterface):
         """
         gbs = gbs if gbs is not None else self.cfg.train_global_batch_size
         mbs = mbs if mbs is not None else self.cfg.train_micro_batch_size
-        shards, _ = self._shard(data, "train", batch_size=gbs)
+        shards = self._shard(data, "train", batch_size=gbs).shards
         results = self._run_sharded(
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
         )

@@ -17,7 +17,7 @@ from nemo_rl.data_plane.columns import (
     write_columns,
 )
 from nemo_rl.data_plane.config import DataPlaneConfig, attach_data_plane, start_data_plane
-from nemo_rl.distributed.batched_data_dict import DynamicBatchingArgs
+from nemo_rl.distributed.shard_planner import DynamicBatchingArgs
 
 LENGTHS = [3, 5, 1, 4]
 

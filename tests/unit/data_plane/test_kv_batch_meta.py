@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rl.data_plane import KVBatchMeta
-from nemo_rl.distributed.batched_data_dict import MicroBatchPlan
+from nemo_rl.distributed.shard_planner import MicroBatchPlan
 
 
 def make_meta(n: int = 4, partition_id: str = "train") -> KVBatchMeta:

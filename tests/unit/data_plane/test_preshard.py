@@ -10,11 +10,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nemo_rl.data_plane import KVBatchMeta, shard_meta_for_dp
-from nemo_rl.distributed.batched_data_dict import (
-    BatchedDataDict,
-    DynamicBatchingArgs,
-    SequencePackingArgs,
-)
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
 
 ALGORITHMS = ["first_fit_decreasing", "modified_first_fit_decreasing"]
 
@@ -55,12 +52,11 @@ def assert_same_sharding(lengths: list[int], shards: int, **kwargs: Any) -> list
     same error); returns the meta shards."""
     meta = meta_of(lengths)
     try:
-        expected = batch_of(lengths).shard_by_batch_size(shards, **kwargs)
+        batch_shards = batch_of(lengths).shard_by_batch_size(shards, **kwargs).shards
     except ValueError as err:
         with pytest.raises(ValueError, match=re.escape(str(err))):
             shard_meta_for_dp(meta, shards, **kwargs)
         return []
-    batch_shards = expected[0] if isinstance(expected, tuple) else expected
     meta_shards = shard_meta_for_dp(meta, shards, **kwargs)
     assert len(meta_shards) == len(batch_shards) == shards
     for got, want in zip(meta_shards, batch_shards):

@@ -205,7 +205,7 @@ def test_tp_subgroup_all_reduce(gloo_group: RayWorkerGroup) -> None:
 
 def test_sharded_data_reaches_every_rank_of_its_replica(gloo_group: RayWorkerGroup) -> None:
     batch = BatchedDataDict({"ids": torch.arange(8).reshape(4, 2), "names": list("abcd")})
-    shards = batch.shard_by_batch_size(gloo_group.dp_size)
+    shards = batch.shard_by_batch_size(gloo_group.dp_size).shards
     futures = gloo_group.run_all_workers_sharded_data(
         "echo", shards, common_kwargs={"scale": 3}
     )

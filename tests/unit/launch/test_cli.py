@@ -66,6 +66,13 @@ def test_recipe_errors_surface_before_submission(capsys: pytest.CaptureFixture[s
     )
     assert code == 2
     assert err.startswith("nemo-rl launch slurm: unknown key polcy; did you mean policy?")
+    code, _, err = launch(
+        ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", TINY, "--no-such-flag"],
+        capsys,
+    )
+    assert code == 2
+    assert "unrecognized arguments: --no-such-flag" in err  # argparse's usage error, then ours
+    assert "nemo-rl launch slurm: cannot parse the driver command 'nemo-rl grpo" in err
 
 
 def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[str]) -> None:

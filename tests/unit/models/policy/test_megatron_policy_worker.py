@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.loss import NLLLoss
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
@@ -63,9 +63,8 @@ def make_batch(seed: int = 0) -> BatchedDataDict:
     )
 
 
-def shard(batch: BatchedDataDict, dp: int, mode: Any) -> tuple[list[BatchedDataDict], list[int]]:
-    """DP shards of ``batch`` for ``mode`` (an int: fixed micro-batches; "dynamic"; "packed")
-    and the original row of each row of the concatenated shards."""
+def shard(batch: BatchedDataDict, dp: int, mode: Any) -> ShardedBatch:
+    """DP shards of ``batch`` for ``mode`` (an int: fixed micro-batches; "dynamic"; "packed")."""
     common = {"input_key": "input_ids", "input_lengths_key": "input_lengths"}
     if mode == "dynamic":
         args = {**common, "max_tokens_per_microbatch": 64, "sequence_length_round": 8}
@@ -78,7 +77,7 @@ def shard(batch: BatchedDataDict, dp: int, mode: Any) -> tuple[list[BatchedDataD
             "algorithm": "modified_first_fit_decreasing",
         }
         return batch.shard_by_batch_size(dp, batch_size=GBS, sequence_packing_args=args)
-    return batch.shard_by_batch_size(dp, batch_size=GBS), list(range(GBS))
+    return batch.shard_by_batch_size(dp, batch_size=GBS)
 
 
 def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
@@ -104,7 +103,8 @@ def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
 def call(group: RayWorkerGroup, method: str, batch: BatchedDataDict, mode: Any = 2, **kwargs: Any) -> Any:
     """``method`` on every rank with its DP shard; logprob outputs come back as one [B, S]
     tensor in ``batch``'s row order, train outputs as DP rank 0's dict."""
-    shards, order = shard(batch, group.dp_size, mode)
+    sharded = shard(batch, group.dp_size, mode)
+    shards, order = sharded.shards, sharded.sorted_indices
     data = shards if "dp" in group.sharding.names else shards[0]
     results = group.get_all_worker_results(
         group.run_all_workers_sharded_data(method, data, common_kwargs=kwargs), timeout_s=300

@@ -1,0 +1,102 @@
+"""The registry of ``nemo-rl`` commands and how a command line is parsed into a recipe.
+
+A recipe command, ``nemo-rl <name> --config RECIPE [overrides...] [--print-config]``, loads a
+YAML recipe, validates it against the command's schema and calls the command's run function with
+the validated model. :data:`RECIPE_COMMANDS` lists them. Two modules read this registry and
+neither imports the other for it: :mod:`nemo_rl.cli` (the ``nemo-rl`` entry point, which runs
+a command) and :mod:`nemo_rl.launch.recipe` (which reads a driver command's recipe to size a
+slurm job before submitting it). Nothing here imports a run function's module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.config import load_typed_config
+
+
+@dataclass(frozen=True)
+class RecipeCommand:
+    """One ``nemo-rl <name> --config RECIPE`` command.
+
+    Attributes:
+        schema: the pydantic model a recipe of this command validates against.
+        module, function: the run function, called with the validated ``schema`` instance; it
+            returns the exit code (None means 0). Imported only when the command runs, so
+            ``--print-config`` and config errors stay fast.
+    """
+
+    schema: type[BaseModel]
+    module: str
+    function: str
+
+    def run_function(self) -> Callable[[Any], int | None]:
+        """Import and return the run function."""
+        return getattr(importlib.import_module(self.module), self.function)
+
+
+RECIPE_COMMANDS: dict[str, RecipeCommand] = {
+    "grpo": RecipeCommand(GRPOMasterConfig, "nemo_rl.algorithms.grpo", "run"),
+}
+
+_OVERRIDE_HELP = (
+    "dotted overrides applied after the recipe: key.sub=VALUE sets an existing key (VALUE is "
+    "YAML: 2, 1e-5, true, null, [1, 2]), +key.sub=VALUE adds a new key, ~key.sub deletes one"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nemo-rl`` argument parser: one subcommand per entry of :data:`RECIPE_COMMANDS`,
+    and ``launch`` (listed for ``--help``; :func:`nemo_rl.cli.main` hands ``launch ...`` to
+    :mod:`nemo_rl.launch.cli` before parsing)."""
+    parser = argparse.ArgumentParser(prog="nemo-rl", description="RL post-training of LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in RECIPE_COMMANDS:
+        sub = commands.add_parser(name, help=f"run {name.upper()} from a YAML recipe")
+        sub.add_argument("--config", required=True, metavar="PATH", help="YAML recipe")
+        sub.add_argument(
+            "--print-config", action="store_true", help="print the resolved config and exit"
+        )
+        sub.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)
+    commands.add_parser("launch", help="run a command on Ray across slurm nodes or locally")
+    return parser
+
+
+def parse_recipe_command(argv: list[str]) -> argparse.Namespace:
+    """Parse the arguments of a recipe command (``argv`` without the program name).
+
+    Returns:
+        ``command`` (a key of :data:`RECIPE_COMMANDS`), ``config`` (the recipe path),
+        ``overrides`` (in command-line order, also those after ``--print-config``) and
+        ``print_config``.
+
+    Raises:
+        SystemExit: (code 2, usage printed to stderr) for a usage error, an unknown flag or a
+            command that is not a recipe command.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow or precede --print-config; argparse leaves trailing ones in `extra`.
+    stray = [a for a in extra if a.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if args.command not in RECIPE_COMMANDS:
+        parser.error(f"{args.command!r} is not a recipe command")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def load_recipe(args: argparse.Namespace) -> BaseModel:
+    """The validated config of parsed recipe command ``args`` (see :func:`parse_recipe_command`).
+
+    Raises:
+        ConfigError: the recipe or an override does not load or validate.
+    """
+    return load_typed_config(args.config, args.overrides, RECIPE_COMMANDS[args.command].schema)
