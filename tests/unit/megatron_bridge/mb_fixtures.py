@@ -35,6 +35,19 @@ MISTRAL_WINDOW = 5
 VOCAB = dict(vocab_size=1000, eos_token_id=2, pad_token_id=0, bos_token_id=None)
 
 
+def tiny_bridge(
+    architecture: str = "LlamaForCausalLM", drop: tuple[str, ...] = (), **fields
+) -> "BridgeConfig":
+    """A :class:`BridgeConfig` of a tiny model of ``architecture`` (sizes only, no
+    checkpoint), with ``fields`` added to or replacing its config.json fields and the fields
+    ``drop`` left out."""
+    from megatron_bridge import BridgeConfig
+
+    sizes = {k: v for k, v in SIZES.items() if k not in ("max_position_embeddings", "rms_norm_eps")}
+    config = {"architectures": [architecture], **sizes, "vocab_size": 1000, **fields}
+    return BridgeConfig({k: v for k, v in config.items() if k not in drop})
+
+
 def _variants() -> dict:
     """name -> transformers config of each checkpoint built here."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config

@@ -7,23 +7,12 @@ import json
 
 import pytest
 
+from mb_fixtures import SIZES, tiny_bridge
 from megatron_bridge import BridgeConfig
 from megatron_bridge.families import FAMILIES
 from megatron_bridge.families.config_fields import UnsupportedConfigError
 
-BASE = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1000,
-}
-
-
-def _bridge(architecture: str, **fields) -> BridgeConfig:
-    return BridgeConfig({"architectures": [architecture], **BASE, **fields})
+_bridge = tiny_bridge
 
 
 @pytest.mark.parametrize(
@@ -143,8 +132,6 @@ def test_dropout_in_the_config_is_announced_not_applied():
 def test_fields_config_json_leaves_out_take_the_transformers_defaults():
     # Qwen3Config's head_dim defaults to 128 and Qwen2Config's KV heads to 32, not to
     # hidden_size / heads and the query heads: read as transformers reads them.
-    qwen3 = {k: v for k, v in BASE.items() if k != "head_dim"}
-    assert BridgeConfig({"architectures": ["Qwen3ForCausalLM"], **qwen3}).head_dim == 128
-    qwen2 = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
-    qwen2["num_attention_heads"] = 32
-    assert BridgeConfig({"architectures": ["Qwen2ForCausalLM"], **qwen2}).num_kv_heads == 32
+    assert _bridge("Qwen3ForCausalLM", drop=("head_dim",)).head_dim == 128
+    qwen2 = _bridge("Qwen2ForCausalLM", drop=("num_key_value_heads",), num_attention_heads=32)
+    assert qwen2.num_kv_heads == 32 and SIZES["num_key_value_heads"] != 32

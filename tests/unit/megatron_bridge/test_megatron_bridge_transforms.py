@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from mb_fixtures import tiny_bridge
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import FAMILIES, get_family
 from megatron_bridge.transforms import (
@@ -101,18 +102,7 @@ def test_unknown_architecture_lists_supported_ones():
 
 
 def _config(**overrides) -> BridgeConfig:
-    base = {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 1000,
-        "tie_word_embeddings": False,
-    }
-    return BridgeConfig({**base, **overrides})
+    return tiny_bridge(**{"tie_word_embeddings": False, **overrides})
 
 
 def test_plan_covers_every_hf_tensor_once():
