@@ -21,6 +21,7 @@ written to a temporary sibling folder and renamed into place only on success.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -393,6 +394,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "head_dim": bridge.head_dim,
         "vocab_size": bridge.vocab_size,
         "tied_embeddings": bridge.tie_word_embeddings,
+        "features": {k: v for k, v in dataclasses.asdict(bridge.features).items() if v},
         "valid_tp": [t for t in range(1, bridge.num_kv_heads + 1) if _fits(bridge, t, 1)],
         "valid_pp": [p for p in range(1, bridge.num_layers + 1) if bridge.num_layers % p == 0],
     }

@@ -74,7 +74,7 @@ def test_info_describes_both_formats(converted, capsys):
     assert main(["info", "--json", str(mg)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "megatron" and info["dtype"] == "float32"
-    assert info["valid_tp"] == [1, 2]
+    assert info["valid_tp"] == [1, 2] and info["features"] == {}
 
 
 def _error(argv: list[str], capsys) -> str:
@@ -202,6 +202,9 @@ def test_verify_compares_past_the_sliding_window(tmp_path, capsys):
     out = capsys.readouterr().out
     # The random sequence outruns the 100-token window: 100 + 16 tokens.
     assert "  116 tokens" in out and "OK" in out
+    assert main(["info", "--json", str(tmp_path / "qwen2")]) == 0
+    features = json.loads(capsys.readouterr().out)["features"]
+    assert features == {"qkv_bias": True, "window": 100, "window_layers": [False, True]}
 
 
 def test_dtype_labels_are_honest_and_a_bf16_roundtrip_is_bitwise(hf_src, tmp_path, capsys):
