@@ -15,7 +15,7 @@ Phases:
   write by hand; the baseline of the "worker vs HF" ratio (target >= 0.9).
 * ``worker``: ``MegatronPolicyWorker.train`` (single rank, TP=PP=CP=DP=1, in-process: no Ray)
   with ``NLLLoss`` on the same batch and micro-batch size, same optimizer hyper-parameters.
-* ``hf+compat``: ``hf`` after :func:`nemo_rl.models.megatron.apply_cpu_compat` (its torch
+* ``hf+compat``: ``hf`` after :func:`megatron_bridge.cpu_compat.apply_cpu_compat` (its torch
   function mode sees every torch call): the overhead of the CPU compatibility layer on the
   same work, ``hf+compat`` time / ``hf`` time - 1.
 * ``padded`` / ``dynamic`` / ``packed``: the worker on a skewed length distribution (16
@@ -118,7 +118,7 @@ def run_hf(path: str, steps: int, with_compat: bool) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     if with_compat:
-        from nemo_rl.models.megatron import apply_cpu_compat
+        from megatron_bridge.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def run_worker(path: str, steps: int, mode: str) -> list[float]:
     import torch
 
     from nemo_rl.algorithms.loss import NLLLoss
-    from nemo_rl.models.megatron import find_free_port
+    from megatron_bridge.parallel_state import find_free_port
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 

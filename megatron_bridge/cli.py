@@ -181,7 +181,7 @@ def _run_ranks(fn: Any, world: int, *args: Any) -> None:
     """
     import torch.distributed as dist
 
-    from nemo_rl.models.megatron import find_free_port
+    from megatron_bridge.parallel_state import find_free_port
 
     if world == 1 and not dist.is_initialized():
         try:
@@ -204,7 +204,7 @@ def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None
     from megatron_bridge.checkpoint import load_megatron_checkpoint
     from megatron_bridge.forward import megatron_logits
     from megatron_bridge.load import load_hf_into_megatron
-    from nemo_rl.models.megatron import destroy_megatron_parallel, initialize_megatron_parallel
+    from megatron_bridge.parallel_state import destroy_megatron_parallel, initialize_megatron_parallel
 
     initialize_megatron_parallel(rank, world, tp=opts["tp"], pp=opts["pp"], master_port=port)
     try:

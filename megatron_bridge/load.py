@@ -266,16 +266,15 @@ def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
 def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """An empty (uninitialised) GPTModel for this rank's (TP, PP) position.
 
-    megatron-core's parallel state must be initialised; TP/PP sizes are read from it.
+    megatron-core's parallel state must be initialised (:func:`megatron_bridge.parallel_state.
+    initialize_megatron_parallel`, which also applies the CPU accommodations); TP/PP sizes are
+    read from it.
 
     Raises:
         ValueError: TP/PP sizes that do not fit the model (from validation, before building).
     """
     from megatron.core import parallel_state
 
-    from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = bridge.transformer_config(tp, pp, dtype)

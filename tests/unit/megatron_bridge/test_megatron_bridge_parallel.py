@@ -28,7 +28,7 @@ from megatron_bridge.checkpoint import checkpoint_bridge
 from megatron_bridge.dist_ckpt_layout import TensorChunk, rank_layout
 from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
 from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
-from nemo_rl.models.megatron import find_free_port
+from megatron_bridge.parallel_state import find_free_port
 
 ATOL = 1e-5
 
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, paths: dict, out
         megatron_logits,
         save_megatron_checkpoint,
     )
-    from nemo_rl.models.megatron import destroy_megatron_parallel, initialize_megatron_parallel
+    from megatron_bridge.parallel_state import destroy_megatron_parallel, initialize_megatron_parallel
 
     initialize_megatron_parallel(rank, world, tp=tp, pp=pp, master_port=port)
     results = {}

@@ -157,7 +157,7 @@ def test_old_rotary_buffers_are_accounted_for(family_checkpoints, tmp_path):
 def test_the_policy_load_refuses_left_over_tensors_too(family_checkpoints, tmp_path):
     # The policy worker loads HF checkpoints with load_hf_weights: same check as convert.
     from megatron_bridge import load_hf_into_megatron
-    from nemo_rl.models.megatron import (
+    from megatron_bridge.parallel_state import (
         destroy_megatron_parallel,
         find_free_port,
         initialize_megatron_parallel,

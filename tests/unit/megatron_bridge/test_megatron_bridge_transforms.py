@@ -132,7 +132,7 @@ def test_cpu_compat_redirects_cuda_and_is_idempotent():
     # A subprocess, so the patches never leak into this test session.
     code = (
         "import json, torch\n"
-        "from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat\n"
+        "from megatron_bridge.cpu_compat import apply_cpu_compat\n"
         "first, second = apply_cpu_compat(), apply_cpu_compat()\n"
         "t = torch.zeros(2, device='cuda', pin_memory=True).pin_memory()\n"
         "torch.cuda.manual_seed(3); a = torch.cuda.get_rng_state()\n"

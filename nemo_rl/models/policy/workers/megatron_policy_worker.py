@@ -20,7 +20,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.refit.buckets import RefitInfo
 from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
 from nemo_rl.models.generation.refit.sender import RefitSender
-from nemo_rl.models.megatron import destroy_megatron_parallel
+from megatron_bridge.parallel_state import destroy_megatron_parallel
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
 from nemo_rl.models.policy.workers.megatron.model_setup import restart_optimizer, setup_policy_model
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights

@@ -26,7 +26,7 @@ from nemo_rl.models.megatron.layer_specs import (
     split_for_context_parallel,
     transformer_engine_available,
 )
-from nemo_rl.models.megatron.parallel_state_utils import (
+from megatron_bridge.parallel_state import (
     destroy_megatron_parallel,
     find_free_port,
     initialize_megatron_parallel,

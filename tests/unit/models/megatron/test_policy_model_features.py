@@ -12,7 +12,7 @@ import torch
 from megatron_bridge import BridgeConfig, load_hf_weights
 from megatron_bridge.load import gpt_model_stage
 from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
-from nemo_rl.models.megatron.parallel_state_utils import (
+from megatron_bridge.parallel_state import (
     destroy_megatron_parallel,
     find_free_port,
     initialize_megatron_parallel,

@@ -16,7 +16,7 @@ import torch
 
 from nemo_rl.algorithms.loss import NLLLoss
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.megatron.parallel_state_utils import destroy_megatron_parallel, find_free_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers.megatron.model_setup import (
     PolicyModel,

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
+from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
-from nemo_rl.models.megatron import apply_cpu_compat, initialize_megatron_parallel
+from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
 
 
@@ -108,7 +109,6 @@ def build_gpt_stage(
     Returns:
         ``(model, bridge, transformer_config)``.
     """
-    apply_cpu_compat()
     mcfg = config["megatron_cfg"]
     bridge = BridgeConfig.from_hf(
         model_path, make_vocab_size_divisible_by=int(mcfg["make_vocab_size_divisible_by"])
@@ -286,7 +286,7 @@ def setup_policy_model(config: dict[str, Any], model_path: str, seed: int) -> Po
     layout = init_parallel_from_env(mcfg, seed)
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
     opt_cfg = dict(mcfg["optimizer"])
-    if apply_cpu_compat():
+    if is_cpu_run():
         # megatron-core 0.16.1 without TransformerEngine/Apex cannot load a distributed
         # optimizer's checkpoint (its torch-Adam "step" handling raises KeyError 'step'), so
         # the CPU runs the plain optimizer; on GPU the config's choice stands.

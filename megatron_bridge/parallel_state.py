@@ -1,7 +1,9 @@
 """Start and stop torch.distributed plus megatron-core's model-parallel groups.
 
-Used by tests, the ``megatron-bridge`` CLI and workers: one call sets up the process group
-(gloo on CPU, nccl on GPU), megatron's TP/PP/CP groups and the model-parallel RNG tracker.
+Used by tests, the ``megatron-bridge`` CLI and nemo_rl's policy workers: one call sets up the
+process group (gloo on CPU, nccl on GPU), megatron's TP/PP/CP groups and the model-parallel RNG
+tracker, and on a machine without CUDA applies :mod:`megatron_bridge.cpu_compat` (the one place
+it is applied: every process that builds a Megatron model initialises its parallel state first).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nemo_rl.models.megatron.cpu_compat import apply_cpu_compat, model_parallel_manual_seed
+from megatron_bridge.cpu_compat import apply_cpu_compat, model_parallel_manual_seed
 
 
 def find_free_port() -> int:

@@ -185,6 +185,14 @@ def _compile_deferred_during_import() -> Iterator[None]:
         torch.compile = real_compile
 
 
+def is_cpu_run() -> bool:
+    """True when this process has no CUDA device, so megatron-core runs on the CPU with the
+    accommodations of :func:`apply_cpu_compat` (which
+    :func:`megatron_bridge.parallel_state.initialize_megatron_parallel` applies). Changes
+    nothing."""
+    return not torch.cuda.is_available()
+
+
 def apply_cpu_compat() -> bool:
     """Patch torch.cuda and megatron-core for CPU execution when CUDA is unavailable.
 
@@ -193,7 +201,7 @@ def apply_cpu_compat() -> bool:
         machine with CUDA, where nothing is changed.
     """
     global _APPLIED, _MODE
-    if torch.cuda.is_available():
+    if not is_cpu_run():
         return False
     if _APPLIED:
         return True
