@@ -6,10 +6,9 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 
+from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
@@ -97,91 +96,6 @@ class GRPOConfig(ConfigModel):
                 "use_leave_one_out_baseline needs num_generations_per_prompt >= 2 "
                 f"(got {self.num_generations_per_prompt}); set one of them differently"
             )
-        return self
-
-
-class ClippedPGLossConfig(ConfigModel):
-    """Clipped policy-gradient loss with a KL penalty (``loss_fn``)."""
-
-    reference_policy_kl_penalty: float = Field(
-        default=0.01, ge=0.0, description="Weight of the KL(policy || reference) term; 0 disables."
-    )
-    ratio_clip_min: float = Field(
-        default=0.2,
-        ge=0.0,
-        description="Lower clip epsilon: the probability ratio is kept >= 1 - ratio_clip_min.",
-    )
-    ratio_clip_max: float = Field(
-        default=0.2,
-        ge=0.0,
-        description="Upper clip epsilon: the probability ratio is kept <= 1 + ratio_clip_max.",
-    )
-    ratio_clip_c: float | None = Field(
-        default=None,
-        gt=1.0,
-        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens. None: off.",
-    )
-    use_on_policy_kl_approximation: bool = Field(
-        default=False,
-        description="Weight the KL estimator by the policy/behaviour probability ratio so it "
-        "estimates the KL of the current policy rather than the behaviour policy.",
-    )
-    use_importance_sampling_correction: bool = Field(
-        default=False,
-        description="Correct the loss for the mismatch between generation (vLLM) and training "
-        "logprobs with a token-level importance weight.",
-    )
-    token_level_loss: bool = Field(
-        default=True,
-        description="Average the loss over all tokens of the batch; False averages per sequence "
-        "first, then over sequences.",
-    )
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
-        default="k3",
-        description="KL estimator on log r = logprob - reference_logprob: k1 = log r, "
-        "k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (unbiased, non-negative).",
-    )
-    kl_clamp_value: float | None = Field(
-        default=None,
-        gt=0.0,
-        description="Clamp logprob - reference_logprob to [-v, v] before the KL estimator so "
-        "k3 cannot overflow. None: no clamp.",
-    )
-    sequence_level_importance_ratios: bool = Field(
-        default=False,
-        description="GSPO: one importance ratio per sequence, exp of the mean token log-ratio, "
-        "instead of one per token.",
-    )
-    truncated_importance_sampling_ratio: float | None = Field(
-        default=None,
-        gt=0.0,
-        description="Cap on the token weight exp(prev_logprob - generation_logprob) (truncated "
-        "importance sampling). Requires use_importance_sampling_correction. None: no cap.",
-    )
-    importance_sampling_token_mask_range: list[float] | None = Field(
-        default=None,
-        description="[low, high]: tokens whose exp(prev_logprob - generation_logprob) falls "
-        "outside are dropped from the loss (still counted in the normaliser). None: off.",
-    )
-    importance_sampling_seq_mask_range: list[float] | None = Field(
-        default=None,
-        description="[low, high]: sequences whose exp(mean(prev_logprob - generation_logprob)) "
-        "falls outside are dropped from the loss. None: off.",
-    )
-    force_on_policy_ratio: bool = Field(
-        default=False,
-        description="Use the current logprobs (detached) as prev_logprobs, so the ratio is "
-        "exactly 1: the on-policy shortcut for one optimizer step per batch.",
-    )
-
-    @model_validator(mode="after")
-    def _check_mask_ranges(self) -> ClippedPGLossConfig:
-        for name in ("importance_sampling_token_mask_range", "importance_sampling_seq_mask_range"):
-            rng = getattr(self, name)
-            if rng is not None and (len(rng) != 2 or not 0.0 <= rng[0] < rng[1]):
-                raise ValueError(
-                    f"loss_fn.{name} must be [low, high] with 0 <= low < high, got {rng}"
-                )
         return self
 
 
