@@ -11,10 +11,13 @@ from pydantic import Field, model_validator
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
-from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
+from nemo_rl.data.processors import PROCESSORS
+from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
+from nemo_rl.models.tiny import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
 from nemo_rl.utils.logger import LoggerConfig
@@ -226,23 +229,19 @@ class GRPOMasterConfig(ConfigModel):
                 f"data.max_input_seq_length ({self.data.max_input_seq_length}) must be <= "
                 f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
             )
-        megatron = self.policy.megatron_cfg
-        model_parallel = (
-            megatron.tensor_model_parallel_size
-            * megatron.pipeline_model_parallel_size
-            * megatron.context_parallel_size
-        )
-        gpus = self.cluster.num_nodes * self.cluster.gpus_per_node
-        if gpus and gpus % model_parallel:
-            raise ValueError(
-                f"cluster.num_nodes * cluster.gpus_per_node ({gpus}) must be a multiple of "
-                "policy.megatron_cfg tensor_model_parallel_size * pipeline_model_parallel_size "
-                f"* context_parallel_size ({model_parallel})"
-            )
+        self._check_parallel_layout()
+        self._check_task()
         ckpt = self.checkpointing
         validates = self.grpo.val_period > 0 or self.grpo.val_at_start
-        if ckpt.enabled and ckpt.keep_top_k is not None and ckpt.metric_name.startswith("val_"):
-            if not validates:
+        if ckpt.enabled and ckpt.keep_top_k is not None:
+            if not ckpt.metric_name.startswith(("val_", "train_")):
+                raise ValueError(
+                    f"checkpointing.metric_name={ckpt.metric_name!r} is not a metric the GRPO "
+                    "loop records: checkpoints are ranked by val_<validation metric> (e.g. "
+                    "val_reward) or train_<training metric> (e.g. train_reward); use one, or "
+                    "set checkpointing.keep_top_k=null"
+                )
+            if ckpt.metric_name.startswith("val_") and not validates:
                 raise ValueError(
                     f"checkpointing.metric_name={ckpt.metric_name!r} ranks checkpoints by a "
                     "validation metric but validation is off (grpo.val_period=0, "
@@ -257,7 +256,58 @@ class GRPOMasterConfig(ConfigModel):
                 f"task with built-in reference replies), got {self.data.dataset_name!r}; "
                 "disable sft_warmup or warm-start the model beforehand"
             )
-        if megatron.scheduler.lr_decay_iters is None:
-            optimizer_steps_per_step = samples // self.policy.train_global_batch_size
-            megatron.scheduler.lr_decay_iters = self.grpo.max_num_steps * optimizer_steps_per_step
+        self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
         return self
+
+    def _check_parallel_layout(self) -> None:
+        """TP x PP x CP x DP against the ranks the cluster section gives (GPUs, or CPU worker
+        slots), and against the model's heads, KV heads and layers when its config.json is
+        here without a download (a hub model not yet cached is checked when the run starts)."""
+        c = self.cluster
+        slots, name = (
+            (c.gpus_per_node, "gpus_per_node")
+            if c.gpus_per_node
+            else (c.cpu_bundles_per_node, "cpu_bundles_per_node")
+        )
+        plan_parallel_layout(
+            self.policy,
+            local_model_path(self.policy.model_name),
+            c.num_nodes * slots,
+            world_source=f"cluster.num_nodes x cluster.{name} = {c.num_nodes} x {slots}",
+        )
+
+    def _check_task(self) -> None:
+        """The rows' default task needs a data processor and a configured environment."""
+        task = self.data.task_name or SYNTHETIC_TASK_NAME
+        if task not in PROCESSORS:
+            raise ValueError(
+                f"data.task_name={task!r} has no data processor (registered: "
+                f"{sorted(PROCESSORS)}); use one of them or register one in "
+                "nemo_rl.data.processors.PROCESSORS"
+            )
+        if getattr(self.env, task, None) is None:
+            configured = [n for n in EnvConfigs.model_fields if getattr(self.env, n) is not None]
+            raise ValueError(
+                f"data.task_name={task!r} has no environment: configure env.{task} (configured: "
+                f"{configured}) or choose a task among them"
+            )
+
+    def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
+        """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose
+        run ends inside the warm-up gets ``lr_warmup_iters + 1`` (the horizon of a constant
+        schedule only has to exceed the warm-up); a decaying one is refused."""
+        scheduler = self.policy.megatron_cfg.scheduler
+        if scheduler.lr_decay_iters is not None:
+            return
+        run = self.grpo.max_num_steps * optimizer_steps_per_step
+        if run <= scheduler.lr_warmup_iters:
+            if scheduler.lr_decay_style != "constant":
+                raise ValueError(
+                    f"the run has {run} optimizer steps (grpo.max_num_steps x optimizer steps "
+                    f"per GRPO step), not more than policy.megatron_cfg.scheduler."
+                    f"lr_warmup_iters ({scheduler.lr_warmup_iters}), so the "
+                    f"{scheduler.lr_decay_style!r} decay never starts; raise "
+                    "grpo.max_num_steps, lower lr_warmup_iters, or set lr_decay_iters"
+                )
+            run = scheduler.lr_warmup_iters + 1
+        scheduler.lr_decay_iters = run

@@ -422,6 +422,29 @@ def resolve_model_path(model_name: str) -> str:
     return str(path)
 
 
+def local_model_path(model_name: str) -> str | None:
+    """The local folder of ``model_name``'s checkpoint when it is here without a download.
+
+    For checks that read config.json before a run starts: a tiny model name resolves (built
+    locally on first use); a local folder with config.json is returned as is; a hub name gives
+    its snapshot folder when its config.json is already in the Hugging Face cache. Anything
+    else (a hub name not cached, a path that exists only on the cluster's nodes) gives None:
+    nothing is downloaded.
+    """
+    if model_name in TINY_MODEL_NAMES:
+        return resolve_model_path(model_name)
+    path = Path(model_name).expanduser()
+    if model_name.startswith(("/", ".", "~")) or path.exists():
+        return str(path) if (path / "config.json").is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model_name, "config.json")
+    except ValueError:  # not a valid hub repo id
+        return None
+    return str(Path(cached).parent) if isinstance(cached, str) else None
+
+
 def _download_from_hub(model_name: str) -> str:
     """``snapshot_download`` of the loading files of hub model ``model_name`` (cached)."""
     from huggingface_hub import snapshot_download

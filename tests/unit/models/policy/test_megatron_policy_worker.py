@@ -81,7 +81,7 @@ def shard(batch: BatchedDataDict, dp: int, mode: Any) -> tuple[list[BatchedDataD
     return batch.shard_by_batch_size(dp, batch_size=GBS), list(range(GBS))
 
 
-def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
+def policy_config(model_path: Path, layout: dict[str, int]) -> PolicyConfig:
     return PolicyConfig(
         model_name=str(model_path),
         train_global_batch_size=GBS,
@@ -95,7 +95,7 @@ def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
             "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
         },
         sequence_packing={"enabled": True},
-    ).model_dump()
+    )
 
 
 # ------------------------------------------------------------------------------ driving groups
