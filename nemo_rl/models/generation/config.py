@@ -54,9 +54,8 @@ class VllmConfig(ConfigModel):
     precision: Precision = Field(
         default="float32",
         description="Weight and activation dtype of the engine. Keep it equal to "
-        "policy.precision: a lower engine precision widens the gap between the engine's and "
-        "the trainer's logprobs (bfloat16 vs float32 on the tiny model: 3.5e-3 instead of "
-        "9.5e-7).",
+        "policy.precision: a lower engine precision than the trainer's widens the gap between "
+        "their logprobs (which the importance-sampling terms of the loss then see).",
     )
 
 
