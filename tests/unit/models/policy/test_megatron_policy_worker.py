@@ -281,7 +281,7 @@ def policy_results(results, cluster, tiny_llama_path) -> dict[str, Any]:
     """A DP=2 Policy with dynamic batching (the dp2 group's budget) on make_batch()."""
     config = PolicyConfig.model_validate(
         {
-            **policy_config(tiny_llama_path, LAYOUTS["tp1"]),
+            **policy_config(tiny_llama_path, LAYOUTS["tp1"]).model_dump(),
             "sequence_packing": {"enabled": False},
             "dynamic_batching": {
                 "enabled": True,
