@@ -167,7 +167,7 @@ def run_worker(path: str, steps: int, mode: str) -> list[float]:
             "optimizer": {"lr": LR, "min_lr": LR, "weight_decay": 0.01, "clip_grad": 1.0},
         },
         sequence_packing={"enabled": mode == "packed"},
-    ).model_dump()
+    )
     common = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
               "max_tokens_per_microbatch": TOKEN_BUDGET}
     if mode == "dynamic":

@@ -47,6 +47,22 @@ def resolve_hf_checkpoint(name: str) -> Path:
     return path
 
 
+def local_hf_checkpoint(name: str) -> Path | None:
+    """The folder of HF checkpoint ``name`` if it is on this machine, without downloading: a
+    local folder with config.json, or a hub snapshot whose config.json is already cached;
+    None otherwise (a hub name not cached, a path that exists only on other nodes)."""
+    path = Path(name).expanduser()
+    if name.startswith(("/", ".", "~")) or path.exists():
+        return path if (path / "config.json").is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid hub repo id
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
 def download_from_hub(name: str) -> Path:
     """``snapshot_download`` of the loading files of hub model ``name`` (cached)."""
     from huggingface_hub import snapshot_download

@@ -6,16 +6,18 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 
+from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
-from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
+from nemo_rl.data.processors import PROCESSORS
+from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
+from nemo_rl.models.tiny import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
 from nemo_rl.utils.logger import LoggerConfig
@@ -97,91 +99,6 @@ class GRPOConfig(ConfigModel):
                 "use_leave_one_out_baseline needs num_generations_per_prompt >= 2 "
                 f"(got {self.num_generations_per_prompt}); set one of them differently"
             )
-        return self
-
-
-class ClippedPGLossConfig(ConfigModel):
-    """Clipped policy-gradient loss with a KL penalty (``loss_fn``)."""
-
-    reference_policy_kl_penalty: float = Field(
-        default=0.01, ge=0.0, description="Weight of the KL(policy || reference) term; 0 disables."
-    )
-    ratio_clip_min: float = Field(
-        default=0.2,
-        ge=0.0,
-        description="Lower clip epsilon: the probability ratio is kept >= 1 - ratio_clip_min.",
-    )
-    ratio_clip_max: float = Field(
-        default=0.2,
-        ge=0.0,
-        description="Upper clip epsilon: the probability ratio is kept <= 1 + ratio_clip_max.",
-    )
-    ratio_clip_c: float | None = Field(
-        default=None,
-        gt=1.0,
-        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens. None: off.",
-    )
-    use_on_policy_kl_approximation: bool = Field(
-        default=False,
-        description="Weight the KL estimator by the policy/behaviour probability ratio so it "
-        "estimates the KL of the current policy rather than the behaviour policy.",
-    )
-    use_importance_sampling_correction: bool = Field(
-        default=False,
-        description="Correct the loss for the mismatch between generation (vLLM) and training "
-        "logprobs with a token-level importance weight.",
-    )
-    token_level_loss: bool = Field(
-        default=True,
-        description="Average the loss over all tokens of the batch; False averages per sequence "
-        "first, then over sequences.",
-    )
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
-        default="k3",
-        description="KL estimator on log r = logprob - reference_logprob: k1 = log r, "
-        "k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (unbiased, non-negative).",
-    )
-    kl_clamp_value: float | None = Field(
-        default=None,
-        gt=0.0,
-        description="Clamp logprob - reference_logprob to [-v, v] before the KL estimator so "
-        "k3 cannot overflow. None: no clamp.",
-    )
-    sequence_level_importance_ratios: bool = Field(
-        default=False,
-        description="GSPO: one importance ratio per sequence, exp of the mean token log-ratio, "
-        "instead of one per token.",
-    )
-    truncated_importance_sampling_ratio: float | None = Field(
-        default=None,
-        gt=0.0,
-        description="Cap on the token weight exp(prev_logprob - generation_logprob) (truncated "
-        "importance sampling). Requires use_importance_sampling_correction. None: no cap.",
-    )
-    importance_sampling_token_mask_range: list[float] | None = Field(
-        default=None,
-        description="[low, high]: tokens whose exp(prev_logprob - generation_logprob) falls "
-        "outside are dropped from the loss (still counted in the normaliser). None: off.",
-    )
-    importance_sampling_seq_mask_range: list[float] | None = Field(
-        default=None,
-        description="[low, high]: sequences whose exp(mean(prev_logprob - generation_logprob)) "
-        "falls outside are dropped from the loss. None: off.",
-    )
-    force_on_policy_ratio: bool = Field(
-        default=False,
-        description="Use the current logprobs (detached) as prev_logprobs, so the ratio is "
-        "exactly 1: the on-policy shortcut for one optimizer step per batch.",
-    )
-
-    @model_validator(mode="after")
-    def _check_mask_ranges(self) -> ClippedPGLossConfig:
-        for name in ("importance_sampling_token_mask_range", "importance_sampling_seq_mask_range"):
-            rng = getattr(self, name)
-            if rng is not None and (len(rng) != 2 or not 0.0 <= rng[0] < rng[1]):
-                raise ValueError(
-                    f"loss_fn.{name} must be [low, high] with 0 <= low < high, got {rng}"
-                )
         return self
 
 
@@ -312,23 +229,19 @@ class GRPOMasterConfig(ConfigModel):
                 f"data.max_input_seq_length ({self.data.max_input_seq_length}) must be <= "
                 f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
             )
-        megatron = self.policy.megatron_cfg
-        model_parallel = (
-            megatron.tensor_model_parallel_size
-            * megatron.pipeline_model_parallel_size
-            * megatron.context_parallel_size
-        )
-        gpus = self.cluster.num_nodes * self.cluster.gpus_per_node
-        if gpus and gpus % model_parallel:
-            raise ValueError(
-                f"cluster.num_nodes * cluster.gpus_per_node ({gpus}) must be a multiple of "
-                "policy.megatron_cfg tensor_model_parallel_size * pipeline_model_parallel_size "
-                f"* context_parallel_size ({model_parallel})"
-            )
+        self._check_parallel_layout()
+        self._check_task()
         ckpt = self.checkpointing
         validates = self.grpo.val_period > 0 or self.grpo.val_at_start
-        if ckpt.enabled and ckpt.keep_top_k is not None and ckpt.metric_name.startswith("val_"):
-            if not validates:
+        if ckpt.enabled and ckpt.keep_top_k is not None:
+            if not ckpt.metric_name.startswith(("val_", "train_")):
+                raise ValueError(
+                    f"checkpointing.metric_name={ckpt.metric_name!r} is not a metric the GRPO "
+                    "loop records: checkpoints are ranked by val_<validation metric> (e.g. "
+                    "val_reward) or train_<training metric> (e.g. train_reward); use one, or "
+                    "set checkpointing.keep_top_k=null"
+                )
+            if ckpt.metric_name.startswith("val_") and not validates:
                 raise ValueError(
                     f"checkpointing.metric_name={ckpt.metric_name!r} ranks checkpoints by a "
                     "validation metric but validation is off (grpo.val_period=0, "
@@ -343,7 +256,58 @@ class GRPOMasterConfig(ConfigModel):
                 f"task with built-in reference replies), got {self.data.dataset_name!r}; "
                 "disable sft_warmup or warm-start the model beforehand"
             )
-        if megatron.scheduler.lr_decay_iters is None:
-            optimizer_steps_per_step = samples // self.policy.train_global_batch_size
-            megatron.scheduler.lr_decay_iters = self.grpo.max_num_steps * optimizer_steps_per_step
+        self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
         return self
+
+    def _check_parallel_layout(self) -> None:
+        """TP x PP x CP x DP against the ranks the cluster section gives (GPUs, or CPU worker
+        slots), and against the model's heads, KV heads and layers when its config.json is
+        here without a download (a hub model not yet cached is checked when the run starts)."""
+        c = self.cluster
+        slots, name = (
+            (c.gpus_per_node, "gpus_per_node")
+            if c.gpus_per_node
+            else (c.cpu_bundles_per_node, "cpu_bundles_per_node")
+        )
+        plan_parallel_layout(
+            self.policy,
+            local_model_path(self.policy.model_name),
+            c.num_nodes * slots,
+            world_source=f"cluster.num_nodes x cluster.{name} = {c.num_nodes} x {slots}",
+        )
+
+    def _check_task(self) -> None:
+        """The rows' default task needs a data processor and a configured environment."""
+        task = self.data.task_name or SYNTHETIC_TASK_NAME
+        if task not in PROCESSORS:
+            raise ValueError(
+                f"data.task_name={task!r} has no data processor (registered: "
+                f"{sorted(PROCESSORS)}); use one of them or register one in "
+                "nemo_rl.data.processors.PROCESSORS"
+            )
+        if getattr(self.env, task, None) is None:
+            configured = [n for n in EnvConfigs.model_fields if getattr(self.env, n) is not None]
+            raise ValueError(
+                f"data.task_name={task!r} has no environment: configure env.{task} (configured: "
+                f"{configured}) or choose a task among them"
+            )
+
+    def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
+        """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose
+        run ends inside the warm-up gets ``lr_warmup_iters + 1`` (the horizon of a constant
+        schedule only has to exceed the warm-up); a decaying one is refused."""
+        scheduler = self.policy.megatron_cfg.scheduler
+        if scheduler.lr_decay_iters is not None:
+            return
+        run = self.grpo.max_num_steps * optimizer_steps_per_step
+        if run <= scheduler.lr_warmup_iters:
+            if scheduler.lr_decay_style != "constant":
+                raise ValueError(
+                    f"the run has {run} optimizer steps (grpo.max_num_steps x optimizer steps "
+                    f"per GRPO step), not more than policy.megatron_cfg.scheduler."
+                    f"lr_warmup_iters ({scheduler.lr_warmup_iters}), so the "
+                    f"{scheduler.lr_decay_style!r} decay never starts; raise "
+                    "grpo.max_num_steps, lower lr_warmup_iters, or set lr_decay_iters"
+                )
+            run = scheduler.lr_warmup_iters + 1
+        scheduler.lr_decay_iters = run

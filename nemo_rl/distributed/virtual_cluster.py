@@ -4,7 +4,9 @@ A bundle is the resources of one worker slot: ``{"CPU": num_cpus_per_bundle}`` p
 ``{"GPU": 1}`` when GPUs are used. Bundles are numbered in node order (all bundles of node 0,
 then node 1, ...); worker groups place rank ``r`` on bundle ``r``. Several worker groups (e.g.
 colocated training and generation) can share the bundles: each of their workers then asks for
-``1 / max_colocated_worker_groups`` of a bundle.
+``1 / max_colocated_worker_groups`` of a bundle. The cluster counts the groups on each bundle
+(:meth:`RayVirtualCluster.claim_bundles`), so a group that would not fit fails when it is built
+instead of waiting for resources Ray can never give it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class RayVirtualCluster:
         self.name = name
         self._placement_groups: list[PlacementGroup] = []
         self._locations: list[BundleLocation] | None = None
+        # Worker groups currently placed on each bundle (see claim_bundles).
+        self._groups_per_bundle = [0] * sum(counts)
         self._create_placement_groups(placement_timeout_s)
 
     def _bundle(self) -> dict[str, float]:
@@ -168,6 +172,34 @@ class RayVirtualCluster:
                     locations.append(BundleLocation(pg, index, nodes[index]))
             self._locations = locations
         return list(self._locations)
+
+    def claim_bundles(self, count: int) -> None:
+        """Record a worker group on bundles ``0 .. count - 1`` (where its ranks go).
+
+        Raises:
+            ValueError: one of those bundles already holds ``max_colocated_worker_groups``
+                groups (the new group's workers could never be scheduled), or ``count`` is
+                not in ``1 .. world_size()``.
+        """
+        if not 1 <= count <= self.world_size():
+            raise ValueError(
+                f"a worker group needs 1 to {self.world_size()} bundles of this cluster, got {count}"
+            )
+        if max(self._groups_per_bundle[:count]) >= self.max_colocated_worker_groups:
+            limit = self.max_colocated_worker_groups
+            raise ValueError(
+                f"{self!r} has no room for another worker group on bundles 0..{count - 1}: "
+                f"they already hold max_colocated_worker_groups={limit} group(s). Shut one "
+                f"down first, or build the cluster with max_colocated_worker_groups={limit + 1} "
+                "(each worker then asks for that fraction of a bundle)"
+            )
+        for index in range(count):
+            self._groups_per_bundle[index] += 1
+
+    def release_bundles(self, count: int) -> None:
+        """Undo one :meth:`claim_bundles` of ``count`` bundles (the group was shut down)."""
+        for index in range(count):
+            self._groups_per_bundle[index] = max(0, self._groups_per_bundle[index] - 1)
 
     def worker_resources(self) -> dict[str, float]:
         """Ray resources of one worker: its share of a bundle (``num_cpus``, ``num_gpus``)."""

@@ -81,7 +81,8 @@ class RayWorkerGroup:
         startup_timeout_s: seconds allowed for every actor's ``__init__`` to finish.
 
     Raises:
-        ValueError: malformed axes, a world larger than the cluster, or reserved ``env_vars``.
+        ValueError: malformed axes, a world larger than the cluster, bundles already holding
+            the cluster's ``max_colocated_worker_groups`` groups, or reserved ``env_vars``.
         TypeError: ``actor_cls`` is not a class, or an ``env_vars`` value is not a str.
         TimeoutError: the actors did not all start in time (they are killed again).
     """
@@ -119,9 +120,14 @@ class RayWorkerGroup:
                 raise TypeError(f"env_vars[{name!r}] = {value!r} must be a str")
         self.cluster = cluster
         self._side_results: list[tuple[int, ray.ObjectRef]] = []
-        self.workers: list[ActorHandle] = self._start(
-            actor_cls, dict(actor_kwargs or {}), dict(env_vars or {}), startup_timeout_s
-        )
+        cluster.claim_bundles(world_size)
+        try:
+            self.workers: list[ActorHandle] = self._start(
+                actor_cls, dict(actor_kwargs or {}), dict(env_vars or {}), startup_timeout_s
+            )
+        except BaseException:
+            cluster.release_bundles(world_size)
+            raise
 
     # ------------------------------------------------------------------ start-up
 
@@ -406,6 +412,8 @@ class RayWorkerGroup:
                 logger.warning("cleanup %r failed before killing workers: %s", cleanup_method, err)
                 clean = False
         clean = not kill_actors(self.workers) and clean
+        if self.workers:
+            self.cluster.release_bundles(self.world_size)
         self.workers = []
         self._side_results = []
         return clean

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_bridge.hub import resolve_hf_checkpoint
+from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
 
 Family = Literal["llama", "qwen2"]
 Vocab = Literal["bpe", "qwen"]
@@ -403,6 +403,21 @@ def resolve_model_path(model_name: str) -> str:
         return str(resolve_hf_checkpoint(model_name))
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} (or use one of {sorted(TINY_MODEL_NAMES)})") from err
+
+
+def local_model_path(model_name: str) -> str | None:
+    """The local folder of ``model_name``'s checkpoint when it is here without a download.
+
+    For checks that read config.json before a run starts: a tiny model name resolves (built
+    locally on first use); otherwise :func:`megatron_bridge.hub.local_hf_checkpoint` (a local
+    folder with config.json, or a hub snapshot whose config.json is already cached). Anything
+    else (a hub name not cached, a path that exists only on the cluster's nodes) gives None:
+    nothing is downloaded.
+    """
+    if model_name in TINY_MODEL_NAMES:
+        return resolve_model_path(model_name)
+    path = local_hf_checkpoint(model_name)
+    return None if path is None else str(path)
 
 
 def load_hf_model_and_tokenizer(

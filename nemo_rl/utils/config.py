@@ -23,6 +23,7 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -376,6 +377,25 @@ def validate_config(data: dict[str, Any], schema: type[ModelT], source: str = "c
         lines = "\n".join(f"  - {p}" for p in problems)
         noun = "problem" if len(problems) == 1 else "problems"
         raise ConfigError(f"invalid {source}: {len(problems)} {noun}:\n{lines}") from None
+
+
+def as_config(cfg: ModelT | Mapping[str, Any], schema: type[ModelT], owner: str) -> ModelT:
+    """``cfg`` as a ``schema`` object: an instance is returned as is, a mapping is validated.
+
+    Lets a component take its config model or, as NeMo RL's components do, a plain mapping of
+    the model's keys (missing keys take the model's defaults).
+
+    Raises:
+        ConfigError: the mapping does not fit ``schema`` (each problem named by key).
+        TypeError: ``cfg`` is neither.
+    """
+    if isinstance(cfg, schema):
+        return cfg
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            f"{owner} needs a {schema.__name__} or a mapping of its keys, got {type(cfg).__name__}"
+        )
+    return validate_config(dict(cfg), schema, source=f"{owner} config")
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

@@ -29,7 +29,7 @@ FAKE_GRPO = RecipeCommand(GRPOMasterConfig, __name__, "_fake_run")
 def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(
         ["grpo", "--config", TINY, "policy.megatron_cfg.tensor_model_parallel_size=2",
-         "--print-config", "grpo.seed=123"]
+         "cluster.cpu_bundles_per_node=2", "--print-config", "grpo.seed=123"]
     )
     out = capsys.readouterr().out
     assert code == 0
@@ -39,6 +39,19 @@ def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]
     # Resolved: the recipe's ${policy.max_total_sequence_length} and schema defaults appear.
     assert printed["policy"]["generation"]["vllm_cfg"]["max_model_len"] == 64
     assert printed["loss_fn"]["ratio_clip_max"] == GRPOMasterConfig().loss_fn.ratio_clip_max
+
+
+def test_tensor_parallel_without_the_ranks_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """TP=2 on the tiny CPU recipe's one worker slot per node: a config error naming the fix."""
+    code = cli.main(
+        ["grpo", "--config", TINY, "policy.megatron_cfg.tensor_model_parallel_size=2"]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert "tensor_model_parallel_size x pipeline_model_parallel_size" in captured.err
+    assert "cluster.num_nodes x cluster.cpu_bundles_per_node = 1 x 1" in captured.err
 
 
 def test_typo_returns_2_with_message(capsys: pytest.CaptureFixture[str]) -> None:

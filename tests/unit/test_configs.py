@@ -1,5 +1,6 @@
-"""Every recipe in configs/ loads and validates; the multi-node H100 recipes' parallel layouts
-fit their models and batch sizes, and the launcher asks for the nodes they need."""
+"""Every recipe in configs/ loads and validates (or is refused for exactly the feature it needs
+that is not implemented yet); the multi-node H100 recipes' parallel layouts fit their models and
+batch sizes, and the launcher asks for the nodes they need."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import pytest
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.launch.recipe import grpo_shape
-from nemo_rl.models.megatron.layer_specs import transformer_engine_available
 from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
-from nemo_rl.utils.config import load_typed_config
+from nemo_rl.utils.config import ConfigError, load_typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
@@ -30,6 +30,14 @@ ARCHITECTURES = {
         "vocab_size": 152064,
     },
 }
+# Recipes written for a feature that is not implemented yet: the one field validation refuses,
+# and the override that lets the rest of the recipe be checked.
+REFUSED = {
+    "grpo_qwen2.5_32b_4n8g.yaml": (
+        "policy.generation.vllm_cfg.tensor_parallel_size",
+        "policy.generation.vllm_cfg.tensor_parallel_size=1",
+    ),
+}
 MULTI_NODE = {
     "grpo_llama3.1_8b_2n8g.yaml": 2,
     "grpo_qwen2.5_32b_4n8g.yaml": 4,
@@ -38,11 +46,17 @@ MULTI_NODE = {
 
 
 def test_the_multi_node_recipes_exist() -> None:
-    assert set(MULTI_NODE) <= {p.name for p in RECIPES}
+    assert set(MULTI_NODE) | set(REFUSED) <= {p.name for p in RECIPES}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates(recipe: Path) -> None:
+    if recipe.name in REFUSED:
+        field, _ = REFUSED[recipe.name]
+        with pytest.raises(ConfigError, match="1 problem:") as info:
+            load_typed_config(recipe, [], GRPOMasterConfig)
+        assert f"  - {field}: got " in str(info.value)
+        return
     cfg = load_typed_config(recipe, [], GRPOMasterConfig)
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     assert samples % cfg.policy.train_global_batch_size == 0
@@ -50,18 +64,15 @@ def test_recipe_validates(recipe: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(MULTI_NODE))
 def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Path) -> None:
-    cfg = load_typed_config(CONFIGS / name, [], GRPOMasterConfig)
+    overrides = [REFUSED[name][1]] if name in REFUSED else []
+    cfg = load_typed_config(CONFIGS / name, overrides, GRPOMasterConfig)
     assert grpo_shape(cfg).nodes == MULTI_NODE[name]
     assert cfg.cluster.gpus_per_node == 8 and cfg.policy.precision == "bfloat16"
+    # The hub model is not downloaded here, so validation skipped the model checks: run them
+    # on its published config.json.
     (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES[cfg.policy.model_name]))
-    policy = cfg.policy.model_copy(deep=True)
-    if not transformer_engine_available():  # sequence parallelism needs it; checked on GPU
-        policy.megatron_cfg.sequence_parallel = False
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    layout = plan_parallel_layout(policy, tmp_path, world)
-    # Tensor parallelism stays inside a node (NVLink); vLLM engines too.
+    layout = plan_parallel_layout(cfg.policy, tmp_path, world)
+    # Tensor parallelism stays inside a node (NVLink).
     assert cfg.cluster.gpus_per_node % layout.tp == 0
-    vllm_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
-    assert cfg.cluster.gpus_per_node % vllm_tp == 0
-    assert ARCHITECTURES[cfg.policy.model_name]["num_key_value_heads"] % vllm_tp == 0
     assert layout.dp * layout.tp * layout.pp * layout.cp == world

@@ -6,57 +6,15 @@ and ``V`` for vocabulary size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 
 from nemo_rl.algorithms.loss.interfaces import LossType
 
 KLType = Literal["k1", "k2", "k3"]
-KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3")
-
-
-# ----------------------------------------------------------------------------- config checks
-
-
-def config_to_dict(
-    cfg: Mapping[str, Any] | Any,
-    *,
-    owner: str,
-    required: Iterable[str],
-    defaults: Mapping[str, Any],
-) -> dict[str, Any]:
-    """Return ``cfg`` as a plain dict with ``defaults`` filled in.
-
-    Accepts a mapping or a pydantic model (anything with ``model_dump``). Raises ``ValueError``
-    naming the key when a required key is missing or a key is unknown (a typo would otherwise
-    silently fall back to a default).
-    """
-    if hasattr(cfg, "model_dump"):
-        cfg = cfg.model_dump()
-    if not isinstance(cfg, Mapping):
-        raise TypeError(f"{owner} config must be a mapping or a pydantic model, got {type(cfg).__name__}")
-    required = tuple(required)
-    known = set(required) | set(defaults)
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ValueError(f"{owner} config has unknown key(s) {unknown}; known keys are {sorted(known)}")
-    missing = [k for k in required if k not in cfg]
-    if missing:
-        raise ValueError(f"{owner} config is missing required key(s) {missing}")
-    return {**defaults, **cfg}
-
-
-def check_range(
-    owner: str, name: str, value: Sequence[float] | None
-) -> tuple[float, float] | None:
-    """Validate an optional ``[low, high]`` interval with ``0 <= low <= high``."""
-    if value is None:
-        return None
-    if len(value) != 2 or not 0.0 <= float(value[0]) <= float(value[1]):
-        raise ValueError(f"{owner}: {name} must be [low, high] with 0 <= low <= high, got {value!r}")
-    return float(value[0]), float(value[1])
+KL_TYPES: tuple[str, ...] = get_args(KLType)
 
 
 # ------------------------------------------------------------------------------ input checks

@@ -29,15 +29,14 @@ The loss is ``aggregate(w * (pg + beta * kl))`` as a token-level or sequence-lev
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loss._common import (
-    KL_TYPES,
+    KLType,
     aggregate,
-    check_range,
-    config_to_dict,
     data_tensor,
     global_count,
     global_token_mean,
@@ -48,62 +47,109 @@ from nemo_rl.algorithms.loss._common import (
     valid_token_mask,
 )
 from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_rl.utils.config import ConfigModel, as_config
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 
-class ClippedPGLossConfig(TypedDict):
-    """Configuration of :class:`ClippedPGLossFn` (``loss_fn`` section of a GRPO config)."""
+class ClippedPGLossConfig(ConfigModel):
+    """Configuration of :class:`ClippedPGLossFn` (the ``loss_fn`` section of a GRPO recipe)."""
 
-    reference_policy_kl_penalty: float
-    """Coefficient beta of the KL-to-reference term; 0 disables it (no reference logprobs needed)."""
-    ratio_clip_min: float
-    """Lower clip epsilon: the ratio is clipped at ``1 - ratio_clip_min``; in [0, 1)."""
-    ratio_clip_max: float
-    """Upper clip epsilon: the ratio is clipped at ``1 + ratio_clip_max``; >= 0."""
-    ratio_clip_c: float | None
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at c*|A|; None disables."""
-    use_on_policy_kl_approximation: bool
-    """Weight the per-token KL by the importance ratio exp(lp - prev)."""
-    use_importance_sampling_correction: bool
-    """Weight each token's loss by exp(prev - gen) to correct for the engine/trainer mismatch."""
-    token_level_loss: bool
-    """True: token-level loss (normalised by global valid tokens); False: sequence-level."""
-    reference_policy_kl_type: NotRequired[str]
-    """KL estimator: "k1", "k2" or "k3" (default "k3")."""
-    kl_clamp_value: NotRequired[float | None]
-    """Clamp the log-ratio lp - ref to [-v, v] before the KL estimator (default None: no clamp)."""
-    sequence_level_importance_ratios: NotRequired[bool]
-    """GSPO: one ratio per sequence, exp(mean of lp - prev over its tokens) (default False)."""
-    truncated_importance_sampling_ratio: NotRequired[float | None]
-    """Cap of the mismatch weight exp(prev - gen) (TIS); needs use_importance_sampling_correction."""
-    importance_sampling_token_mask_range: NotRequired[tuple[float, float] | None]
-    """Drop tokens whose exp(prev - gen) lies outside [low, high] (default None)."""
-    importance_sampling_seq_mask_range: NotRequired[tuple[float, float] | None]
-    """Drop sequences whose exp(mean(prev - gen)) lies outside [low, high] (default None)."""
-    force_on_policy_ratio: NotRequired[bool]
-    """Use lp.detach() as prev: ratio exactly 1 (one optimiser step per rollout) (default False)."""
+    reference_policy_kl_penalty: float = Field(
+        default=0.01,
+        ge=0.0,
+        description="Coefficient beta of the KL(policy || reference) term; 0 disables it (no "
+        "reference logprobs needed).",
+    )
+    ratio_clip_min: float = Field(
+        default=0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Lower clip epsilon in [0, 1): the probability ratio is kept >= "
+        "1 - ratio_clip_min.",
+    )
+    ratio_clip_max: float = Field(
+        default=0.2,
+        ge=0.0,
+        description="Upper clip epsilon >= 0: the probability ratio is kept <= 1 + ratio_clip_max.",
+    )
+    ratio_clip_c: float | None = Field(
+        default=None,
+        gt=1.0,
+        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens (c * |A|). "
+        "None: off.",
+    )
+    use_on_policy_kl_approximation: bool = Field(
+        default=False,
+        description="Weight the per-token KL by the importance ratio exp(lp - prev) so it "
+        "estimates the KL of the current policy rather than the behaviour policy.",
+    )
+    use_importance_sampling_correction: bool = Field(
+        default=False,
+        description="Weight each token's loss by exp(prev - gen) (no gradient) to correct for "
+        "the mismatch between generation (vLLM) and training logprobs.",
+    )
+    token_level_loss: bool = Field(
+        default=True,
+        description="True: token-level loss (normalised by the global valid tokens); False: "
+        "sequence-level (per-sequence means, normalised by the global valid sequences).",
+    )
+    reference_policy_kl_type: KLType = Field(
+        default="k3",
+        description="KL estimator on d = lp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d "
+        "(unbiased, non-negative).",
+    )
+    kl_clamp_value: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Clamp lp - ref to [-v, v] before the KL estimator so k3 cannot overflow. "
+        "None: no clamp.",
+    )
+    sequence_level_importance_ratios: bool = Field(
+        default=False,
+        description="GSPO: one importance ratio per sequence, exp of the mean token log-ratio "
+        "over its valid tokens, instead of one per token.",
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Cap of the mismatch weight exp(prev - gen) (truncated importance "
+        "sampling); needs use_importance_sampling_correction. None: no cap.",
+    )
+    importance_sampling_token_mask_range: list[float] | None = Field(
+        default=None,
+        description="[low, high], 0 <= low < high: tokens whose exp(prev - gen) lies outside are "
+        "dropped from the loss (still counted in the normaliser). None: off.",
+    )
+    importance_sampling_seq_mask_range: list[float] | None = Field(
+        default=None,
+        description="[low, high], 0 <= low < high: sequences whose exp(mean(prev - gen)) lies "
+        "outside are dropped from the loss. None: off.",
+    )
+    force_on_policy_ratio: bool = Field(
+        default=False,
+        description="Use the current logprobs (detached) as prev: the ratio is exactly 1, the "
+        "on-policy shortcut for one optimizer step per rollout.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ClippedPGLossConfig:
+        for name in ("importance_sampling_token_mask_range", "importance_sampling_seq_mask_range"):
+            rng = getattr(self, name)
+            if rng is not None and (len(rng) != 2 or not 0.0 <= rng[0] < rng[1]):
+                raise ValueError(f"{name} must be [low, high] with 0 <= low < high, got {rng}")
+        if (
+            self.truncated_importance_sampling_ratio is not None
+            and not self.use_importance_sampling_correction
+        ):
+            raise ValueError(
+                "truncated_importance_sampling_ratio caps the importance-sampling weight, which "
+                "is off; set use_importance_sampling_correction=true or the cap to null"
+            )
+        return self
 
 
-_REQUIRED = (
-    "reference_policy_kl_penalty",
-    "ratio_clip_min",
-    "ratio_clip_max",
-    "ratio_clip_c",
-    "use_on_policy_kl_approximation",
-    "use_importance_sampling_correction",
-    "token_level_loss",
-)
-_DEFAULTS: dict[str, Any] = {
-    "reference_policy_kl_type": "k3",
-    "kl_clamp_value": None,
-    "sequence_level_importance_ratios": False,
-    "truncated_importance_sampling_ratio": None,
-    "importance_sampling_token_mask_range": None,
-    "importance_sampling_seq_mask_range": None,
-    "force_on_policy_ratio": False,
-}
 _OWNER = "ClippedPGLossFn"
 _BS = "[batch, seq]"
 
@@ -132,43 +178,12 @@ class ClippedPGLossFn:
     input_type = LossInputType.LOGPROB
 
     def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any]) -> None:
-        c = config_to_dict(cfg, owner=_OWNER, required=_REQUIRED, defaults=_DEFAULTS)
-        self.kl_penalty = float(c["reference_policy_kl_penalty"])
-        self.clip_low = float(c["ratio_clip_min"])
-        self.clip_high = float(c["ratio_clip_max"])
-        self.clip_c = None if c["ratio_clip_c"] is None else float(c["ratio_clip_c"])
-        self.on_policy_kl = bool(c["use_on_policy_kl_approximation"])
-        self.is_correction = bool(c["use_importance_sampling_correction"])
-        self.kl_type = str(c["reference_policy_kl_type"])
-        self.kl_clamp = None if c["kl_clamp_value"] is None else float(c["kl_clamp_value"])
-        self.sequence_ratios = bool(c["sequence_level_importance_ratios"])
-        cap = c["truncated_importance_sampling_ratio"]
-        self.is_cap = None if cap is None else float(cap)
-        token_key, seq_key = "importance_sampling_token_mask_range", "importance_sampling_seq_mask_range"
-        self.token_mask_range = check_range(_OWNER, token_key, c[token_key])
-        self.seq_mask_range = check_range(_OWNER, seq_key, c[seq_key])
-        self.force_on_policy = bool(c["force_on_policy_ratio"])
-        self.loss_type = LossType.TOKEN_LEVEL if c["token_level_loss"] else LossType.SEQUENCE_LEVEL
-        self._validate()
-
-    def _validate(self) -> None:
-        if self.kl_penalty < 0:
-            raise ValueError(f"{_OWNER}: reference_policy_kl_penalty must be >= 0, got {self.kl_penalty}")
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"{_OWNER}: ratio_clip_min must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0:
-            raise ValueError(f"{_OWNER}: ratio_clip_max must be >= 0, got {self.clip_high}")
-        if self.clip_c is not None and self.clip_c <= 1.0:
-            raise ValueError(f"{_OWNER}: ratio_clip_c must be > 1 (or None to disable), got {self.clip_c}")
-        if self.kl_type not in KL_TYPES:
-            raise ValueError(f"{_OWNER}: reference_policy_kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
-        if self.kl_clamp is not None and self.kl_clamp <= 0:
-            raise ValueError(f"{_OWNER}: kl_clamp_value must be > 0 or None, got {self.kl_clamp}")
-        if self.is_cap is not None and (self.is_cap <= 0 or not self.is_correction):
-            raise ValueError(
-                f"{_OWNER}: truncated_importance_sampling_ratio must be > 0 and needs "
-                f"use_importance_sampling_correction=True, got {self.is_cap}"
-            )
+        """``cfg``: the config model, or a mapping of its keys (NeMo RL's calling convention),
+        validated into one; missing keys take the model's defaults."""
+        self.cfg = as_config(cfg, ClippedPGLossConfig, owner=_OWNER)
+        self.loss_type = (
+            LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+        )
 
     def __call__(
         self,
@@ -178,6 +193,7 @@ class ClippedPGLossFn:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch share of the global loss and additive metrics (see the class docstring)."""
+        c = self.cfg
         lp = logprob_input(kwargs, _OWNER)
         shape = tuple(lp.shape)
         seqs = global_count(global_valid_seqs, "global_valid_seqs")
@@ -186,48 +202,48 @@ class ClippedPGLossFn:
         advantages = data_tensor(data, "advantages", shape, _BS, floating=True).to(lp.dtype)
         data_prev = data_tensor(data, "prev_logprobs", shape, _BS, floating=True).to(lp.dtype)
         gen = data_tensor(data, "generation_logprobs", shape, _BS, floating=True).to(lp.dtype)
-        prev = lp.detach() if self.force_on_policy else data_prev
+        prev = lp.detach() if c.force_on_policy_ratio else data_prev
 
         # Clipped surrogate.
         log_ratio = lp - prev
-        if self.sequence_ratios:
+        if c.sequence_level_importance_ratios:
             log_ratio = per_sequence_mean(log_ratio, mask)[:, None].expand(shape)
         ratio = torch.exp(log_ratio)
-        ratio_clamped = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+        ratio_clamped = ratio.clamp(1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max)
         pg = torch.maximum(-advantages * ratio, -advantages * ratio_clamped)
         dual_clipped = torch.zeros_like(mask, dtype=torch.bool)
-        if self.clip_c is not None:
-            bound = -self.clip_c * advantages
+        if c.ratio_clip_c is not None:
+            bound = -c.ratio_clip_c * advantages
             dual_clipped = (advantages < 0) & (pg > bound)
             pg = torch.where(dual_clipped, bound, pg)
 
         # KL to the reference policy.
         kl = torch.zeros_like(lp)
-        if self.kl_penalty > 0:
+        if c.reference_policy_kl_penalty > 0:
             ref = data_tensor(data, "reference_policy_logprobs", shape, _BS, floating=True).to(lp.dtype)
-            kl = kl_estimate(lp, ref, self.kl_type, self.kl_clamp)
-            if self.on_policy_kl:
+            kl = kl_estimate(lp, ref, c.reference_policy_kl_type, c.kl_clamp_value)
+            if c.use_on_policy_kl_approximation:
                 kl = torch.exp(lp - prev) * kl
 
         # Engine/trainer mismatch correction (no gradient: prev and gen are data).
         mismatch_log = (prev - gen).detach()
         weight = torch.ones_like(mismatch_log)
-        if self.is_correction:
+        if c.use_importance_sampling_correction:
             weight = torch.exp(mismatch_log)
-            if self.is_cap is not None:
-                weight = weight.clamp_max(self.is_cap)
+            if c.truncated_importance_sampling_ratio is not None:
+                weight = weight.clamp_max(c.truncated_importance_sampling_ratio)
         keep = torch.ones_like(mask)
-        if self.token_mask_range is not None:
-            low, high = self.token_mask_range
+        if c.importance_sampling_token_mask_range is not None:
+            low, high = c.importance_sampling_token_mask_range
             token_ratio = torch.exp(mismatch_log)
             keep = keep * ((token_ratio >= low) & (token_ratio <= high)).to(mask.dtype)
-        if self.seq_mask_range is not None:
-            low, high = self.seq_mask_range
+        if c.importance_sampling_seq_mask_range is not None:
+            low, high = c.importance_sampling_seq_mask_range
             seq_ratio = torch.exp(per_sequence_mean(mismatch_log, mask))
             keep = keep * ((seq_ratio >= low) & (seq_ratio <= high)).to(mask.dtype)[:, None]
         loss_mask = mask * keep
 
-        per_token = weight * (pg + self.kl_penalty * kl)
+        per_token = weight * (pg + c.reference_policy_kl_penalty * kl)
         loss = aggregate(per_token, loss_mask, self.loss_type, seqs, toks, count_mask=mask)
 
         with torch.no_grad():
@@ -239,10 +255,10 @@ class ClippedPGLossFn:
                 "loss": float(loss.detach()),
                 "probs_ratio": token_mean(ratio),
                 "probs_ratio_clamped": token_mean(ratio_clamped),
-                "clip_fraction_low": token_mean(ratio < 1.0 - self.clip_low),
-                "clip_fraction_high": token_mean(ratio > 1.0 + self.clip_high),
+                "clip_fraction_low": token_mean(ratio < 1.0 - c.ratio_clip_min),
+                "clip_fraction_high": token_mean(ratio > 1.0 + c.ratio_clip_max),
                 "dual_clip_fraction": token_mean(dual_clipped),
-                "kl_penalty": self.kl_penalty * token_mean(kl),
+                "kl_penalty": c.reference_policy_kl_penalty * token_mean(kl),
                 "approx_kl": token_mean(kl_estimate(prev, lp, "k3")),
                 "approx_entropy": token_mean(-torch.exp(lp - gen) * lp),
                 "token_mult_prob_error": token_mean(torch.exp((data_prev - gen).abs())),

@@ -21,13 +21,13 @@ in the first argument contribute 0. The loss is token-level: sum over valid toke
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from pydantic import Field
 
 from nemo_rl.algorithms.loss._common import (
     check_tensor,
-    config_to_dict,
     global_count,
     global_token_mean,
     sample_mask,
@@ -35,21 +35,28 @@ from nemo_rl.algorithms.loss._common import (
     valid_token_mask,
 )
 from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_rl.utils.config import ConfigModel, as_config
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 
-class DistillationLossConfig(TypedDict):
-    """Configuration of :class:`DistillationLossFn`."""
+class DistillationLossConfig(ConfigModel):
+    """Configuration of :class:`DistillationLossFn` (NeMo RL key names)."""
 
-    kl_type: str
-    """"forward" (KL(teacher || student)), "reverse" (KL(student || teacher)) or "mixed"."""
-    mixed_kl_weight: float
-    """Weight of the reverse KL in "mixed", in [0, 1]; ignored otherwise."""
+    kl_type: Literal["forward", "reverse", "mixed"] = Field(
+        default="forward",
+        description='"forward": KL(teacher || student), "reverse": KL(student || teacher), '
+        '"mixed": (1 - mixed_kl_weight) * forward + mixed_kl_weight * reverse.',
+    )
+    mixed_kl_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description='Weight of the reverse KL with kl_type "mixed", in [0, 1]; ignored otherwise.',
+    )
 
 
-_KL_TYPES = ("forward", "reverse", "mixed")
 _OWNER = "DistillationLossFn"
 _INPUTS = ("student_topk_logprobs", "teacher_topk_logprobs", "H_all")
 
@@ -75,13 +82,8 @@ class DistillationLossFn:
     input_type = LossInputType.DISTILLATION
 
     def __init__(self, cfg: DistillationLossConfig | Mapping[str, Any]) -> None:
-        c = config_to_dict(cfg, owner=_OWNER, required=("kl_type",), defaults={"mixed_kl_weight": 0.5})
-        self.kl_type = str(c["kl_type"])
-        self.mixed_kl_weight = float(c["mixed_kl_weight"])
-        if self.kl_type not in _KL_TYPES:
-            raise ValueError(f"{_OWNER}: kl_type must be one of {_KL_TYPES}, got {self.kl_type!r}")
-        if not 0.0 <= self.mixed_kl_weight <= 1.0:
-            raise ValueError(f"{_OWNER}: mixed_kl_weight must be in [0, 1], got {self.mixed_kl_weight}")
+        """``cfg``: the config model, or a mapping of its keys (missing keys: defaults)."""
+        self.cfg = as_config(cfg, DistillationLossConfig, owner=_OWNER)
 
     def __call__(
         self,
@@ -107,12 +109,13 @@ class DistillationLossFn:
         log_p = torch.cat([teacher, tail[..., 1:]], dim=-1).detach().to(student.dtype)
         forward = _kl_with_tail(log_p, log_q)
         reverse = _kl_with_tail(log_q, log_p)
-        if self.kl_type == "forward":
+        if self.cfg.kl_type == "forward":
             per_token = forward
-        elif self.kl_type == "reverse":
+        elif self.cfg.kl_type == "reverse":
             per_token = reverse
         else:
-            per_token = (1.0 - self.mixed_kl_weight) * forward + self.mixed_kl_weight * reverse
+            weight = self.cfg.mixed_kl_weight
+            per_token = (1.0 - weight) * forward + weight * reverse
         loss = global_token_mean(per_token, mask, toks)
         with torch.no_grad():
             metrics = {

@@ -15,13 +15,13 @@ counts valid rows, so two per pair).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from nemo_rl.algorithms.loss._common import (
-    config_to_dict,
     data_tensor,
     global_count,
     logprob_input,
@@ -31,36 +31,37 @@ from nemo_rl.algorithms.loss._common import (
     valid_token_mask,
 )
 from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_rl.utils.config import ConfigModel, as_config
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 
-class DPOLossConfig(TypedDict):
-    """Configuration of :class:`DPOLossFn`."""
+class DPOLossConfig(ConfigModel):
+    """Configuration of :class:`DPOLossFn` (the ``dpo`` loss section, NeMo RL key names)."""
 
-    reference_policy_kl_penalty: float
-    """beta: scale of the implicit reward; > 0."""
-    preference_loss_weight: float
-    """Weight of the preference (sigmoid) term."""
-    sft_loss_weight: float
-    """Weight of the NLL term on the chosen responses; 0 disables it."""
-    preference_average_log_probs: bool
-    """Use the mean instead of the sum of token logprobs in the implicit reward."""
-    sft_average_log_probs: bool
-    """Use the mean instead of the sum of token logprobs in the SFT term."""
-    reference_free: NotRequired[bool]
-    """Drop the reference model: reward = beta * s (default False)."""
+    reference_policy_kl_penalty: float = Field(
+        default=0.05, gt=0.0, description="beta: scale of the implicit reward; > 0."
+    )
+    preference_loss_weight: float = Field(
+        default=1.0, ge=0.0, description="Weight of the preference (sigmoid) term."
+    )
+    sft_loss_weight: float = Field(
+        default=0.0, ge=0.0, description="Weight of the NLL term on the chosen responses; 0: off."
+    )
+    preference_average_log_probs: bool = Field(
+        default=False,
+        description="Use the mean instead of the sum of token logprobs in the implicit reward.",
+    )
+    sft_average_log_probs: bool = Field(
+        default=False,
+        description="Use the mean instead of the sum of token logprobs in the SFT term.",
+    )
+    reference_free: bool = Field(
+        default=False, description="Drop the reference model: reward = beta * s."
+    )
 
 
-_REQUIRED = (
-    "reference_policy_kl_penalty",
-    "preference_loss_weight",
-    "sft_loss_weight",
-    "preference_average_log_probs",
-    "sft_average_log_probs",
-)
-_DEFAULTS: dict[str, Any] = {"reference_free": False}
 _OWNER = "DPOLossFn"
 _BS = "[batch, seq]"
 
@@ -82,15 +83,8 @@ class DPOLossFn:
     input_type = LossInputType.LOGPROB
 
     def __init__(self, cfg: DPOLossConfig | Mapping[str, Any]) -> None:
-        c = config_to_dict(cfg, owner=_OWNER, required=_REQUIRED, defaults=_DEFAULTS)
-        self.beta = float(c["reference_policy_kl_penalty"])
-        self.preference_weight = float(c["preference_loss_weight"])
-        self.sft_weight = float(c["sft_loss_weight"])
-        self.preference_average = bool(c["preference_average_log_probs"])
-        self.sft_average = bool(c["sft_average_log_probs"])
-        self.reference_free = bool(c["reference_free"])
-        if self.beta <= 0:
-            raise ValueError(f"{_OWNER}: reference_policy_kl_penalty (beta) must be > 0, got {self.beta}")
+        """``cfg``: the config model, or a mapping of its keys (missing keys: defaults)."""
+        self.cfg = as_config(cfg, DPOLossConfig, owner=_OWNER)
 
     def __call__(
         self,
@@ -100,6 +94,7 @@ class DPOLossFn:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batch share of the global DPO loss and its metrics."""
+        c = self.cfg
         lp = logprob_input(kwargs, _OWNER)
         batch, seq = lp.shape
         if batch % 2:
@@ -118,11 +113,11 @@ class DPOLossFn:
             total = masked_sum(logprobs, mask, dim=-1)
             return total / counts if average else total
 
-        score = sequence_score(lp, self.preference_average)
-        if not self.reference_free:
+        score = sequence_score(lp, c.preference_average_log_probs)
+        if not c.reference_free:
             ref = data_tensor(data, "reference_policy_logprobs", (batch, seq), _BS, floating=True).to(lp.dtype)
-            score = score - sequence_score(ref, self.preference_average)
-        rewards = self.beta * score
+            score = score - sequence_score(ref, c.preference_average_log_probs)
+        rewards = c.reference_policy_kl_penalty * score
         chosen, rejected = rewards[0::2], rewards[1::2]
         pair_valid = rows[0::2]
 
@@ -130,8 +125,8 @@ class DPOLossFn:
             return safe_divide(masked_sum(values, pair_valid), pairs)
 
         preference = pair_mean(-F.logsigmoid(chosen - rejected))
-        sft = pair_mean(-sequence_score(lp, self.sft_average)[0::2])
-        loss = self.preference_weight * preference + self.sft_weight * sft
+        sft = pair_mean(-sequence_score(lp, c.sft_average_log_probs)[0::2])
+        loss = c.preference_loss_weight * preference + c.sft_loss_weight * sft
         with torch.no_grad():
             metrics = {
                 "loss": float(loss),

@@ -1,14 +1,15 @@
 """Typed config of rollout generation (``policy.generation``), NeMo RL key names.
 
-Fields left ``None`` whose description says "None: policy.X" are filled in by
-:class:`nemo_rl.models.policy.config.PolicyConfig` from the policy section after validation.
+Every default lives here, so a :class:`GenerationConfig` built on its own (as the Python API
+does) means what it means inside a recipe; :class:`nemo_rl.models.policy.config.PolicyConfig`
+only checks that the two sections agree where they must.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from nemo_rl.utils.config import ConfigModel
 
@@ -19,7 +20,10 @@ class VllmConfig(ConfigModel):
     """Settings of the vLLM engines that generate rollouts."""
 
     tensor_parallel_size: int = Field(
-        default=1, ge=1, description="GPUs (or CPU workers) one vLLM engine is sharded over."
+        default=1,
+        ge=1,
+        description="GPUs one vLLM engine is sharded over. Only 1 is implemented (one engine "
+        "per GPU or CPU bundle); larger values are refused until generation TP lands.",
     )
     gpu_memory_utilization: float = Field(
         default=0.6,
@@ -37,18 +41,34 @@ class VllmConfig(ConfigModel):
     max_model_len: int | None = Field(
         default=None,
         ge=1,
-        description="Longest sequence (prompt + generation) the engine accepts, in tokens. "
-        "None: policy.max_total_sequence_length.",
+        description="Longest sequence (prompt + generation) the engine accepts, in tokens; "
+        "inside a policy it must be >= policy.max_total_sequence_length (recipes write "
+        "${policy.max_total_sequence_length}). None: the model's own limit (its config.json "
+        "max_position_embeddings), vLLM's default.",
     )
     enforce_eager: bool = Field(
         default=False,
         description="Run the model eagerly (no CUDA graphs / torch.compile): faster start-up, "
         "slower decoding.",
     )
-    precision: Precision | None = Field(
-        default=None,
-        description="Weight and activation dtype of the engine. None: policy.precision.",
+    precision: Precision = Field(
+        default="float32",
+        description="Weight and activation dtype of the engine. Keep it equal to "
+        "policy.precision: a lower engine precision than the trainer's widens the gap between "
+        "their logprobs (which the importance-sampling terms of the loss then see).",
     )
+
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _check_tensor_parallel(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"tensor_parallel_size={value} is not implemented yet (an engine spanning "
+                "several bundles needs vLLM's Ray executor placed on them); set "
+                "policy.generation.vllm_cfg.tensor_parallel_size=1: one engine per bundle"
+            )
+        return value
 
 
 class ColocatedConfig(ConfigModel):

@@ -2,17 +2,19 @@
 
 Key names follow NeMo RL's. Fields documented "None: X" are derived after validation by
 :meth:`PolicyConfig._derive_and_check`, so a derived value follows the field it comes from
-when that field is overridden.
+when that field is overridden. The objects themselves go to the workers (they pickle through
+Ray); nothing downstream re-reads a dumped dict.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from nemo_rl.models.generation.config import GenerationConfig, Precision
-from nemo_rl.utils.config import ConfigModel
+from nemo_rl.utils.config import ConfigModel, validate_config
 
 
 class MegatronOptimizerConfig(ConfigModel):
@@ -62,10 +64,21 @@ class MegatronSchedulerConfig(ConfigModel):
     lr_decay_iters: int | None = Field(
         default=None,
         ge=1,
-        description="Optimizer steps over which lr decays to min_lr. None: the whole run, "
-        "filled in by the algorithm's master config (GRPO: grpo.max_num_steps x "
-        "optimizer steps per GRPO step; an SFT warm start has its own schedule).",
+        description="Optimizer step at which lr reaches min_lr; must exceed lr_warmup_iters. "
+        "None: the whole run, filled in by the algorithm's master config (GRPO: "
+        "grpo.max_num_steps x optimizer steps per GRPO step, or lr_warmup_iters + 1 for a "
+        "'constant' schedule whose run ends within the warm-up; an SFT warm start has its own "
+        "schedule).",
     )
+
+    @model_validator(mode="after")
+    def _check_horizon(self) -> MegatronSchedulerConfig:
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(
+                f"lr_decay_iters ({self.lr_decay_iters}) must exceed lr_warmup_iters "
+                f"({self.lr_warmup_iters}); raise lr_decay_iters or lower lr_warmup_iters"
+            )
+        return self
 
 
 class MegatronConfig(ConfigModel):
@@ -102,6 +115,38 @@ class MegatronConfig(ConfigModel):
         description="Recompute each layer's activations in the backward pass: less memory, "
         "about a third more compute.",
     )
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> MegatronConfig:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=true splits activations over the TP ranks and needs "
+                "tensor_model_parallel_size > 1; set sequence_parallel=false or raise TP"
+            )
+        return self
+
+    def lr_schedule(
+        self, overrides: Mapping[str, Any]
+    ) -> tuple[MegatronOptimizerConfig, MegatronSchedulerConfig]:
+        """The optimizer and scheduler settings with ``overrides`` applied and validated.
+
+        Args:
+            overrides: ``lr`` / ``min_lr`` (optimizer) and ``lr_decay_style`` /
+                ``lr_warmup_iters`` / ``lr_decay_iters`` (scheduler) of another schedule,
+                e.g. :meth:`nemo_rl.algorithms.sft.SFTWarmupConfig.lr_schedule`.
+
+        Raises:
+            ConfigError: a key neither model has (named, with the nearest valid one) or a
+                value the models refuse.
+        """
+        optimizer = self.optimizer.model_dump()
+        scheduler = self.scheduler.model_dump()
+        for key, value in overrides.items():
+            (optimizer if key in ("lr", "min_lr") else scheduler)[key] = value
+        return (
+            validate_config(optimizer, MegatronOptimizerConfig, source="lr schedule"),
+            validate_config(scheduler, MegatronSchedulerConfig, source="lr schedule"),
+        )
 
 
 class DynamicBatchingConfig(ConfigModel):
@@ -226,14 +271,11 @@ class PolicyConfig(ConfigModel):
         if vllm.max_model_len is not None and vllm.max_model_len < self.max_total_sequence_length:
             raise ValueError(
                 f"generation.vllm_cfg.max_model_len ({vllm.max_model_len}) must be >= "
-                f"max_total_sequence_length ({self.max_total_sequence_length})"
+                f"max_total_sequence_length ({self.max_total_sequence_length}); set it to "
+                "${policy.max_total_sequence_length} or more"
             )
         if self.tokenizer.name is None:
             self.tokenizer.name = self.model_name
-        if vllm.max_model_len is None:
-            vllm.max_model_len = self.max_total_sequence_length
-        if vllm.precision is None:
-            vllm.precision = self.precision
         seq_len = self.max_total_sequence_length
         for section in (self.dynamic_batching, self.sequence_packing):
             if section.train_mb_tokens is None:

@@ -15,6 +15,7 @@ import ray
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.models.megatron.layer_specs import transformer_engine_available
 from nemo_rl.models.policy.interfaces import (
     ColocatablePolicyInterface,
     LogprobOutputSpec,
@@ -57,7 +58,10 @@ class Policy(ColocatablePolicyInterface):
         self.cfg = config
         self.model_path = resolve_model_path(config.model_name)
         self.layout: ParallelLayout = plan_parallel_layout(
-            config, self.model_path, cluster.world_size()
+            config,
+            self.model_path,
+            cluster.world_size(),
+            transformer_engine=transformer_engine_available(),
         )
         # The refit group rank 0 joined ((ip, port, world_size)) and the refit info per
         # export dtype (see the refit section below).
@@ -68,7 +72,7 @@ class Policy(ColocatablePolicyInterface):
             ray.remote(MegatronPolicyWorker),
             self.layout.axes(),
             actor_kwargs={
-                "config": config.model_dump(),
+                "config": config,
                 "model_path": self.model_path,
                 "init_reference_model": init_reference_model,
                 "seed": seed,

@@ -1,8 +1,9 @@
 """How a policy's ranks split into PP x DP x CP x TP, checked before any actor starts.
 
-Every check names the config field that breaks it, so a bad recipe fails in the driver in
-milliseconds instead of inside a Ray actor minutes later (or, for grouped-query attention
-with fewer KV heads than TP ranks, silently wrong).
+Every check names the config field that breaks it, so a bad recipe fails when the config is
+validated (``GRPOMasterConfig`` runs :func:`plan_parallel_layout` with the cluster section's
+ranks) instead of inside a Ray actor minutes later (or, for grouped-query attention with fewer
+KV heads than TP ranks, silently wrong). The driver runs it again with the ranks it got.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bridge import BridgeConfig
-from nemo_rl.models.megatron.layer_specs import transformer_engine_available
 from nemo_rl.models.policy.config import PolicyConfig
 
 _MCFG = "policy.megatron_cfg"
@@ -35,13 +35,24 @@ class ParallelLayout:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
 
 
-def plan_parallel_layout(cfg: PolicyConfig, model_path: str | Path, world_size: int) -> ParallelLayout:
+def plan_parallel_layout(
+    cfg: PolicyConfig,
+    model_path: str | Path | None,
+    world_size: int,
+    *,
+    world_source: str = "the cluster size",
+    transformer_engine: bool | None = None,
+) -> ParallelLayout:
     """Derive DP from the world size and check the whole layout against the model and batches.
 
     Args:
         cfg: the validated policy config.
-        model_path: local HF checkpoint folder (its config.json gives heads and layers).
+        model_path: local HF checkpoint folder (its config.json gives heads and layers); None
+            skips the model checks (a hub model not downloaded yet).
         world_size: ranks the policy gets (bundles of its cluster).
+        world_source: the config fields ``world_size`` comes from, named in the fix.
+        transformer_engine: whether TransformerEngine is importable where the policy runs;
+            None (not known, e.g. on a submit host) skips the check that needs it.
 
     Raises:
         ValueError: naming the field and the fix, for: world size not a multiple of
@@ -58,16 +69,17 @@ def plan_parallel_layout(cfg: PolicyConfig, model_path: str | Path, world_size: 
         raise ValueError(
             f"the policy has {world_size} ranks, not a multiple of {_MCFG}.tensor_model_parallel_size"
             f" x pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp} = "
-            f"{model_parallel}; change those sizes or the cluster size"
+            f"{model_parallel}; change those sizes or {world_source}"
         )
-    try:
-        BridgeConfig.from_hf(model_path).validate_parallelism(tp, pp)
-    except ValueError as err:
-        raise ValueError(
-            f"{_MCFG}.tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} do not "
-            f"fit the model at {model_path}: {err}"
-        ) from None
-    if mcfg.sequence_parallel and not transformer_engine_available():
+    if model_path is not None:
+        try:
+            BridgeConfig.from_hf(model_path).validate_parallelism(tp, pp)
+        except ValueError as err:
+            raise ValueError(
+                f"{_MCFG}.tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} "
+                f"do not fit the model at {model_path}: {err}"
+            ) from None
+    if mcfg.sequence_parallel and transformer_engine is False:
         raise ValueError(
             f"{_MCFG}.sequence_parallel=true needs TransformerEngine (its LayerNorm), which is "
             f"not installed; set it to false or install the gpu profile"

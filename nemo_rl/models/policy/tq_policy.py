@@ -106,7 +106,7 @@ class TQPolicy(Policy):
         try:
             self.worker_group.get_all_worker_results(
                 self.worker_group.run_all_workers_single_data(
-                    "setup_data_plane", self.dp_cfg.model_dump()
+                    "setup_data_plane", self.dp_cfg
                 )
             )
         except BaseException:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nemo_rl.algorithms.loss import ClippedPGLossFn, LossType
+from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn, LossType
 
 BASE_CFG = {
     "reference_policy_kl_penalty": 0.05,
@@ -254,11 +254,17 @@ def test_bad_config(change: dict, message: str) -> None:
         ClippedPGLossFn({**BASE_CFG, **change})
 
 
-def test_missing_config_key() -> None:
+def test_missing_config_keys_take_the_model_defaults() -> None:
+    """A mapping is validated into ClippedPGLossConfig: an omitted key means the model's default."""
+    data, lp = make_batch(seed=3)
+    gseqs, gtoks = global_counts(data)
     cfg = dict(BASE_CFG)
-    del cfg["token_level_loss"]
-    with pytest.raises(ValueError, match="token_level_loss"):
-        ClippedPGLossFn(cfg)
+    del cfg["token_level_loss"], cfg["ratio_clip_c"]
+    loss_fn = ClippedPGLossFn(cfg)
+    assert loss_fn.cfg == ClippedPGLossConfig(**cfg)
+    assert loss_fn.cfg.token_level_loss is ClippedPGLossConfig().token_level_loss is True
+    loss = loss_fn(data, gseqs, gtoks, next_token_logprobs=lp)[0]
+    assert loss.item() == pytest.approx(reference_loss(BASE_CFG, data, lp, float(gseqs), float(gtoks)), rel=1e-12)
 
 
 def test_bad_inputs() -> None:
@@ -283,11 +289,20 @@ def test_bad_inputs() -> None:
 
 
 def test_accepts_pydantic_config_and_batched_data_dict() -> None:
-    from nemo_rl.algorithms.grpo_config import ClippedPGLossConfig as PydanticConfig
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     data, lp = make_batch(seed=7)
     gseqs, gtoks = global_counts(data)
-    cfg = PydanticConfig(**{k: v for k, v in BASE_CFG.items()})
-    loss, _ = ClippedPGLossFn(cfg)(BatchedDataDict(data), gseqs, gtoks, next_token_logprobs=lp)
+    cfg = ClippedPGLossConfig(**BASE_CFG)
+    loss_fn = ClippedPGLossFn(cfg)
+    assert loss_fn.cfg is cfg
+    loss, _ = loss_fn(BatchedDataDict(data), gseqs, gtoks, next_token_logprobs=lp)
     assert loss.item() == pytest.approx(reference_loss(BASE_CFG, data, lp, float(gseqs), float(gtoks)), rel=1e-12)
+
+
+def test_grpo_recipe_uses_the_loss_config_model() -> None:
+    """One definition: the GRPO recipe's loss_fn section is the loss's own config model."""
+    from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+
+    assert GRPOMasterConfig.model_fields["loss_fn"].annotation is ClippedPGLossConfig
+    assert GRPOMasterConfig().loss_fn == ClippedPGLossConfig()

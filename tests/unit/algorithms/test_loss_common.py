@@ -1,4 +1,4 @@
-"""Shared loss helpers: KL estimators, safe division, aggregation and config checks."""
+"""Shared loss helpers: KL estimators, safe division, aggregation and count checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nemo_rl.algorithms.loss._common import aggregate, config_to_dict, global_count, kl_estimate, safe_divide
+from nemo_rl.algorithms.loss._common import aggregate, global_count, kl_estimate, safe_divide
 from nemo_rl.algorithms.loss.interfaces import LossType
 
 
@@ -36,13 +36,6 @@ def test_safe_divide_and_aggregate() -> None:
     assert float(seq) == pytest.approx((1.5 + 4.0) / 4)
 
 
-def test_config_and_count_checks() -> None:
-    assert config_to_dict({"a": 1}, owner="X", required=("a",), defaults={"b": 2}) == {"a": 1, "b": 2}
-    with pytest.raises(ValueError, match=r"X config has unknown key\(s\) \['c'\]"):
-        config_to_dict({"a": 1, "c": 3}, owner="X", required=("a",), defaults={})
-    with pytest.raises(ValueError, match=r"missing required key\(s\) \['a'\]"):
-        config_to_dict({}, owner="X", required=("a",), defaults={})
-    with pytest.raises(TypeError, match="mapping"):
-        config_to_dict([1], owner="X", required=(), defaults={})
+def test_count_checks() -> None:
     with pytest.raises(ValueError, match="global_valid_seqs"):
         global_count(torch.tensor(-1), "global_valid_seqs")

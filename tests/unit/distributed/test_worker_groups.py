@@ -259,8 +259,29 @@ def test_sharded_data_validation(light_group: RayWorkerGroup) -> None:
 def test_third_colocated_group_does_not_fit(
     cluster: RayVirtualCluster, gloo_group: RayWorkerGroup, light_group: RayWorkerGroup
 ) -> None:
-    with pytest.raises(TimeoutError, match="allows 2 worker group"):
-        RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, {"tag": "extra"}, startup_timeout_s=3)
+    # Refused when built (no actor is started and nothing waits for startup_timeout_s).
+    with pytest.raises(ValueError, match="already hold max_colocated_worker_groups=2"):
+        RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, {"tag": "extra"})
+
+
+def test_generation_on_a_full_cluster_fails_at_once_naming_the_limit(ray_env: None) -> None:
+    """A VllmGeneration on bundles whose one colocation slot is taken fails before any
+    engine starts (it used to wait the whole startup_timeout_s), and fits once it is free."""
+    from nemo_rl.models.generation.config import GenerationConfig
+    from nemo_rl.models.generation.vllm import VllmGeneration
+
+    full = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=0.5, name="full")
+    try:
+        group = RayWorkerGroup(full, ray.remote(EchoWorker), {"dp": 1}, {"tag": "first"})
+        with pytest.raises(ValueError, match="max_colocated_worker_groups=1") as info:
+            VllmGeneration(full, GenerationConfig(), "no-model-needed", pad_token_id=0)
+        assert "max_colocated_worker_groups=2" in str(info.value)  # the fix it names
+        group.shutdown()
+        again = RayWorkerGroup(full, ray.remote(EchoWorker), {"dp": 1}, {"tag": "second"})
+        assert ray.get(again.run_all_workers_single_data("last_seen")) is not None
+        again.shutdown()
+    finally:
+        full.shutdown()
 
 
 def test_failed_rank_is_reported_on_timeout(gloo_group: RayWorkerGroup) -> None:

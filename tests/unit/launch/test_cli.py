@@ -75,6 +75,26 @@ def test_recipe_errors_surface_before_submission(capsys: pytest.CaptureFixture[s
     assert "nemo-rl launch slurm: cannot parse the driver command 'nemo-rl grpo" in err
 
 
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "needle"),
+    [
+        (TINY, ["policy.megatron_cfg.tensor_model_parallel_size=2"], "cluster.cpu_bundles_per_node"),
+        (TINY, ["grpo.max_num_steps=2", "policy.megatron_cfg.scheduler.lr_decay_style=cosine"],
+         "lr_warmup_iters (5)"),
+        (str(REPO / "configs/grpo_qwen2.5_32b_4n8g.yaml"), [],
+         "policy.generation.vllm_cfg.tensor_parallel_size: got 4"),
+    ],
+)
+def test_dry_run_refuses_what_would_fail_after_ray_starts(
+    capsys: pytest.CaptureFixture[str], recipe: str, overrides: list[str], needle: str
+) -> None:
+    code, out, err = launch(
+        ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", recipe, *overrides], capsys
+    )
+    assert code == 2 and out == ""
+    assert "1 problem:" in err and needle in err
+
+
 def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = launch(["slurm", "--nodes", "2"], capsys)
     assert (code, err.strip()) == (

@@ -83,7 +83,7 @@ class VllmGenerationWorker:
         self.pad_token_id = pad_token_id
         self.sleep_mode = use_gpu and config.colocated.enabled
         engine_kwargs: dict[str, Any] = {
-            "dtype": vllm_cfg.precision or "auto",
+            "dtype": vllm_cfg.precision,
             "max_model_len": vllm_cfg.max_model_len,
             "enforce_eager": vllm_cfg.enforce_eager,
             "kv_cache_memory_bytes": vllm_cfg.kv_cache_memory_bytes,

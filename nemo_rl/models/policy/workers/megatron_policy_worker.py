@@ -8,12 +8,13 @@ replica its shard.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from megatron_bridge import dtype_from_name, export_hf_weights
-from nemo_rl.data_plane.config import attach_data_plane
+from nemo_rl.data_plane.config import DataPlaneConfig, attach_data_plane
 from nemo_rl.data_plane.interfaces import DataPlaneClient
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -21,6 +22,7 @@ from nemo_rl.models.generation.refit.buckets import RefitInfo
 from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
 from nemo_rl.models.generation.refit.sender import RefitSender
 from megatron_bridge.parallel_state import destroy_megatron_parallel
+from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
 from nemo_rl.models.policy.workers.megatron.model_setup import restart_optimizer, setup_policy_model
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
@@ -31,7 +33,7 @@ class MegatronPolicyWorker:
     """One TP x PP x CP x DP rank of the policy.
 
     Args:
-        config: ``PolicyConfig.model_dump()``.
+        config: the validated ``policy`` section (a :class:`PolicyConfig`; it pickles through Ray).
         model_path: local HF checkpoint folder.
         init_reference_model: keep the initial weights on the CPU as the reference policy.
         seed: base seed of megatron's model-parallel RNG tracker.
@@ -39,7 +41,7 @@ class MegatronPolicyWorker:
 
     def __init__(
         self,
-        config: dict[str, Any],
+        config: PolicyConfig,
         model_path: str,
         init_reference_model: bool = True,
         seed: int = 42,
@@ -48,7 +50,7 @@ class MegatronPolicyWorker:
         self.policy = setup_policy_model(config, model_path, seed)
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
-        self._packing = bool(config["sequence_packing"]["enabled"])
+        self._packing = config.sequence_packing.enabled
         self._host_params: dict[int, torch.Tensor] = {}
         self._refit: RefitSender | None = None
         self._data_plane: DataPlaneClient | None = None
@@ -57,25 +59,20 @@ class MegatronPolicyWorker:
         """Make the current weights the reference policy (e.g. after an SFT warm start)."""
         self.reference = ReferenceWeights(self.policy.model.module)
 
-    def reset_optimizer(self, lr_schedule: dict[str, Any] | None = None) -> None:
+    def reset_optimizer(self, lr_schedule: Mapping[str, Any] | None = None) -> None:
         """Start the optimizer over from the current weights: zero Adam state and a new
         learning-rate schedule at step 0.
 
         Args:
-            lr_schedule: replaces keys of ``megatron_cfg.optimizer`` (``lr``, ``min_lr``) and
-                ``megatron_cfg.scheduler`` (``lr_decay_style``, ``lr_warmup_iters``,
+            lr_schedule: replaces fields of ``megatron_cfg.optimizer`` (``lr``, ``min_lr``)
+                and ``megatron_cfg.scheduler`` (``lr_decay_style``, ``lr_warmup_iters``,
                 ``lr_decay_iters``) for this schedule; None: the configured schedule.
+
+        Raises:
+            ConfigError: ``lr_schedule`` names a field neither model has, or a bad value.
         """
-        overrides = lr_schedule or {}
-        unknown = set(overrides) - {"lr", "min_lr", *self.config["megatron_cfg"]["scheduler"]}
-        if unknown:
-            raise ValueError(f"reset_optimizer: unknown lr_schedule keys {sorted(unknown)}")
-        mcfg = self.config["megatron_cfg"]
-        opt_cfg = {**mcfg["optimizer"]}
-        sched_cfg = {**mcfg["scheduler"]}
-        for key, value in overrides.items():
-            (opt_cfg if key in ("lr", "min_lr") else sched_cfg)[key] = value
-        restart_optimizer(self.policy, opt_cfg, sched_cfg)
+        optimizer, scheduler = self.config.megatron_cfg.lr_schedule(lr_schedule or {})
+        restart_optimizer(self.policy, optimizer, scheduler)
 
     # ---------------------------------------------------------------- scoring
 
@@ -84,7 +81,7 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:
         """``logprobs`` ``[B, S]`` float32 in ``data``'s row order (last PP stage; an empty
         dict on the other stages)."""
-        mbs = micro_batch_size or self.config["logprob_batch_size"]
+        mbs = micro_batch_size or self.config.logprob_batch_size
         logprobs = compute_logprobs(self.policy, data, mbs, self._packing)
         return BatchedDataDict() if logprobs is None else BatchedDataDict(logprobs=logprobs)
 
@@ -122,8 +119,8 @@ class MegatronPolicyWorker:
             clipping; None in eval mode), ``lr``; ``metrics``: name -> per-step values summed
             over micro-batches and DP ranks; ``num_micro_batches`` (this rank's, per step).
         """
-        gbs = gbs or self.config["train_global_batch_size"]
-        mbs = mbs or self.config["train_micro_batch_size"]
+        gbs = gbs or self.config.train_global_batch_size
+        mbs = mbs or self.config.train_micro_batch_size
         steps = list(
             iterate_steps(self.policy, data, loss_fn, gbs, mbs, self._packing, eval_mode)
         )
@@ -155,7 +152,7 @@ class MegatronPolicyWorker:
     # ---------------------------------------------------------------- data plane
     # The TQPolicy path: the driver sends each replica a KVBatchMeta shard instead of tensors.
 
-    def setup_data_plane(self, dp_cfg: dict[str, Any]) -> None:
+    def setup_data_plane(self, dp_cfg: DataPlaneConfig) -> None:
         """Attach this rank to the data plane the driver started (``data_plane`` config)."""
         self._data_plane = attach_data_plane(dp_cfg)
 

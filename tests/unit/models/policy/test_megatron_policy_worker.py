@@ -80,7 +80,7 @@ def shard(batch: BatchedDataDict, dp: int, mode: Any) -> ShardedBatch:
     return batch.shard_by_batch_size(dp, batch_size=GBS)
 
 
-def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
+def policy_config(model_path: Path, layout: dict[str, int]) -> PolicyConfig:
     return PolicyConfig(
         model_name=str(model_path),
         train_global_batch_size=GBS,
@@ -94,7 +94,7 @@ def policy_config(model_path: Path, layout: dict[str, int]) -> dict[str, Any]:
             "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
         },
         sequence_packing={"enabled": True},
-    ).model_dump()
+    )
 
 
 # ------------------------------------------------------------------------------ driving groups
@@ -281,7 +281,7 @@ def policy_results(results, cluster, tiny_llama_path) -> dict[str, Any]:
     """A DP=2 Policy with dynamic batching (the dp2 group's budget) on make_batch()."""
     config = PolicyConfig.model_validate(
         {
-            **policy_config(tiny_llama_path, LAYOUTS["tp1"]),
+            **policy_config(tiny_llama_path, LAYOUTS["tp1"]).model_dump(),
             "sequence_packing": {"enabled": False},
             "dynamic_batching": {
                 "enabled": True,

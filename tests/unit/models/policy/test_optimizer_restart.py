@@ -55,7 +55,7 @@ def weights(policy: PolicyModel) -> list[torch.Tensor]:
 
 
 @pytest.fixture
-def config(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+def config(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PolicyConfig]:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
@@ -68,18 +68,17 @@ def config(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[d
         megatron_cfg={
             "optimizer": {"lr": 1e-3, "min_lr": 1e-3, "use_distributed_optimizer": False}
         },
-    ).model_dump()
+    )
     destroy_megatron_parallel()
 
 
 def test_restart_steps_like_a_new_optimizer_from_the_same_weights(
-    config: dict[str, Any], tiny_llama_path: Path
+    config: PolicyConfig, tiny_llama_path: Path
 ) -> None:
     trained = setup_policy_model(config, str(tiny_llama_path), seed=1)
     for seed in (0, 1):
         train(trained, seed)
-    opt_cfg = {**config["megatron_cfg"]["optimizer"], **RESTART}
-    sched_cfg = {**config["megatron_cfg"]["scheduler"], **RESTART_SCHEDULE}
+    opt_cfg, sched_cfg = config.megatron_cfg.lr_schedule({**RESTART, **RESTART_SCHEDULE})
     restart_optimizer(trained, opt_cfg, sched_cfg)
 
     # A second model stage with its own optimizer, built for the restart schedule, then given

@@ -14,10 +14,11 @@ DDP sums gradients over the data-parallel (and CP) ranks instead of averaging th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,16 @@ from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
+
+if TYPE_CHECKING:
+    from nemo_rl.models.policy.config import (
+        MegatronConfig,
+        MegatronOptimizerConfig,
+        MegatronSchedulerConfig,
+        PolicyConfig,
+    )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class PolicyModel:
     dtype: torch.dtype
 
 
-def init_parallel_from_env(megatron_cfg: dict[str, Any], seed: int) -> ParallelLayout:
+def init_parallel_from_env(megatron_cfg: MegatronConfig, seed: int) -> ParallelLayout:
     """Initialise torch.distributed and megatron's TP/PP/CP groups from the environment.
 
     Raises:
@@ -69,9 +80,9 @@ def init_parallel_from_env(megatron_cfg: dict[str, Any], seed: int) -> ParallelL
             parallelism is asked for without TP > 1.
         KeyError: a rendezvous variable (RANK, WORLD_SIZE, MASTER_PORT) is missing.
     """
-    tp = int(megatron_cfg["tensor_model_parallel_size"])
-    pp = int(megatron_cfg["pipeline_model_parallel_size"])
-    cp = int(megatron_cfg["context_parallel_size"])
+    tp = megatron_cfg.tensor_model_parallel_size
+    pp = megatron_cfg.pipeline_model_parallel_size
+    cp = megatron_cfg.context_parallel_size
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world % (tp * pp * cp):
         raise ValueError(
@@ -79,7 +90,7 @@ def init_parallel_from_env(megatron_cfg: dict[str, Any], seed: int) -> ParallelL
             f" pipeline_model_parallel_size * context_parallel_size ({tp}*{pp}*{cp}); change "
             f"the parallel sizes or the number of workers"
         )
-    if megatron_cfg.get("sequence_parallel") and tp == 1:
+    if megatron_cfg.sequence_parallel and tp == 1:
         raise ValueError(
             "megatron_cfg.sequence_parallel needs tensor_model_parallel_size > 1; disable it"
         )
@@ -97,7 +108,7 @@ def init_parallel_from_env(megatron_cfg: dict[str, Any], seed: int) -> ParallelL
 
 
 def build_gpt_stage(
-    model_path: str, config: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype
+    model_path: str, config: PolicyConfig, layout: ParallelLayout, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, BridgeConfig, Any]:
     """This rank's GPTModel stage with the HF weights of ``model_path`` loaded.
 
@@ -109,20 +120,20 @@ def build_gpt_stage(
     Returns:
         ``(model, bridge, transformer_config)``.
     """
-    mcfg = config["megatron_cfg"]
+    mcfg = config.megatron_cfg
     bridge = BridgeConfig.from_hf(
-        model_path, make_vocab_size_divisible_by=int(mcfg["make_vocab_size_divisible_by"])
+        model_path, make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by
     )
     base = bridge.transformer_config(layout.tp, layout.pp, dtype)
     recompute: dict[str, Any] = {}
-    if mcfg.get("activation_checkpointing"):
+    if mcfg.activation_checkpointing:
         recompute = dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
     tconfig = dataclasses.replace(
         base,
         context_parallel_size=layout.cp,
-        sequence_parallel=bool(mcfg.get("sequence_parallel", False)),
+        sequence_parallel=mcfg.sequence_parallel,
         calculate_per_token_loss=True,
         # Micro-batches of dynamic batching and packing differ in length: PP stages exchange
         # shapes before activations.
@@ -189,20 +200,21 @@ def wrap_ddp(model: torch.nn.Module, tconfig: Any, use_distributed_optimizer: bo
     return ddp
 
 
-def build_optimizer(ddp: Any, opt_cfg: dict[str, Any], dtype: torch.dtype) -> Any:
-    """``get_megatron_optimizer`` from ``megatron_cfg.optimizer`` (fp32 master weights)."""
+def build_optimizer(ddp: Any, opt_cfg: MegatronOptimizerConfig, dtype: torch.dtype) -> Any:
+    """``get_megatron_optimizer`` from ``megatron_cfg.optimizer`` (fp32 master weights); its
+    ``use_distributed_optimizer`` must be the one ``ddp`` was wrapped with."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer=opt_cfg["optimizer"],
-        lr=float(opt_cfg["lr"]),
-        min_lr=float(opt_cfg["min_lr"]),
-        weight_decay=float(opt_cfg["weight_decay"]),
-        adam_beta1=float(opt_cfg["adam_beta1"]),
-        adam_beta2=float(opt_cfg["adam_beta2"]),
-        adam_eps=float(opt_cfg["adam_eps"]),
-        clip_grad=float(opt_cfg["clip_grad"]),
-        use_distributed_optimizer=bool(opt_cfg["use_distributed_optimizer"]),
+        optimizer=opt_cfg.optimizer,
+        lr=opt_cfg.lr,
+        min_lr=opt_cfg.min_lr,
+        weight_decay=opt_cfg.weight_decay,
+        adam_beta1=opt_cfg.adam_beta1,
+        adam_beta2=opt_cfg.adam_beta2,
+        adam_eps=opt_cfg.adam_eps,
+        clip_grad=opt_cfg.clip_grad,
+        use_distributed_optimizer=opt_cfg.use_distributed_optimizer,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
@@ -210,15 +222,17 @@ def build_optimizer(ddp: Any, opt_cfg: dict[str, Any], dtype: torch.dtype) -> An
     return get_megatron_optimizer(config, [ddp])
 
 
-def build_scheduler(optimizer: Any, opt_cfg: dict[str, Any], sched_cfg: dict[str, Any]) -> Any:
+def build_scheduler(
+    optimizer: Any, opt_cfg: MegatronOptimizerConfig, sched_cfg: MegatronSchedulerConfig
+) -> Any:
     """Linear warm-up from 0 to ``lr`` over ``lr_warmup_iters`` steps, then constant / cosine /
     linear decay to ``min_lr`` by ``lr_decay_iters`` (None: no decay horizon, i.e. constant
     after warm-up unless a decay style needs one, which then raises)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    style = sched_cfg["lr_decay_style"]
-    warmup = int(sched_cfg["lr_warmup_iters"])
-    decay = sched_cfg.get("lr_decay_iters")
+    style = sched_cfg.lr_decay_style
+    warmup = sched_cfg.lr_warmup_iters
+    decay = sched_cfg.lr_decay_iters
     if decay is None:
         if style != "constant":
             raise ValueError(
@@ -231,14 +245,14 @@ def build_scheduler(optimizer: Any, opt_cfg: dict[str, Any], sched_cfg: dict[str
             f"megatron_cfg.scheduler.lr_decay_iters ({decay}) must exceed lr_warmup_iters "
             f"({warmup})"
         )
-    wd = float(opt_cfg["weight_decay"])
+    wd = opt_cfg.weight_decay
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup else float(opt_cfg["lr"]),
-        max_lr=float(opt_cfg["lr"]),
-        min_lr=float(opt_cfg["min_lr"]),
+        init_lr=0.0 if warmup else opt_cfg.lr,
+        max_lr=opt_cfg.lr,
+        min_lr=opt_cfg.min_lr,
         lr_warmup_steps=warmup,
-        lr_decay_steps=int(decay),
+        lr_decay_steps=decay,
         lr_decay_style=style,
         start_wd=wd,
         end_wd=wd,
@@ -254,7 +268,7 @@ def optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
 
 
 def restart_optimizer(
-    policy: PolicyModel, opt_cfg: dict[str, Any], sched_cfg: dict[str, Any]
+    policy: PolicyModel, opt_cfg: MegatronOptimizerConfig, sched_cfg: MegatronSchedulerConfig
 ) -> None:
     """Zero the optimizer state in place (Adam moments and step counts, so bias correction
     starts over) and give ``policy`` a new scheduler from ``opt_cfg``/``sched_cfg`` at step 0.
@@ -269,29 +283,45 @@ def restart_optimizer(
     # megatron's scheduler reads each param group's own max_lr/min_lr before its arguments
     for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
         for group in opt.optimizer.param_groups:
-            group["max_lr"], group["min_lr"] = float(opt_cfg["lr"]), float(opt_cfg["min_lr"])
+            group["max_lr"], group["min_lr"] = opt_cfg.lr, opt_cfg.min_lr
     policy.scheduler = build_scheduler(policy.optimizer, opt_cfg, sched_cfg)
 
 
-def setup_policy_model(config: dict[str, Any], model_path: str, seed: int) -> PolicyModel:
+def effective_optimizer_config(
+    opt_cfg: MegatronOptimizerConfig, announce: bool = True
+) -> MegatronOptimizerConfig:
+    """``opt_cfg`` as this process runs it: as given, except ``use_distributed_optimizer`` on
+    the CPU path.
+
+    megatron-core 0.16.1 without TransformerEngine/Apex cannot load a distributed optimizer's
+    checkpoint (its torch-Adam "step" handling raises KeyError 'step'), so a CPU run uses the
+    plain optimizer and, with ``announce`` (one rank of the group), says so in one warning line.
+    """
+    if is_cpu_run() and opt_cfg.use_distributed_optimizer:
+        if announce:
+            logger.warning(
+                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true overridden to "
+                "false on CPU (megatron-core cannot restore a distributed optimizer without "
+                "TransformerEngine/Apex)"
+            )
+        return opt_cfg.model_copy(update={"use_distributed_optimizer": False})
+    return opt_cfg
+
+
+def setup_policy_model(config: PolicyConfig, model_path: str, seed: int) -> PolicyModel:
     """Process groups, model stage with HF weights, DDP, optimizer and scheduler for this rank.
 
     Args:
-        config: ``PolicyConfig.model_dump()``.
+        config: the validated ``policy`` section.
         model_path: local HF checkpoint folder.
         seed: base seed of megatron's model-parallel RNG tracker.
     """
-    mcfg = config["megatron_cfg"]
-    dtype = dtype_from_name(config["precision"])
+    mcfg = config.megatron_cfg
+    dtype = dtype_from_name(config.precision)
     layout = init_parallel_from_env(mcfg, seed)
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
-    opt_cfg = dict(mcfg["optimizer"])
-    if is_cpu_run():
-        # megatron-core 0.16.1 without TransformerEngine/Apex cannot load a distributed
-        # optimizer's checkpoint (its torch-Adam "step" handling raises KeyError 'step'), so
-        # the CPU runs the plain optimizer; on GPU the config's choice stands.
-        opt_cfg["use_distributed_optimizer"] = False
-    ddp = wrap_ddp(model, tconfig, bool(opt_cfg["use_distributed_optimizer"]))
+    opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
+    ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
-    scheduler = build_scheduler(optimizer, opt_cfg, mcfg["scheduler"])
+    scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
     return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype)

@@ -1,0 +1,179 @@
+"""What GRPOMasterConfig refuses at config time (so ``--print-config`` and ``launch --dry-run``
+catch it before Ray starts), each error naming the field and the fix; and config sections built
+on their own mean what they mean inside a recipe."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.policy.config import MegatronConfig, MegatronOptimizerConfig, PolicyConfig
+from nemo_rl.utils.config import ConfigError, load_typed_config
+
+TINY = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
+
+
+def load(*overrides: str) -> GRPOMasterConfig:
+    return load_typed_config(TINY, list(overrides), GRPOMasterConfig)
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ parallel layout vs cluster
+
+
+def test_tensor_parallel_needs_the_cpu_worker_slots() -> None:
+    tp2 = "policy.megatron_cfg.tensor_model_parallel_size=2"
+    message = refusal(tp2)
+    assert "= 2 x 1 x 1 = 2" in message
+    assert "change those sizes or cluster.num_nodes x cluster.cpu_bundles_per_node = 1 x 1" in message
+    cfg = load(tp2, "cluster.cpu_bundles_per_node=2")  # the README's example
+    assert cfg.policy.megatron_cfg.tensor_model_parallel_size == 2
+
+
+def test_gpu_ranks_come_from_gpus_per_node() -> None:
+    message = refusal("cluster.gpus_per_node=6", "policy.megatron_cfg.tensor_model_parallel_size=4")
+    assert "cluster.num_nodes x cluster.gpus_per_node = 1 x 6" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        # the tiny Llama: 4 heads, 2 KV heads, 2 layers
+        (
+            ["policy.megatron_cfg.tensor_model_parallel_size=4", "cluster.cpu_bundles_per_node=4"],
+            ["tensor_model_parallel_size=4", "num_key_value_heads (2)"],
+        ),
+        (
+            ["policy.megatron_cfg.pipeline_model_parallel_size=4", "cluster.cpu_bundles_per_node=4"],
+            ["pipeline_model_parallel_size=4", "num_hidden_layers (2)"],
+        ),
+    ],
+)
+def test_model_divisibility_read_from_config_json(overrides: list[str], needles: list[str]) -> None:
+    message = refusal(*overrides)
+    for needle in needles:
+        assert needle in message
+
+
+def test_hub_model_not_in_the_cache_skips_only_the_model_checks(
+    offline_hub_cache: Path,
+) -> None:
+    hub = "policy.model_name=nemo-rl-test/not-downloaded"
+    tp4 = ["policy.megatron_cfg.tensor_model_parallel_size=4", "cluster.cpu_bundles_per_node=4"]
+    assert load(hub, *tp4).policy.megatron_cfg.tensor_model_parallel_size == 4
+    assert "cluster.cpu_bundles_per_node = 1 x 1" in refusal(hub, tp4[0])
+
+
+def test_hub_model_in_the_cache_is_checked(hub_tiny_llama: tuple[str, Path]) -> None:
+    name, _ = hub_tiny_llama
+    message = refusal(
+        f"policy.model_name={name}",
+        "policy.megatron_cfg.tensor_model_parallel_size=4",
+        "cluster.cpu_bundles_per_node=4",
+    )
+    assert "num_key_value_heads (2)" in message
+
+
+def test_sequence_parallel_without_tensor_parallel() -> None:
+    message = refusal("policy.megatron_cfg.sequence_parallel=true")
+    assert "sequence_parallel=true" in message and "tensor_model_parallel_size > 1" in message
+
+
+# ------------------------------------------------------------------ learning-rate schedule
+
+
+def test_constant_schedule_shorter_than_its_warmup_runs() -> None:
+    """grpo.max_num_steps=2 with 5 warm-up steps used to crash inside an actor."""
+    scheduler = load("grpo.max_num_steps=2").policy.megatron_cfg.scheduler
+    assert scheduler.lr_warmup_iters == 5 and scheduler.lr_decay_iters == 6
+
+
+def test_decaying_schedule_shorter_than_its_warmup_is_refused() -> None:
+    message = refusal("grpo.max_num_steps=2", "policy.megatron_cfg.scheduler.lr_decay_style=linear")
+    for needle in ("grpo.max_num_steps", "lr_warmup_iters (5)", "set lr_decay_iters"):
+        assert needle in message
+
+
+def test_explicit_decay_horizon_inside_the_warmup_is_refused() -> None:
+    message = refusal("policy.megatron_cfg.scheduler.lr_decay_iters=3")
+    assert "policy.megatron_cfg.scheduler" in message
+    assert "lr_decay_iters (3) must exceed lr_warmup_iters (5)" in message
+
+
+def test_lr_schedule_overrides_are_validated_by_the_models() -> None:
+    optimizer, scheduler = MegatronConfig().lr_schedule({"lr": 1e-3, "lr_decay_iters": 7})
+    assert optimizer.lr == 1e-3 and optimizer.min_lr == MegatronOptimizerConfig().min_lr
+    assert scheduler.lr_decay_iters == 7
+    with pytest.raises(ConfigError, match="did you mean lr_decay_iters"):
+        MegatronConfig().lr_schedule({"lr_decay_iter": 7})
+    with pytest.raises(ConfigError, match="min_lr"):
+        MegatronConfig().lr_schedule({"lr": 1e-6, "min_lr": 1e-3})
+
+
+# ------------------------------------------------------------------ tasks, checkpoints, features
+
+
+def test_task_needs_a_processor_and_an_environment() -> None:
+    message = refusal("data.task_name=number_guess")
+    assert "data.task_name='number_guess' has no data processor" in message
+    assert "'math'" in message
+    message = refusal("data.task_name=prompt")
+    assert "configure env.prompt" in message
+    assert "configure env.math" in refusal("env.math=null")
+
+
+def test_checkpoint_metric_must_be_one_the_loop_records() -> None:
+    message = refusal("checkpointing.metric_name=reward")
+    assert "checkpointing.metric_name='reward'" in message and "train_reward" in message
+    assert load("checkpointing.metric_name=train_reward").checkpointing.metric_name == "train_reward"
+    assert load("checkpointing.metric_name=reward", "checkpointing.keep_top_k=null")
+
+
+def test_generation_tensor_parallel_is_refused_until_implemented() -> None:
+    message = refusal("policy.generation.vllm_cfg.tensor_parallel_size=2")
+    assert "1 problem:" in message
+    assert "policy.generation.vllm_cfg.tensor_parallel_size: got 2" in message
+    assert "set policy.generation.vllm_cfg.tensor_parallel_size=1" in message
+
+
+# ------------------------------------------------------------------ sections on their own
+
+
+def test_generation_config_alone_means_what_it_means_in_a_recipe() -> None:
+    """The Python API builds a GenerationConfig directly: its engine precision is the same
+    explicit default as inside a policy (it used to be None, i.e. the checkpoint's bfloat16)."""
+    alone = GenerationConfig()
+    assert alone.vllm_cfg.precision == "float32"
+    assert PolicyConfig().generation == alone
+    # The policy section no longer rewrites the generation section it holds.
+    assert PolicyConfig(precision="bfloat16").generation.vllm_cfg.precision == "float32"
+    assert PolicyConfig(max_total_sequence_length=512).generation.vllm_cfg.max_model_len is None
+
+
+def test_engine_length_must_cover_the_policy_length() -> None:
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) must be >= max_total_sequence_length \(256\)"):
+        PolicyConfig(generation=GenerationConfig(vllm_cfg=VllmConfig(max_model_len=128)))
+
+
+def test_cpu_override_of_the_distributed_optimizer_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from nemo_rl.models.policy.workers.megatron.model_setup import effective_optimizer_config
+
+    given = MegatronOptimizerConfig(use_distributed_optimizer=True)
+    with caplog.at_level(logging.WARNING):
+        used = effective_optimizer_config(given)
+        quiet = effective_optimizer_config(given, announce=False)
+    assert used.use_distributed_optimizer is False and quiet == used
+    assert given.use_distributed_optimizer is True  # the config object is not changed
+    lines = [r.getMessage() for r in caplog.records if "use_distributed_optimizer" in r.getMessage()]
+    assert len(lines) == 1 and "overridden to false on CPU" in lines[0]
