@@ -109,7 +109,8 @@ def test_recipe_gives_nodes_and_gpus() -> None:
     gpus = resolve_shape(
         SlurmLaunchConfig(),
         ["/venv/bin/nemo-rl", "grpo", "--config", TINY, "cluster.num_nodes=2",
-         "cluster.gpus_per_node=8", "policy.generation.colocated.enabled=false"],
+         "cluster.gpus_per_node=8", "policy.generation.colocated.enabled=false",
+         "policy.train_micro_batch_size=8"],  # DP 16: 128 / 16 = 8 samples per rank
     )
     assert (gpus.nodes, gpus.gpus_per_node) == (4, 8)  # generation gets 2 nodes of its own
 
