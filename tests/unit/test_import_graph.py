@@ -35,19 +35,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("nemo_rl", "megatron_bridge")
 
-# Import edges (importer -> imported) that close a cycle today, each removed by the named item
-# of issue 18. The cycle check drops these edges and then demands a graph without cycles, so a
-# new cycle fails (one that runs through an allowed edge stays hidden until that edge goes). An
-# entry whose edge is gone or no longer closes a cycle fails
-# test_allow_lists_have_no_stale_entries: whoever removes a cycle deletes its lines here.
-ALLOWED_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # grpo -> grpo_sync -> sync_rollout_actor -> grpo: the twin GRPO loops.
-    ("nemo_rl.algorithms.grpo", "nemo_rl.algorithms.grpo_sync"): "issue 18 item 1 (one GRPO step)",
-    ("nemo_rl.experience.sync_rollout_actor", "nemo_rl.algorithms.grpo"): (
-        "issue 18 item 1 (one GRPO step)"
-    ),
-}
-
 # (importer, imported, the fix): a module in or below `importer` must not import one in or below
 # `imported`, not even under TYPE_CHECKING.
 FORBIDDEN_IMPORTS = [
@@ -64,12 +51,6 @@ FORBIDDEN_IMPORTS = [
         "parser) lives in nemo_rl.commands",
     ),
 ]
-
-# Forbidden imports that exist today (issue 18 item 4: what both need moves into
-# megatron_bridge or a small module below both).
-ALLOWED_FORBIDDEN_IMPORTS: dict[tuple[str, str], str] = {
-}
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -264,10 +245,10 @@ def a_cycle(component: list[str], succ: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"{component} is not strongly connected")
 
 
-def runtime_successors(graph: ImportGraph, dropped: set[tuple[str, str]]) -> dict[str, set[str]]:
+def runtime_successors(graph: ImportGraph) -> dict[str, set[str]]:
     succ: dict[str, set[str]] = {m: set() for m in graph.modules}
     for edge in graph.edges:
-        if not edge.type_checking_only and (edge.importer, edge.imported) not in dropped:
+        if not edge.type_checking_only:
             succ[edge.importer].add(edge.imported)
     return succ
 
@@ -284,7 +265,7 @@ def describe(cycle: list[str], graph: ImportGraph) -> str:
 
 
 def test_no_import_cycles(graph: ImportGraph) -> None:
-    succ = runtime_successors(graph, set(ALLOWED_CYCLE_EDGES))
+    succ = runtime_successors(graph)
     components = strongly_connected(graph.modules, succ)
     report = [
         f"  modules {c} import each other, e.g.:\n{describe(a_cycle(c, succ), graph)}"
@@ -313,26 +294,8 @@ def test_layers_import_in_one_direction(
         for e in graph.edges
         if _within(e.importer, importer)
         and _within(e.imported, imported)
-        and (e.importer, e.imported) not in ALLOWED_FORBIDDEN_IMPORTS
     )
     assert not found, f"{importer} must not import {imported}; {fix}:\n" + "\n".join(found)
-
-
-def test_allow_lists_have_no_stale_entries(graph: ImportGraph) -> None:
-    present = {(e.importer, e.imported) for e in graph.edges}
-    succ = runtime_successors(graph, set())
-    component_of = {m: i for i, c in enumerate(strongly_connected(graph.modules, succ)) for m in c}
-    closes_a_cycle = {
-        (a, b) for a, b in present if a in component_of and component_of[a] == component_of.get(b)
-    }
-    stale = [f"  {a} -> {b} ({why})" for (a, b), why in ALLOWED_CYCLE_EDGES.items()
-             if (a, b) not in closes_a_cycle]
-    stale += [f"  {a} -> {b} ({why})" for (a, b), why in ALLOWED_FORBIDDEN_IMPORTS.items()
-              if (a, b) not in present]
-    assert not stale, (
-        "these allowed imports are gone or close no cycle any more; delete their entries:\n"
-        + "\n".join(stale)
-    )
 
 
 # ---------------------------------------------------------------------- the reader itself
@@ -366,7 +329,7 @@ def test_reexported_names_resolve_to_their_defining_module() -> None:
         ("pkg", "pkg.a"), ("pkg", "pkg.b"), ("pkg.a", "pkg.b"), ("pkg.c", "pkg.a"),
         ("pkg.c", "pkg.b"),
     }
-    assert strongly_connected(facade.modules, runtime_successors(facade, set())) == []
+    assert strongly_connected(facade.modules, runtime_successors(facade)) == []
 
     real = ImportGraph(
         {
@@ -375,7 +338,6 @@ def test_reexported_names_resolve_to_their_defining_module() -> None:
             "pkg.c": ("import pkg.b\n", False),
         }
     )
-    succ = runtime_successors(real, set())
+    succ = runtime_successors(real)
     assert strongly_connected(real.modules, succ) == [["pkg", "pkg.b"]]  # pkg.c: TYPE_CHECKING
     assert a_cycle(["pkg", "pkg.b"], succ) == ["pkg", "pkg.b", "pkg"]
-    assert strongly_connected(real.modules, runtime_successors(real, {("pkg.b", "pkg")})) == []

@@ -55,7 +55,7 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
         }
         # no CPU reserved: the actor mostly waits on the engines and environments
         actor_cls = ray.remote(num_cpus=0)(DataPlaneRolloutActor)
-        self.actor = actor_cls.remote(runner, policy.dp_cfg.model_dump())
+        self.actor = actor_cls.remote(runner, policy.dp_cfg)
 
     @contextmanager
     def scope(self, partition: Partition, num_samples: int, group_size: int) -> Iterator[None]:
