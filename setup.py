@@ -27,6 +27,7 @@ COMMON = [
     "torchdata>=0.11",
     "math-verify>=0.7",
     "numpy>=1.26",
+    "psutil>=5.9",  # kill_actors waits for killed actors' processes to exit
     "numba>=0.60",  # the refit sender's one-pass copy + checksum kernel
 ]
 

@@ -25,6 +25,32 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def bound_tcp_store(
+    host: str, port: int, world_size: int, is_server: bool, timeout: timedelta
+) -> dist.TCPStore:
+    """A rendezvous ``TCPStore`` at ``host:port``; the server listens on ``host`` only.
+
+    torch's own store server listens on every interface; here the server's listening socket
+    is bound to ``host`` first and handed to it, so only ``host`` (127.0.0.1 for a local run)
+    reaches the store. Clients (``is_server=False``) connect to ``host:port``.
+    """
+    if not is_server:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(world_size * 4)
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(
+        host, port, world_size, True, timeout,
+        wait_for_workers=False, master_listen_fd=listener.detach(),
+    )
+
+
 def initialize_megatron_parallel(
     rank: int,
     world_size: int,
@@ -46,7 +72,8 @@ def initialize_megatron_parallel(
         pp: pipeline-parallel size.
         cp: context-parallel size (GPU/TransformerEngine only; 1 on CPU).
         master_port: rendezvous port; defaults to ``$MASTER_PORT``.
-        master_addr: rendezvous address (loopback by default).
+        master_addr: rendezvous address (loopback by default); rank 0 serves the
+            rendezvous store on this address only.
         seed: base seed for megatron's model-parallel RNG tracker.
         timeout_s: collective timeout in seconds, so a hung peer fails instead of blocking.
 
@@ -71,12 +98,13 @@ def initialize_megatron_parallel(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=bound_tcp_store(master_addr, master_port, world_size, rank == 0, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -36,10 +36,13 @@ from nemo_rl.data_plane.interfaces import (
     missing_keys_error,
     not_registered_error,
 )
+from nemo_rl.distributed.ray_actors import kill_actors
 
 # Name and namespace under which transfer_queue.init registers its controller actor.
 _CONTROLLER_NAME = "TransferQueueController"
 _CONTROLLER_NAMESPACE = "transfer_queue"
+# Name under which transfer_queue.init registers storage unit `rank` (in the caller's namespace).
+_STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{rank}"
 DEFAULT_OP_TIMEOUT_S = 300.0
 
 
@@ -147,14 +150,24 @@ class TransferQueueDataPlane(DataPlaneClient):
         return cls(client, conf, owner=False, op_timeout_s=op_timeout_s)
 
     def close(self) -> None:
-        """Close the client; on the owner, also stop the controller and storage units."""
+        """Close the client; on the owner, also stop the controller and storage units and
+        return once their processes have exited (their CPUs are free again)."""
         if self._closed:
             return
         self._closed = True
         if self._owner:
+            actors = self._started_actors()
             tq.close()
+            kill_actors(actors)
         else:
             self._client.close()
+
+    def _started_actors(self) -> list[Any]:
+        """The controller and storage-unit actors :meth:`start` created (those still named)."""
+        units = range(self._conf.backend.SimpleStorage.num_data_storage_units)
+        actors = [_find_controller()]
+        actors += [_find_actor(_STORAGE_UNIT_NAME.format(rank=rank)) for rank in units]
+        return [actor for actor in actors if actor is not None]
 
     @property
     def server_ips(self) -> set[str]:
@@ -295,8 +308,13 @@ class TransferQueueDataPlane(DataPlaneClient):
 
 def _find_controller() -> Any:
     """The TransferQueue controller actor of this Ray cluster, or None."""
+    return _find_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+
+
+def _find_actor(name: str, namespace: Optional[str] = None) -> Any:
+    """The live actor named ``name`` (in ``namespace``, default: this job's), or None."""
     try:
-        return ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
 

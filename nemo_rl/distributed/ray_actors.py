@@ -1,44 +1,64 @@
-"""Ending Ray actors for good: kill, then wait until Ray reports each one dead.
+"""Ending Ray actors for good: kill, then wait until each one's process has exited.
 
-``ray.kill`` only sends the request. Until the actor's process is gone, an idle actor can
-still run a call submitted right after the kill (measured here: 4 of 30 calls answered), and
-its resources are not yet free for the next actor placed on the same bundle. Callers that
-stop actors use :func:`kill_actors` so "stopped" means dead.
+``ray.kill`` only sends the request, and Ray reports the actor dead (calls to it fail with
+``ActorDiedError``) as soon as the kill is recorded, while the actor's process is still running:
+it exits tens to hundreds of milliseconds later. Until then an idle actor can still run a call
+submitted right after the kill (measured here: 4 of 30 calls answered), anything it serves
+outside Ray calls keeps serving (a TransferQueue storage unit answered reads over its ZMQ
+socket after ``ActorDiedError``, 2 of 7 times), and its resources are not yet free for the
+next actor placed on the same bundle. Callers that stop actors use :func:`kill_actors` so
+"stopped" means the process is gone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
+import psutil
 import ray
+from ray._private import state as ray_state
 from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
 
 def kill_actors(actors: Sequence[ActorHandle], timeout_s: float = 30.0) -> list[ActorHandle]:
-    """Kill ``actors`` (no restart) and wait up to ``timeout_s`` seconds for all to die.
+    """Kill ``actors`` (no restart) and wait up to ``timeout_s`` seconds for their processes
+    to exit.
 
-    Each survivor is pinged (``__ray_ready__``) until the ping fails with ``ActorDiedError``.
+    First each actor is pinged (``__ray_ready__``) until Ray reports it dead
+    (``ActorDiedError``); then the process Ray's actor table recorded for it (found on its own
+    node: locally by this process, on another node by a zero-CPU task pinned there) is waited
+    for until it has exited.
 
     Returns:
-        The actors still answering after ``timeout_s`` (empty when all died); they are also
-        logged as a warning.
+        The actors whose death was not seen within ``timeout_s`` (empty when all are gone);
+        they are also logged as a warning.
     """
     for actor in actors:
         ray.kill(actor, no_restart=True)
-    alive = list(actors)
     deadline = time.monotonic() + timeout_s
+    alive = _wait_reported_dead(list(actors), deadline)
+    dead = [actor for actor in actors if actor not in alive]
+    alive += _wait_processes_exited(dead, deadline)
+    if alive:
+        logger.warning("%d killed actor(s) still alive after %g s", len(alive), timeout_s)
+    return alive
+
+
+def _wait_reported_dead(actors: list[ActorHandle], deadline: float) -> list[ActorHandle]:
+    """Ping ``actors`` until each ping fails with ``ActorDiedError``; the rest at ``deadline``."""
+    alive = actors
     while alive and time.monotonic() < deadline:
         pings = [actor.__ray_ready__.remote() for actor in alive]
         ray.wait(pings, num_returns=len(pings), timeout=1.0, fetch_local=False)
         alive = [actor for actor, ping in zip(alive, pings) if not _died(ping)]
         if alive:
             time.sleep(0.05)
-    if alive:
-        logger.warning("%d killed actor(s) still answered after %g s", len(alive), timeout_s)
     return alive
 
 
@@ -51,3 +71,64 @@ def _died(ping: ray.ObjectRef) -> bool:
     except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
         pass  # still running, or busy: ask again
     return False
+
+
+def _wait_processes_exited(actors: list[ActorHandle], deadline: float) -> list[ActorHandle]:
+    """Wait until the processes of ``actors`` (all reported dead) have exited; the actors
+    whose process still runs at ``deadline``."""
+    by_node: dict[str, dict[int, ActorHandle]] = defaultdict(dict)
+    for actor in actors:
+        # The entry of a dead actor keeps the pid and node of its last process (pid 0 if it
+        # never started).
+        entry = ray_state.actors(actor._actor_id.hex())
+        if entry and entry["Pid"]:
+            by_node[entry["Address"]["NodeID"]][entry["Pid"]] = actor
+    here = _local_node_id()
+    waits = {
+        node_id: _remote_wait_pids_exited.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        ).remote(list(pids), deadline - time.monotonic())
+        for node_id, pids in by_node.items()
+        if node_id != here
+    }
+    still: list[ActorHandle] = []
+    if here in by_node:
+        local = by_node[here]
+        still += [local[pid] for pid in _wait_pids_exited(list(local), deadline - time.monotonic())]
+    for node_id, ref in waits.items():
+        try:
+            running = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0) + 10.0)
+        except (ray.exceptions.NodeDiedError, ray.exceptions.TaskUnschedulableError):
+            running = []  # the node, and so its processes, are gone
+        except ray.exceptions.GetTimeoutError:
+            running = list(by_node[node_id])
+        still += [by_node[node_id][pid] for pid in running]
+    return still
+
+
+def _local_node_id() -> str:
+    """Hex id of the Ray node this process runs on."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def _wait_pids_exited(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` seconds for the processes ``pids`` of this machine to exit
+    (a zombie counts as exited: its sockets and memory are released); those still running."""
+    deadline = time.monotonic() + timeout_s
+    running = list(pids)
+    while True:
+        running = [pid for pid in running if _runs(pid)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.01)
+
+
+_remote_wait_pids_exited = ray.remote(num_cpus=0)(_wait_pids_exited)
+
+
+def _runs(pid: int) -> bool:
+    """True if process ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -18,7 +18,6 @@ memory) to the end of the stream, so the group stays in step, and raises then.
 from __future__ import annotations
 
 import pickle
-import socket
 from datetime import timedelta
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StagingArea
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.ipc import synchronize
+from nemo_rl.models.megatron.parallel_state_utils import bound_tcp_store
 
 # Header length that tells the receivers the sender abandoned the stream.
 _ABORTED = -1
@@ -67,33 +67,13 @@ class RefitCollective:
         self.broken = False  # a broadcast failed: the group is unusable, form a new one
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = self._make_store(ip, port, world_size, rank, timeout)
+            self._store = bound_tcp_store(ip, port, world_size, rank == 0, timeout)
             self._group = self._make_group(ip, timeout)
         except (RuntimeError, OSError) as err:
             raise RefitError(
                 f"rank {rank} could not join the refit group at {ip}:{port} (world size "
                 f"{world_size}) within {timeout_s:g} s: {err}"
             ) from err
-
-    @staticmethod
-    def _make_store(
-        ip: str, port: int, world_size: int, rank: int, timeout: timedelta
-    ) -> dist.TCPStore:
-        if rank != 0:
-            return dist.TCPStore(ip, port, world_size, False, timeout)
-        # Bind the listening socket ourselves so the store serves on `ip` only.
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((ip, port))
-            listener.listen(world_size * 4)
-        except OSError:
-            listener.close()
-            raise
-        return dist.TCPStore(
-            ip, port, world_size, True, timeout,
-            wait_for_workers=False, master_listen_fd=listener.detach(),
-        )
 
     def _make_group(self, ip: str, timeout: timedelta) -> dist.ProcessGroup:
         if self.device.type == "cuda":
