@@ -26,7 +26,7 @@ import torch.distributed as dist
 from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StagingArea
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.ipc import synchronize
-from nemo_rl.models.megatron.parallel_state_utils import bound_tcp_store
+from megatron_bridge.parallel_state import bound_tcp_store
 
 # Header length that tells the receivers the sender abandoned the stream.
 _ABORTED = -1
