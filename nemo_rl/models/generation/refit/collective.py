@@ -23,10 +23,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.parallel_state import bound_tcp_store
 from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StagingArea
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.ipc import synchronize
-from megatron_bridge.parallel_state import bound_tcp_store
 
 # Header length that tells the receivers the sender abandoned the stream.
 _ABORTED = -1
