@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from nemo_rl.models.tiny import build_tiny_model
+from random_checkpoints import perturb_norms_and_biases
 
 SIZES = dict(
     hidden_size=128,
@@ -82,17 +83,6 @@ def _variants() -> dict:
             max_window_layers=0,
         ),
     }
-
-
-def perturb_norms_and_biases(model: torch.nn.Module, seed: int = 99) -> None:
-    """Draw every norm weight from 1 + 0.3 N(0, 1) and every bias from 0.3 N(0, 1)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-            elif "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
 
 
 def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:

@@ -11,12 +11,13 @@ import torch
 
 from megatron_bridge import BridgeConfig, load_hf_weights
 from megatron_bridge.load import gpt_model_stage
-from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
 from megatron_bridge.parallel_state import (
     destroy_megatron_parallel,
     find_free_port,
     initialize_megatron_parallel,
 )
+from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
+from random_checkpoints import perturb_norms_and_biases
 
 SIZES = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -31,13 +32,7 @@ def _checkpoint(config, path: Path) -> Path:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-            elif "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+    perturb_norms_and_biases(model)
     model.save_pretrained(path)
     return path
 
