@@ -315,8 +315,9 @@ def _long_sequence_length(bridge: BridgeConfig) -> int:
     reach = [48]
     if bridge.features.window:
         reach.append(bridge.features.window)
-    original = bridge.rope_parameters().get("original_max_position_embeddings")
-    if bridge.rope_parameters()["rope_type"] != "default" and original:
+    rope = bridge.rope_parameters()
+    original = rope.get("original_max_position_embeddings")
+    if rope["rope_type"] != "default" and original:
         reach.append(int(original))
     limit = int(bridge.hf_config.get("max_position_embeddings") or 1 << 30)
     return min(max(reach) + 16, limit)

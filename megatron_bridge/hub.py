@@ -13,6 +13,13 @@ from pathlib import Path
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
+def _as_local_path(name: str) -> Path | None:
+    """``name`` as a local path when it names one (starts with "/", "." or "~", or exists
+    here), None when it is a hub name."""
+    path = Path(name).expanduser()
+    return path if name.startswith(("/", ".", "~")) or path.exists() else None
+
+
 def resolve_hf_checkpoint(name: str) -> Path:
     """The local folder of HF checkpoint ``name``.
 
@@ -30,8 +37,8 @@ def resolve_hf_checkpoint(name: str) -> Path:
             the hub's error as the cause; with no network and no ``HF_HUB_OFFLINE=1`` only
             after huggingface_hub's retries.
     """
-    path = Path(name).expanduser()
-    if name.startswith(("/", ".", "~")) or path.exists():
+    path = _as_local_path(name)
+    if path is not None:
         if not path.is_dir():
             raise FileNotFoundError(
                 f"model path {path} is not an existing folder; give a checkpoint folder or a "
@@ -51,8 +58,8 @@ def local_hf_checkpoint(name: str) -> Path | None:
     """The folder of HF checkpoint ``name`` if it is on this machine, without downloading: a
     local folder with config.json, or a hub snapshot whose config.json is already cached;
     None otherwise (a hub name not cached, a path that exists only on other nodes)."""
-    path = Path(name).expanduser()
-    if name.startswith(("/", ".", "~")) or path.exists():
+    path = _as_local_path(name)
+    if path is not None:
         return path if (path / "config.json").is_file() else None
     from huggingface_hub import try_to_load_from_cache
 

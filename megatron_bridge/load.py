@@ -206,8 +206,9 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
     offset = layer_offset(model)
     num_local = len(model.decoder.layers)
     te = _have_transformer_engine()
+    plan = bridge.plan()
     result: dict[str, ParamMapping] = {}
-    for mapping in bridge.plan():
+    for mapping in plan:
         if mapping.layer is not None and not offset <= mapping.layer < offset + num_local:
             continue
         if mapping.layer is None and not (
@@ -220,7 +221,7 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
                 name = name.replace(local, te_name) if name.endswith(local) else name
         result[name] = mapping
     if bridge.tie_word_embeddings and model.post_process and not model.pre_process:
-        embedding = next(m for m in bridge.plan() if m.kind == "vocab")
+        embedding = next(m for m in plan if m.kind == "vocab")
         result["output_layer.weight"] = embedding
     params = {name for name, _ in model.named_parameters()}
     unmapped, unbuilt = sorted(params - set(result)), sorted(set(result) - params)
