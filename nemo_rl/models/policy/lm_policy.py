@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import ray
+import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
@@ -135,6 +136,7 @@ class Policy(ColocatablePolicyInterface):
         return self.worker_group.get_all_worker_results(futures)
 
     def _logprob_pass(self, data: BatchedDataDict, method: str) -> BatchedDataDict:
+        check_batch(data, f"Policy.{method}")
         sharded = self._shard(data, "logprob")
         outputs = self._run_sharded(
             method, sharded.shards, micro_batch_size=self.cfg.logprob_batch_size
@@ -166,6 +168,8 @@ class Policy(ColocatablePolicyInterface):
         Returns:
             See :func:`aggregate_train_results`.
         """
+        check_batch(data, "Policy.train")
+        check_global_batch(data.size, gbs, self.cfg, self.layout.dp)
         gbs = gbs if gbs is not None else self.cfg.train_global_batch_size
         mbs = mbs if mbs is not None else self.cfg.train_micro_batch_size
         shards = self._shard(data, "train", batch_size=gbs).shards
@@ -299,6 +303,61 @@ class Policy(ColocatablePolicyInterface):
         """Parameters off the device once the engines hold the new weights."""
         self.worker_group.get_all_worker_results(
             self.worker_group.run_all_workers_single_data("offload_after_refit")
+        )
+
+
+def check_batch(data: BatchedDataDict, caller: str) -> None:
+    """Check the fields every policy call reads: ``input_ids`` ``[batch, seq]`` integer and
+    ``input_lengths`` ``[batch]`` (tokens of each row, 1..seq).
+
+    Raises:
+        ValueError: a field is missing or malformed, naming it and what it should be.
+    """
+    ids = data.get("input_ids") if hasattr(data, "get") else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        got = "no such key" if ids is None else type(ids).__name__
+        if isinstance(ids, torch.Tensor):
+            got = f"{ids.dtype} {list(ids.shape)}"
+        raise ValueError(
+            f"{caller} needs data['input_ids']: an integer tensor [batch, seq] of right-padded "
+            f"token ids, got {got}"
+        )
+    lengths = data.get("input_lengths")
+    if lengths is None:
+        raise ValueError(
+            f"{caller} needs data['input_lengths']: a [batch] integer tensor with the tokens of "
+            "each row (e.g. (input_ids != pad_token_id).sum(1) for right padding)"
+        )
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != ids.shape[:1]:
+        raise ValueError(
+            f"{caller}: data['input_lengths'] must be a tensor [batch] = [{ids.shape[0]}], got "
+            f"{list(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__}"
+        )
+    if len(lengths) and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
+        raise ValueError(
+            f"{caller}: data['input_lengths'] must lie in [1, {ids.shape[1]}] (the columns of "
+            f"input_ids), got {int(lengths.min())}..{int(lengths.max())}"
+        )
+
+
+def check_global_batch(size: int, gbs: Optional[int], cfg: PolicyConfig, dp: int) -> None:
+    """Check that ``size`` samples train as whole global batches of ``gbs`` (None:
+    ``cfg.train_global_batch_size``) split over ``dp`` replicas.
+
+    Raises:
+        ValueError: naming the size and where it came from (the argument or the config).
+    """
+    source = "the gbs argument" if gbs is not None else "policy.train_global_batch_size"
+    gbs = gbs if gbs is not None else cfg.train_global_batch_size
+    if size % gbs:
+        raise ValueError(
+            f"Policy.train: the batch has {size} samples, not a multiple of the global batch "
+            f"size {gbs} ({source}): pass a gbs that divides {size}, or whole global batches"
+        )
+    if gbs % dp and not cfg.sequence_packing.enabled:
+        raise ValueError(
+            f"Policy.train: the global batch size {gbs} ({source}) does not split over the "
+            f"{dp} data-parallel replicas: use a multiple of {dp}"
         )
 
 
