@@ -13,7 +13,12 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nemo_rl.models import tiny
-from nemo_rl.models.tiny import build_tiny_model, load_hf_model_and_tokenizer, resolve_model_path
+from nemo_rl.models.tiny import (
+    build_tiny_model,
+    default_cache_root,
+    load_hf_model_and_tokenizer,
+    resolve_model_path,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +103,17 @@ def test_env_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path))
     path = build_tiny_model("qwen2")
     assert path.parent == tmp_path / "tiny_models"
+
+
+def test_default_cache_is_the_users_not_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NEMO_RL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "nemo_rl" / "tiny_models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_root() == tmp_path / "home" / ".cache" / "nemo_rl" / "tiny_models"
 
 
 @pytest.mark.parametrize(
