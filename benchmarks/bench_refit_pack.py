@@ -5,8 +5,9 @@ Workload: random bf16 tensors of the shapes bench_refit.py's 0.24 B Llama export
 :class:`BucketPacker` into 64 MiB buckets of one buffer. Variants, each the best of
 ``--repeats`` packs of the whole stream, alternated ``--rounds`` times:
 
-* ``pack, checksums on / off``: :class:`BucketPacker` as the sender runs it (torch ``copy_``
-  of every piece, then, when on, torch's sum over the bucket), 1 and 2 torch threads;
+* ``pack, checksums on / off``: :class:`BucketPacker` as the sender runs it (4 MiB chunks
+  shared by ``PACK_THREADS`` Python threads, each copied and, when on, summed while in cache,
+  with numpy), and the same on 1 thread;
 * ``numba one-pass copy + sum``: the pack the project used before (a JIT kernel that stores
   each 8-byte word and adds it to the sum in the same pass, 2 threads), kept here, and only
   here, to show what dropping the numba dependency costs; run only where numba is installed;
@@ -26,12 +27,14 @@ import importlib.util
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import numpy as np
 import torch
 
 from benchmarks.bench_ipc_refit_transport import llama_tensors
-from benchmarks.memcpy_baseline import Memcpy, torch_threads
+from benchmarks.memcpy_baseline import Memcpy
+from nemo_rl.models.generation.refit import buckets
 from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
 
 CHUNK_WORDS = 512 * 1024  # 4 MiB of 8-byte words per numba task
@@ -88,7 +91,7 @@ def main() -> None:
 
     def pack(checksums: bool, threads: int) -> Callable[[], float]:
         def run() -> None:
-            with torch_threads(threads):
+            with mock.patch.object(buckets, "PACK_THREADS", threads):
                 packer = BucketPacker(layout, iter(tensors.items()), 1, checksums)
                 for index in range(layout.num_buckets):
                     start, stop = layout.span(index)
@@ -96,11 +99,12 @@ def main() -> None:
 
         return lambda: layout.total_bytes / best_seconds(run, args.repeats)
 
+    threads = buckets.PACK_THREADS
     variants = {
         "pack, checksums on, 1 thread": pack(True, 1),
-        "pack, checksums on, 2 threads": pack(True, 2),
+        f"pack, checksums on, {threads} threads": pack(True, threads),
         "pack, checksums off, 1 thread": pack(False, 1),
-        "pack, checksums off, 2 threads": pack(False, 2),
+        f"pack, checksums off, {threads} threads": pack(False, threads),
         "memcpy, 1 thread": lambda: memcpy.bandwidth(1, args.repeats),
         "memcpy, 2 threads": lambda: memcpy.bandwidth(2, args.repeats),
     }

@@ -19,9 +19,13 @@ header against it, so a stream that disagrees with the refit info is refused, no
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from nemo_rl.models.generation.refit.errors import RefitError
@@ -30,6 +34,11 @@ from nemo_rl.models.generation.refit.interfaces import RefitInfo
 # Byte alignment of every tensor in the stream (and of bucket sizes): covers every dtype's
 # element size and keeps staged tensors aligned for vectorised loads.
 ALIGNMENT = 64
+# CPU packing: bytes one thread copies (and sums) at a time, small enough to stay in cache
+# between the copy and the sum; threads per pack, the caller included (the policy process is
+# otherwise idle during a refit).
+CHUNK_BYTES = 4 * 1024**2
+PACK_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 
 _MASK64 = (1 << 64) - 1
 
@@ -58,6 +67,53 @@ def bucket_checksum(data: torch.Tensor) -> int:
             return 0
         # int64 addition wraps in two's complement: the sum mod 2**64 in any order
         return int(data.view(torch.int64).sum().item()) & _MASK64
+
+
+def copy_pieces(
+    dest: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], checksums: bool
+) -> int | None:
+    """Copy each ``(offset, src)`` piece to ``dest[offset:]``; the :func:`bucket_checksum` of
+    ``dest`` when ``checksums`` (bytes between pieces must already be zero), else None.
+
+    On CPU the pieces are cut into :data:`CHUNK_BYTES` chunks that :data:`PACK_THREADS` threads
+    (this one and helpers) take in turn, each copying a chunk and summing it while it is in
+    cache, with numpy (single-threaded kernels that release the GIL: torch's would each start
+    their own OpenMP team, which stalls when other work holds a core). Elsewhere (CUDA) torch
+    copies each piece and sums the bucket on the device, one host sync per bucket.
+
+    Args:
+        dest: uint8 [n], 8-byte aligned, the bucket.
+        pieces: ``offset`` (a multiple of 8) and ``src`` uint8 bytes, in order, not overlapping.
+    """
+    if dest.device.type != "cpu":
+        for offset, src in pieces:
+            dest[offset : offset + src.numel()].copy_(src)
+        return bucket_checksum(dest) if checksums else None
+    out = dest.numpy()
+    chunks = iter([
+        (offset + lo, src[lo : lo + CHUNK_BYTES].detach().numpy())
+        for offset, src in pieces
+        for lo in range(0, src.numel(), CHUNK_BYTES)
+    ])  # next() on a shared iterator is atomic under the GIL
+
+    def work() -> int:
+        total = 0
+        for start, chunk in chunks:
+            stop = start + chunk.size
+            np.copyto(out[start:stop], chunk)
+            if checksums:  # the chunk's words, its zero tail up to the next word included
+                words = out[start : -(-stop // 8) * 8].view(np.uint64)
+                total += int(words.sum(dtype=np.uint64))
+        return total
+
+    helpers = [_pack_pool().submit(work) for _ in range(PACK_THREADS - 1)]
+    total = work() + sum(h.result() for h in helpers)
+    return total & _MASK64 if checksums else None
+
+
+@functools.cache
+def _pack_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, PACK_THREADS - 1), thread_name_prefix="refit-pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,20 +320,19 @@ class BucketPacker:
         if out.dtype != torch.uint8 or out.numel() < stop - start:
             raise ValueError(f"bucket {index} needs a uint8 buffer of >= {stop - start} bytes")
         dest = out[: stop - start]
-        cursor = 0
-        tick = time.perf_counter()
-        with torch._C.DisableTorchFunction():  # plain byte copies (see bucket_checksum)
+        cursor, pieces = 0, []
+        with torch._C.DisableTorchFunction():  # plain byte slicing (see bucket_checksum)
             for entry in self.layout.manifest(index):
                 source = self._tensor_bytes(entry)
                 if entry.bucket_offset > cursor:  # padding is zero: checksums are repeatable
                     dest[cursor : entry.bucket_offset].zero_()
                 cursor = entry.bucket_offset + entry.length
-                dest[entry.bucket_offset : cursor].copy_(
-                    source[entry.tensor_offset : entry.tensor_offset + entry.length]
-                )
+                piece = source[entry.tensor_offset : entry.tensor_offset + entry.length]
+                pieces.append((entry.bucket_offset, piece))
             if cursor < dest.numel():
                 dest[cursor:].zero_()
-        checksum = bucket_checksum(dest) if self.checksums else None
+            tick = time.perf_counter()
+            checksum = copy_pieces(dest, pieces, self.checksums)
         self.timings.pack_s += time.perf_counter() - tick
         self._next_index += 1
         if self.done:

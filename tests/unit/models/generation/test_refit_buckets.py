@@ -19,13 +19,14 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nemo_rl.models.generation.refit import RefitError
+from nemo_rl.models.generation.refit import RefitError, buckets
 from nemo_rl.models.generation.refit.buckets import (
     ALIGNMENT,
     BucketPacker,
     StagingArea,
     StreamLayout,
     bucket_checksum,
+    copy_pieces,
 )
 from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
 from nemo_rl.models.generation.refit.interfaces import RefitInfo, RefitSettings
@@ -164,6 +165,30 @@ def test_checksum_is_the_wrapping_sum_of_words():
     assert bucket_checksum(data) == sum(words) % 2**64
     with pytest.raises(ValueError, match="multiple of 8"):
         bucket_checksum(data[:7])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_pack_copies_exactly_and_sums_like_the_bucket_checksum(threads, monkeypatch):
+    """Pieces of every size (several chunks, under one chunk, a partial last word, a source
+    not 8-byte aligned) land at their offsets, the gaps stay zero, and the chunk sums add up to
+    the checksum of the whole bucket, on any number of threads."""
+    monkeypatch.setattr(buckets, "PACK_THREADS", threads)
+    monkeypatch.setattr(buckets, "CHUNK_BYTES", 1 << 16)
+    lengths = [9 * (1 << 16) + 3, 12, 1 << 16, 5, 3 * (1 << 16)]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in lengths]
+    sources[3] = torch.randint(0, 256, (6,), dtype=torch.uint8)[1:]  # unaligned
+    bucket = torch.zeros(sum(-(-n // 64) * 64 for n in lengths), dtype=torch.uint8)
+    pieces, offset = [], 0
+    for src in sources:
+        pieces.append((offset, src))
+        offset += -(-src.numel() // 64) * 64
+    checksum = copy_pieces(bucket, pieces, checksums=True)
+    assert checksum == bucket_checksum(bucket)
+    for (start, src), nxt in zip(pieces, [p[0] for p in pieces[1:]] + [bucket.numel()]):
+        assert torch.equal(bucket[start : start + src.numel()], src)
+        assert (bucket[start + src.numel() : nxt] == 0).all()
+    again = torch.zeros_like(bucket)
+    assert copy_pieces(again, pieces, checksums=False) is None and torch.equal(again, bucket)
 
 
 def test_checksum_bypasses_torch_function_modes():
