@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
 
 
@@ -46,6 +47,7 @@ class RecipeCommand:
 
 RECIPE_COMMANDS: dict[str, RecipeCommand] = {
     "grpo": RecipeCommand(GRPOMasterConfig, "nemo_rl.algorithms.grpo", "run"),
+    "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }
 
 
