@@ -4,6 +4,7 @@ refused naming each key and both values; a changed parallel layout or learning r
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.utils.config import ConfigError
@@ -20,8 +21,6 @@ def config(**sections) -> GRPOMasterConfig:
 def test_saved_config_is_the_resolved_recipe(tmp_path):
     cfg = config(grpo={"max_num_steps": 7})
     save_run_config(tmp_path, cfg)
-    import yaml
-
     saved = yaml.safe_load((tmp_path / RUN_CONFIG_FILE).read_text())
     assert saved == cfg.model_dump(mode="json")
 
@@ -54,3 +53,23 @@ def test_changed_data_is_refused_naming_every_key(tmp_path):
 
 def test_checkpoint_without_config_is_not_checked(tmp_path):
     check_resume(tmp_path, config(policy={"model_name": "tiny-qwen2"}))
+
+
+def test_nemo_rl_grpo_refuses_to_resume_on_other_data_before_starting(tmp_path, capsys):
+    """The check runs first thing in setup: exit 2 and one line, no Ray, no model."""
+    from pathlib import Path
+
+    from nemo_rl.cli import main
+    from nemo_rl.commands import load_recipe, parse_recipe_command
+
+    recipe = Path(__file__).resolve().parents[3] / "configs" / "grpo_tiny_cpu.yaml"
+    ckpt = tmp_path / "ckpt"
+    args = ["grpo", "--config", str(recipe), f"checkpointing.checkpoint_dir={ckpt}",
+            f"logger.log_dir={tmp_path / 'logs'}"]
+    (ckpt / "step_10").mkdir(parents=True)
+    save_run_config(ckpt / "step_10", load_recipe(parse_recipe_command(args)))
+    assert main([*args, "data.synthetic.max_operand=6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nemo-rl grpo: config error: cannot resume from ")
+    assert "data.synthetic.max_operand: 4 -> 6" in err
+    assert len(err.strip().splitlines()) == 1
