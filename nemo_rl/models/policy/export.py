@@ -9,8 +9,8 @@ whatever TP/PP wrote them, next to the HF config, tokenizer, chat template and g
 config of the source model; the optimizer's tensors are skipped.
 
 A policy folder saved before checkpoints carried ``bridge.json`` is exported with the source
-model given by ``--model`` (or read from the step's ``config.yaml``): its HF config and
-tokenizer describe the saved tensors, which must match them.
+model given by ``--model``: its HF config and tokenizer describe the saved tensors, which must
+match them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 
 from megatron_bridge.checkpoint import BRIDGE_FILE
 from megatron_bridge.cli import CliError
-from nemo_rl.utils.run_config import RUN_CONFIG_FILE
 from nemo_rl.utils.checkpoint import POLICY_DIR
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -51,22 +50,6 @@ def resolve_policy_dir(path: str | Path) -> Path:
     raise CliError(
         f"{path} is not a training checkpoint: expected a policy folder (with .metadata), a "
         f"step_<n> folder holding {POLICY_DIR}/, or a checkpoint_dir holding step_<n> folders"
-    )
-
-
-def _source_model(policy_dir: Path, model: str | None) -> str:
-    """The HF model a policy folder without ``bridge.json`` was trained from: ``model``, else
-    ``policy.model_name`` of the step's ``config.yaml``."""
-    if model:
-        return model
-    run_config = policy_dir.parent / RUN_CONFIG_FILE
-    if run_config.is_file():
-        import yaml
-
-        return str(yaml.safe_load(run_config.read_text())["policy"]["model_name"])
-    raise CliError(
-        f"{policy_dir} has no {BRIDGE_FILE} (saved before checkpoints recorded their model): "
-        "pass --model with the recipe's policy.model_name it was trained from"
     )
 
 
@@ -134,7 +117,13 @@ def export_checkpoint(
     with tempfile.TemporaryDirectory(prefix="nemo_rl_export_") as tmp:
         source = policy_dir
         if not (policy_dir / BRIDGE_FILE).is_file():
-            source = _describe_with_model(policy_dir, _source_model(policy_dir, model), Path(tmp))
+            if not model:
+                raise CliError(
+                    f"{policy_dir} has no {BRIDGE_FILE} (saved before checkpoints recorded "
+                    "their model): pass --model with the recipe's policy.model_name it was "
+                    "trained from"
+                )
+            source = _describe_with_model(policy_dir, model, Path(tmp))
         args = build_parser().parse_args(
             ["convert", "--from", "megatron", "--to", "hf", *flags, str(source), str(hf_out)]
         )
