@@ -41,6 +41,7 @@ from megatron_bridge.checkpoint import (
 )
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
+from megatron_bridge.fallback_warnings import quiet_fallback_warnings
 from megatron_bridge.hub import resolve_hf_checkpoint
 from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.tensor_check import check_hf_tensors
