@@ -69,7 +69,8 @@ def test_nemo_rl_grpo_refuses_to_resume_on_other_data_before_starting(tmp_path, 
     (ckpt / "step_10").mkdir(parents=True)
     save_run_config(ckpt / "step_10", load_recipe(parse_recipe_command(args)))
     assert main([*args, "data.synthetic.max_operand=6"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("nemo-rl grpo: config error: cannot resume from ")
-    assert "data.synthetic.max_operand: 4 -> 6" in err
-    assert len(err.strip().splitlines()) == 1
+    # (after the one-line note on megatron-core's fallbacks, where TransformerEngine is absent)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "TransformerEngine" not in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("nemo-rl grpo: config error: cannot resume from ")
+    assert "data.synthetic.max_operand: 4 -> 6" in lines[0]
