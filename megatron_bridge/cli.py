@@ -72,6 +72,12 @@ def _checkpoint_kind(path: Path) -> str:
         return "megatron"
     if (path / "config.json").is_file():
         return "hf"
+    if (path / ".metadata").is_file():
+        raise CliError(
+            f"{path} is a Megatron dist checkpoint without {BRIDGE_FILE}, so the model it holds "
+            "is unknown (a nemo_rl policy checkpoint saved before they carried one: export it "
+            "with `nemo-rl export CHECKPOINT HF_OUT --model MODEL`)"
+        )
     raise CliError(f"{path} is neither an HF checkpoint (config.json) nor a Megatron one ({BRIDGE_FILE})")
 
 

@@ -2,9 +2,10 @@
 
 Each recipe command (see :mod:`nemo_rl.commands` for the registry and the parser) loads and
 validates its recipe against its typed schema, prints the resolved config and hands the
-validated model to the command's run function. ``nemo-rl launch ...`` goes to
-:mod:`nemo_rl.launch.cli`. Exit codes: the run function's integer result (0 when it returns
-None), 2 for a config or usage error.
+validated model to the command's run function. The commands with their own arguments
+(``nemo-rl export ...``, ``nemo-rl launch ...``: ``TOOL_COMMANDS``) get the rest of the line.
+Exit codes: the run function's integer result (0 when it returns None), 2 for a config or
+usage error (also one the run function finds, raised as ``ConfigError``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # before anything imports megatron-core, here or in the processes the run starts
     note = quiet_fallback_warnings()
-    from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
+    from nemo_rl.commands import (
+        RECIPE_COMMANDS,
+        TOOL_COMMANDS,
+        load_recipe,
+        parse_recipe_command,
+    )
     from nemo_rl.utils.config import ConfigError, config_to_yaml
 
-    if argv[:1] == ["launch"]:
-        from nemo_rl.launch.cli import main as launch_main
-
-        return launch_main(argv[1:])
+    if argv and argv[0] in TOOL_COMMANDS:
+        return TOOL_COMMANDS[argv[0]].main()(argv[1:])
     args = parse_recipe_command(argv)
     if note and not args.print_config:
         print(f"nemo-rl: {note}", file=sys.stderr)
@@ -48,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     _show_yaml(config_to_yaml(cfg))
     if args.print_config:
         return 0
-    result = RECIPE_COMMANDS[args.command].run_function()(cfg)
+    try:
+        result = RECIPE_COMMANDS[args.command].run_function()(cfg)
+    except ConfigError as exc:  # found when the run starts (e.g. against its checkpoints)
+        print(f"nemo-rl {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
     return 0 if result is None else int(result)
 
 

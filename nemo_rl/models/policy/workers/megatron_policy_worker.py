@@ -46,6 +46,7 @@ class MegatronPolicyWorker:
         seed: int = 42,
     ) -> None:
         self.config = config
+        self.model_path = model_path
         self.policy = setup_policy_model(config, model_path, seed)
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
@@ -233,8 +234,9 @@ class MegatronPolicyWorker:
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer, scheduler, RNG and step into the new folder ``path``."""
-        checkpointing.save_training_checkpoint(self.policy, path, self.step)
+        """Model, optimizer, scheduler, RNG and step into the new folder ``path``, with the
+        source model's tokenizer files (an export of it is a complete HF folder)."""
+        checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder (saved at any TP/PP/DP layout)."""
