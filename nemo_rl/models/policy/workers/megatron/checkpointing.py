@@ -5,7 +5,8 @@ Model and optimizer go through their sharded state dicts (the distributed optimi
 megatron's ``fully_reshardable`` format), whose layout is independent of TP/PP/DP, so a
 checkpoint saved at one layout loads at another. Scheduler state and the step are common
 (replicated) entries. RNG states are per rank (``rng/rank_<r>.pt``) and restored only when
-the layout is unchanged. ``layout.json`` records the layout of the save.
+the layout is unchanged. ``layout.json`` records the layout of the save. Every file is fsynced before the save returns
+(the caller seals the folder with a manifest and renames it: nemo_rl/utils/checkpoint.py).
 
 The folder must not exist or be empty: dist_checkpointing treats a non-empty folder without its
 metadata as corrupt. The vocabulary padding must match across layouts (it depends on TP only
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
 
 LAYOUT_FILE = "layout.json"
 RNG_DIR = "rng"
@@ -102,8 +104,14 @@ def save_training_checkpoint(policy: PolicyModel, path: str | Path, step: int) -
         layout = dataclasses.asdict(policy.layout)
         (ckpt / LAYOUT_FILE).write_text(json.dumps({**layout, "step": step}, indent=2) + "\n")
     dist.barrier()
-    torch.save(_rng_state(), ckpt / RNG_DIR / f"rank_{rank}.pt")
+    rng_file = ckpt / RNG_DIR / f"rank_{rank}.pt"
+    torch.save(_rng_state(), rng_file)
+    fsync_path(rng_file)
     dist.barrier()
+    if rank == 0:
+        # The shards are fsynced by dist_checkpointing's writer; this covers the small files
+        # written on rank 0 (metadata, common state, layout) and the folders' entries.
+        fsync_tree(ckpt)
 
 
 def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
