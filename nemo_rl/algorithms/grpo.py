@@ -14,8 +14,10 @@ checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.algorithms.sft import run_sft_steps
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.utils.run_stop import RunStopped, StopGuard
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
 # of a warm-started run, reloaded on resume.
@@ -196,18 +199,26 @@ def save_checkpoint(
     return manager.finalize_checkpoint(path)
 
 
-def restore_latest_checkpoint(components: GRPOComponents) -> int:
-    """Load the latest checkpoint if there is one; returns its step (0 without one)."""
+def restore_checkpoint(components: GRPOComponents) -> int:
+    """Load the checkpoint :meth:`~nemo_rl.utils.checkpoint.CheckpointManager.resume_checkpoint`
+    picks (verified against its manifest); returns its step (0 without one).
+
+    Raises:
+        CheckpointError: ``checkpointing.resume_from`` names a missing or damaged checkpoint,
+            or the SFT warm start's folder of a warm-started run is damaged.
+    """
     from nemo_rl.utils.checkpoint import (
         DATALOADER_STATE_FILE,
         POLICY_DIR,
         RNG_STATE_FILE,
+        CheckpointError,
         CheckpointManager,
         load_rng_state,
     )
+    from nemo_rl.utils.checkpoint_manifest import verify_folder
 
     manager = components.checkpointer
-    latest = manager.get_latest_checkpoint_path() if manager is not None else None
+    latest = manager.resume_checkpoint() if manager is not None else None
     if latest is None:
         return 0
     if components.sft_loader is not None and uses_reference_policy(components.cfg):
@@ -217,6 +228,13 @@ def restore_latest_checkpoint(components: GRPOComponents) -> int:
                 f"{latest} follows an SFT warm start but {warm} (the warm-started weights, the "
                 "run's reference policy) is missing; restore it, or start a new run in an "
                 "empty checkpointing.checkpoint_dir"
+            )
+        problem = verify_folder(warm, components.cfg.checkpointing.verify_on_resume)
+        if problem is not None:
+            raise CheckpointError(
+                f"{warm} (the warm-started weights, the run's reference policy) is damaged: "
+                f"{problem}; restore it, or start a new run in an empty "
+                "checkpointing.checkpoint_dir"
             )
         components.policy.load_checkpoint(str(warm))
         components.policy.snapshot_reference_policy()
@@ -236,6 +254,8 @@ def sft_warm_start(components: GRPOComponents) -> None:
     with checkpointing, save them to ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild
     the same reference; then restart the optimizer for GRPO (zero Adam state, the policy's
     schedule from step 0)."""
+    from nemo_rl.utils.checkpoint_manifest import fsync_path, seal_folder
+
     cfg, warm = components.cfg, components.cfg.sft_warmup
     components.policy.reset_optimizer(warm.lr_schedule())
     losses = run_sft_steps(
@@ -261,7 +281,9 @@ def sft_warm_start(components: GRPOComponents) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)
             components.policy.save_checkpoint(str(tmp))
+            seal_folder(tmp)
             tmp.rename(final)
+            fsync_path(final.parent)
     components.policy.reset_optimizer()
 
 
@@ -274,42 +296,81 @@ def open_batch_store(components: GRPOComponents) -> BatchStore[Any]:
     return InMemoryBatchStore(runner, components.policy)
 
 
+def _stop_guard(components: GRPOComponents) -> StopGuard | None:
+    """The run's stop signals and save-by limit; None without checkpointing (nothing to save:
+    signals keep their default effect)."""
+    if components.checkpointer is None:
+        return None
+    ckpt = components.cfg.checkpointing
+    return StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds())
+
+
 def grpo_train(components: GRPOComponents) -> dict[str, float]:
-    """Run GRPO from the latest checkpoint (or step 0) to ``grpo.max_num_steps``, through the
+    """Run GRPO from the resumed checkpoint (or step 0) to ``grpo.max_num_steps``, through the
     batch store of :func:`open_batch_store`.
+
+    With checkpointing, a stop signal or ``checkpointing.checkpoint_must_save_by`` ends the
+    loop early by the rule of :mod:`nemo_rl.utils.run_stop`: the finished step is saved, then
+    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75) is raised.
 
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
     """
     cfg, logger, timer = components.cfg, components.logger, components.timer
-    step = restore_latest_checkpoint(components)
-    if step == 0 and components.sft_loader is not None:
-        sft_warm_start(components)
-    store = open_batch_store(components)
-    try:
-        last: dict[str, float] = {}
-        val_metrics: dict[str, float] = {}
-        if cfg.grpo.val_at_start and step == 0 and components.val_batches:
-            val_metrics = validate(components, store)
-            logger.log_metrics(val_metrics, step, "validation")
-        batches = iter(components.train_loader)
-        while step < cfg.grpo.max_num_steps:
-            with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
-                last = grpo_step(components, store, batches)
-            step += 1
-            logger.log_metrics(last, step, "train")
-            logger.log_metrics(timer.summary(), step, "timing/train")
-            timer.reset()
-            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
+    guard = _stop_guard(components)
+    with guard or contextlib.nullcontext():
+        step = restore_checkpoint(components)
+        if step == 0 and components.sft_loader is not None:
+            sft_warm_start(components)
+        store = open_batch_store(components)
+        try:
+            last: dict[str, float] = {}
+            val_metrics: dict[str, float] = {}
+            if cfg.grpo.val_at_start and step == 0 and components.val_batches:
                 val_metrics = validate(components, store)
                 logger.log_metrics(val_metrics, step, "validation")
-            if components.checkpointer is not None and (
-                step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps
-            ):
-                save_checkpoint(components, step, val_metrics, last)
-    finally:
-        store.close()
+            if guard is not None and (reason := guard.stop_reason()) is not None:
+                raise RunStopped(reason, step)  # signalled before the first step: nothing new
+            batches = iter(components.train_loader)
+            while step < cfg.grpo.max_num_steps:
+                started = time.monotonic()
+                with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
+                    last = grpo_step(components, store, batches)
+                step += 1
+                logger.log_metrics(last, step, "train")
+                logger.log_metrics(timer.summary(), step, "timing/train")
+                timer.reset()
+                if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
+                    val_metrics = validate(components, store)
+                    logger.log_metrics(val_metrics, step, "validation")
+                if guard is None:
+                    continue
+                guard.step_finished(time.monotonic() - started)
+                saved = False
+                if step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps:
+                    _timed_save(components, guard, step, val_metrics, last)
+                    saved = True
+                reason = guard.stop_reason()
+                if reason is not None and step < cfg.grpo.max_num_steps:
+                    if not saved:
+                        _timed_save(components, guard, step, val_metrics, last)
+                    raise RunStopped(reason, step)
+        finally:
+            store.close()
     return {**last, **{f"val_{k}": v for k, v in val_metrics.items()}}
+
+
+def _timed_save(
+    components: GRPOComponents,
+    guard: StopGuard,
+    step: int,
+    val_metrics: dict[str, float],
+    train_metrics: dict[str, float],
+) -> None:
+    """:func:`save_checkpoint`, its duration recorded in ``guard``."""
+    started = time.monotonic()
+    save_checkpoint(components, step, val_metrics, train_metrics)
+    guard.save_finished(time.monotonic() - started)
 
 
 def shutdown(components: GRPOComponents) -> None:
@@ -324,14 +385,22 @@ def shutdown(components: GRPOComponents) -> None:
     components.logger.close()
 
 
-def run(cfg: GRPOMasterConfig) -> None:
-    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down."""
+def run(cfg: GRPOMasterConfig) -> int | None:
+    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down.
+
+    Returns:
+        None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+    """
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.utils.plot import plot_training_curves
 
     components = setup(cfg)
     try:
         final = grpo_train(components)
+    except RunStopped as stop:
+        print(stop)
+        return stop.code
     finally:
         shutdown(components)
         shutdown_ray()
