@@ -6,9 +6,12 @@ of 1-16 MiB, ``--total-mb`` in all, plus a few small files), seals it
 (:func:`~nemo_rl.utils.checkpoint_manifest.seal_folder`), then times, best of ``--repeats``: a
 plain read of every file (the same 8 MiB chunks and thread pool as hashing), ``torch.load`` of
 every shard (a load's floor: real loads also reshard and build optimizer state),
-:func:`verify_folder` in ``sizes`` and ``checksums`` mode, and the seal. The files are in the
-page cache (just written): the ratios then compare hashing with memory-speed reads, the worst
-case; from disk the read dominates both and the ratios shrink.
+:func:`verify_folder` in ``sizes`` and ``checksums`` mode, a resume (checksum verification
+then ``torch.load``), and the seal. Each is timed twice: ``warm``, the files in the page cache
+(hashing against memory-speed reads: the worst case for the ratios), and ``cold``, the files
+evicted from the page cache first (``posix_fadvise(DONTNEED)``, no root needed), as a resume
+after a restart on another node finds them. The figure to read: how much longer a cold resume
+takes with checksum verification than the load alone.
 
     python benchmarks/bench_checkpoint_verify.py --total-mb 512 --files 8
 """
@@ -64,9 +67,20 @@ def read_all(root: Path) -> None:
         list(pool.map(read, paths))
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls."""
-    return min(timeit.repeat(fn, number=1, repeat=repeats))
+def evict(root: Path) -> None:
+    """Drop ``root``'s files from the page cache (they are clean: the seal fsynced them)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def best_time(fn: Callable[[], object], repeats: int, before: Callable[[], None]) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn``, each after ``before()`` (untimed)."""
+    return min(timeit.repeat(fn, setup=before, number=1, repeat=repeats))
 
 
 def main() -> None:
@@ -79,25 +93,45 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_verify_", dir=args.dir))
     try:
-        shards = make_checkpoint(root / "step_1", args.total_mb, args.files)
         ckpt = root / "step_1"
+        shards = make_checkpoint(ckpt, args.total_mb, args.files)
         nbytes = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-        seal = best_time(lambda: seal_folder(ckpt), args.repeats)
-        read = best_time(lambda: read_all(ckpt), args.repeats)
-        load = best_time(lambda: [torch.load(p) for p in shards], args.repeats)
-        sizes = best_time(lambda: verify_folder(ckpt, "sizes"), args.repeats)
-        checksums = best_time(lambda: verify_folder(ckpt, "checksums"), args.repeats)
-        assert verify_folder(ckpt, "checksums") is None
+        seal = best_time(lambda: seal_folder(ckpt), args.repeats, lambda: None)
+
+        def load() -> None:
+            for path in shards:
+                torch.load(path)
+
+        def resume() -> None:
+            assert verify_folder(ckpt, "checksums") is None
+            load()
+
+        ops = {
+            "plain read": lambda: read_all(ckpt),
+            "torch.load": load,
+            "verify sizes": lambda: verify_folder(ckpt, "sizes"),
+            "verify checksums": lambda: verify_folder(ckpt, "checksums"),
+            "verify + torch.load": resume,
+        }
+        times = {
+            (name, cache): best_time(op, args.repeats, before)
+            for cache, before in (("warm", lambda: None), ("cold", lambda: evict(ckpt)))
+            for name, op in ops.items()
+        }
     finally:
         shutil.rmtree(root)
     gib = nbytes / 2**30
     print(f"checkpoint: {nbytes / 2**20:.0f} MiB in {args.files} shards, {HASH_THREADS} threads")
-    print(f"plain read:            {read * 1e3:8.1f} ms  ({gib / read:.2f} GiB/s)")
-    print(f"torch.load:            {load * 1e3:8.1f} ms  ({load / read:.2f} x read)")
-    print(f"verify sizes:          {sizes * 1e3:8.1f} ms  ({sizes / read:.3f} x read)")
-    print(f"verify checksums:      {checksums * 1e3:8.1f} ms  ({gib / checksums:.2f} GiB/s, "
-          f"{checksums / read:.2f} x read, {checksums / load:.2f} x torch.load)")
-    print(f"seal (fsync+manifest): {seal * 1e3:8.1f} ms  ({seal / read:.2f} x read)")
+    print(f"seal (fsync + manifest), warm: {seal * 1e3:.1f} ms")
+    for cache in ("warm", "cold"):
+        read, load_s = times["plain read", cache], times["torch.load", cache]
+        for name in ops:
+            t = times[name, cache]
+            print(f"{cache} {name:20s} {t * 1e3:8.1f} ms  {gib / t:6.2f} GiB/s  "
+                  f"{t / read:5.2f} x read  {t / load_s:5.2f} x torch.load")
+    for cache in ("warm", "cold"):
+        extra = times["verify + torch.load", cache] / times["torch.load", cache] - 1
+        print(f"{cache}: checksum verification adds {extra * 100:.0f} % to a load")
 
 
 if __name__ == "__main__":

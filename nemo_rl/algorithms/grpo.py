@@ -14,7 +14,6 @@ checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -97,6 +96,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.utils.logger import Logger
     from nemo_rl.utils.timer import Timer
 
+    checkpointer = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
+    if checkpointer is not None:
+        checkpointer.start_resume_check()  # hashing overlaps the set-up below
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -158,7 +160,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         val_batches=val_batches,
         loss_fn=ClippedPGLossFn(cfg.loss_fn),
         logger=logger,
-        checkpointer=CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None,
+        checkpointer=checkpointer,
         timer=Timer(),
         clusters=clusters,
         sft_loader=sft_loader,
@@ -296,15 +298,6 @@ def open_batch_store(components: GRPOComponents) -> BatchStore[Any]:
     return InMemoryBatchStore(runner, components.policy)
 
 
-def _stop_guard(components: GRPOComponents) -> StopGuard | None:
-    """The run's stop signals and save-by limit; None without checkpointing (nothing to save:
-    signals keep their default effect)."""
-    if components.checkpointer is None:
-        return None
-    ckpt = components.cfg.checkpointing
-    return StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds())
-
-
 def grpo_train(components: GRPOComponents) -> dict[str, float]:
     """Run GRPO from the resumed checkpoint (or step 0) to ``grpo.max_num_steps``, through the
     batch store of :func:`open_batch_store`.
@@ -316,61 +309,76 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
     """
+    if components.checkpointer is None:  # nothing to save: signals keep their default effect
+        return _train_loop(components, None)
+    ckpt = components.cfg.checkpointing
+    with StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds()) as guard:
+        return _train_loop(components, guard)
+
+
+def _train_loop(components: GRPOComponents, guard: StopGuard | None) -> dict[str, float]:
+    """:func:`grpo_train`'s body; ``guard`` is None without checkpointing."""
     cfg, logger, timer = components.cfg, components.logger, components.timer
-    guard = _stop_guard(components)
-    with guard or contextlib.nullcontext():
-        step = restore_checkpoint(components)
-        if step == 0 and components.sft_loader is not None:
-            sft_warm_start(components)
-        store = open_batch_store(components)
-        try:
-            last: dict[str, float] = {}
-            val_metrics: dict[str, float] = {}
-            if cfg.grpo.val_at_start and step == 0 and components.val_batches:
+    step = restore_checkpoint(components)
+    if step == 0 and components.sft_loader is not None:
+        sft_warm_start(components)
+    store = open_batch_store(components)
+    try:
+        last: dict[str, float] = {}
+        val_metrics: dict[str, float] = {}
+        if cfg.grpo.val_at_start and step == 0 and components.val_batches:
+            val_metrics = validate(components, store)
+            logger.log_metrics(val_metrics, step, "validation")
+        if guard is not None and (reason := guard.stop_reason()) is not None:
+            raise RunStopped(reason, step)  # signalled before the first step: nothing new
+        batches = iter(components.train_loader)
+        while step < cfg.grpo.max_num_steps:
+            started = time.monotonic()
+            with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
+                last = grpo_step(components, store, batches)
+            step += 1
+            logger.log_metrics(last, step, "train")
+            logger.log_metrics(timer.summary(), step, "timing/train")
+            timer.reset()
+            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
                 val_metrics = validate(components, store)
                 logger.log_metrics(val_metrics, step, "validation")
-            if guard is not None and (reason := guard.stop_reason()) is not None:
-                raise RunStopped(reason, step)  # signalled before the first step: nothing new
-            batches = iter(components.train_loader)
-            while step < cfg.grpo.max_num_steps:
-                started = time.monotonic()
-                with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
-                    last = grpo_step(components, store, batches)
-                step += 1
-                logger.log_metrics(last, step, "train")
-                logger.log_metrics(timer.summary(), step, "timing/train")
-                timer.reset()
-                if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
-                    val_metrics = validate(components, store)
-                    logger.log_metrics(val_metrics, step, "validation")
-                if guard is None:
-                    continue
+            if guard is not None:
                 guard.step_finished(time.monotonic() - started)
-                saved = False
-                if step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps:
-                    _timed_save(components, guard, step, val_metrics, last)
-                    saved = True
-                reason = guard.stop_reason()
-                if reason is not None and step < cfg.grpo.max_num_steps:
-                    if not saved:
-                        _timed_save(components, guard, step, val_metrics, last)
-                    raise RunStopped(reason, step)
-        finally:
-            store.close()
+                _save_or_stop(components, guard, step, val_metrics, last)
+    finally:
+        store.close()
     return {**last, **{f"val_{k}": v for k, v in val_metrics.items()}}
 
 
-def _timed_save(
+def _save_or_stop(
     components: GRPOComponents,
     guard: StopGuard,
     step: int,
     val_metrics: dict[str, float],
     train_metrics: dict[str, float],
 ) -> None:
-    """:func:`save_checkpoint`, its duration recorded in ``guard``."""
-    started = time.monotonic()
-    save_checkpoint(components, step, val_metrics, train_metrics)
-    guard.save_finished(time.monotonic() - started)
+    """After ``step``: save on ``save_period`` and at the last step; then, when a stop signal
+    came or ``checkpoint_must_save_by`` is near, save the step (if not just saved) and raise
+    :class:`~nemo_rl.utils.run_stop.RunStopped`.
+    """
+    cfg = components.cfg
+
+    def save() -> None:
+        started = time.monotonic()
+        save_checkpoint(components, step, val_metrics, train_metrics)
+        guard.save_finished(time.monotonic() - started)
+
+    final_step = step == cfg.grpo.max_num_steps
+    due = step % cfg.checkpointing.save_period == 0 or final_step
+    if due:
+        save()
+    reason = guard.stop_reason()
+    if reason is None or final_step:
+        return
+    if not due:
+        save()
+    raise RunStopped(reason, step)
 
 
 def shutdown(components: GRPOComponents) -> None:

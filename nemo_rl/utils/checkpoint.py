@@ -23,6 +23,7 @@ always kept so a run can resume.
 Resuming is ``manager.resume_checkpoint()``: ``checkpointing.resume_from`` if set (refused when
 damaged), else the newest ``step_<n>`` that matches its manifest (``verify_on_resume``); each
 newer damaged one (or one without a manifest) costs one warning line and is moved aside.
+``manager.start_resume_check()`` runs that check in the background while the run sets up.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import random
 import re
 import shutil
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.utils.checkpoint_manifest import VerifyMode, fsync_path, seal_folder, verify_folder
 from nemo_rl.utils.config import ConfigModel
@@ -154,6 +156,16 @@ class CheckpointingConfig(ConfigModel):
                 )
         return value
 
+    @model_validator(mode="after")
+    def _check_needs_enabled(self) -> CheckpointingConfig:
+        for name in ("resume_from", "checkpoint_must_save_by"):
+            if getattr(self, name) is not None and not self.enabled:
+                raise ValueError(
+                    f"checkpointing.{name} is set but checkpointing.enabled is false; enable "
+                    f"checkpointing or unset {name}"
+                )
+        return self
+
     def must_save_by_seconds(self) -> int | None:
         """``checkpoint_must_save_by`` in seconds (None when unset)."""
         if self.checkpoint_must_save_by is None:
@@ -171,6 +183,7 @@ class CheckpointManager:
         the middle of re-saving step n is restored when ``step_<n>`` is missing, else deleted.
         """
         self.cfg = cfg
+        self._pending_resume: Future[Path | None] | None = None
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.checkpoint_dir.glob(f"{_TMP_PREFIX}*"):
@@ -238,12 +251,28 @@ class CheckpointManager:
         self._prune()
         return final
 
+    def start_resume_check(self) -> None:
+        """Start :meth:`resume_checkpoint`'s verification in a background thread, so that it
+        overlaps the rest of a run's set-up (Ray, workers, engines; hashing releases the GIL);
+        :meth:`resume_checkpoint` then waits for it."""
+        if self._pending_resume is None:
+            executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify")
+            self._pending_resume = executor.submit(self._find_resume_checkpoint)
+            executor.shutdown(wait=False)  # the submitted check still runs to its end
+
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint to resume from (see the module docstring), verified; None for none.
+        Waits for the check :meth:`start_resume_check` started, if any.
 
         Raises:
             CheckpointError: ``resume_from`` names a missing or damaged checkpoint.
         """
+        if self._pending_resume is not None:
+            pending, self._pending_resume = self._pending_resume, None
+            return pending.result()
+        return self._find_resume_checkpoint()
+
+    def _find_resume_checkpoint(self) -> Path | None:
         mode = self.cfg.verify_on_resume
         if self.cfg.resume_from is not None:
             path = self._resume_from_path()

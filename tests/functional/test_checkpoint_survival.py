@@ -3,22 +3,28 @@
 A truncated shard of the newest checkpoint costs one warning line and the rerun resumes from
 the previous checkpoint with the uninterrupted run's numbers; SIGTERM during a step saves that
 step and stops with exit code 75, and the rerun continues with the uninterrupted run's numbers;
-``checkpoint_must_save_by`` of one second saves after the first step and stops.
+``checkpoint_must_save_by`` of one second saves after the first step and stops; the
+``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.config import config_to_yaml
 from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
 from tiny_grpo import run_grpo, tiny_grpo_config, train_records
@@ -110,3 +116,34 @@ def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path):
     assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
     assert sorted(train_records(tmp_path / "logs")) == [1]
+
+
+def test_sigterm_to_the_driver_process_exits_75_and_leaves_no_process(tmp_path, tiny_llama_path):
+    # the real `nemo-rl grpo` driver: its exit code, and every process it started (the local
+    # Ray cluster, the actors' workers) gone once it exits
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config_to_yaml(config(tmp_path, tiny_llama_path, 50, save_period=10)))
+    metrics, log = tmp_path / "logs" / "metrics.jsonl", tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "nemo_rl.cli", "grpo", "--config", str(recipe)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 900
+        while not (metrics.is_file() and '"prefix": "train"' in metrics.read_text()):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        started = psutil.Process(driver.pid).children(recursive=True)
+        assert started  # the Ray cluster runs under the driver
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=600)
+    finally:
+        driver.kill()
+    output = log.read_text()
+    assert driver.returncode == RESUMABLE_EXIT_CODE, output
+    assert "received SIGTERM: finishing the current step" in output
+    k = int(re.search(r"stopped after step (\d+) \(received SIGTERM\)", output).group(1))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step_{k}"]
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]

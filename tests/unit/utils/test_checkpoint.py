@@ -219,12 +219,33 @@ def test_resume_from_refuses_damaged_or_missing(tmp_path):
 )
 def test_config_rejects_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):
+        CheckpointingConfig(enabled=True, **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("resume_from", 3), ("checkpoint_must_save_by", "00:03:35:00")]
+)
+def test_keys_that_need_checkpointing_enabled(field, value):
+    with pytest.raises(ValueError, match=f"checkpointing.{field} is set but checkpointing.enabled"):
         CheckpointingConfig(**{field: value})
 
 
 def test_save_by_in_seconds():
     assert parse_save_by("01:02:03:04") == ((24 + 2) * 60 + 3) * 60 + 4
-    assert CheckpointingConfig(checkpoint_must_save_by="00:03:35:00").must_save_by_seconds() == (
-        3 * 3600 + 35 * 60
-    )
+    cfg = CheckpointingConfig(enabled=True, checkpoint_must_save_by="00:03:35:00")
+    assert cfg.must_save_by_seconds() == 3 * 3600 + 35 * 60
     assert CheckpointingConfig().must_save_by_seconds() is None
+
+
+def test_background_check_gives_the_same_answer_and_its_errors(tmp_path, caplog):
+    manager = _manager(tmp_path, keep_top_k=None)
+    _save(manager, 4, 0.1)
+    _damage(_save(manager, 8, 0.1) / "policy" / "weights.bin", "truncate")
+    with caplog.at_level("WARNING", logger="nemo_rl.utils.checkpoint"):
+        manager.start_resume_check()
+        assert manager.resume_checkpoint() == tmp_path / "ckpt" / "step_4"
+    assert "step_8 is damaged" in caplog.text
+    named = _manager(tmp_path, keep_top_k=None, resume_from=9)
+    named.start_resume_check()
+    with pytest.raises(CheckpointError, match="resume_from=9"):
+        named.resume_checkpoint()
