@@ -64,7 +64,8 @@ _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint named by ``checkpointing.resume_from`` is missing or damaged."""
+    """A checkpoint the run must load (named by ``checkpointing.resume_from``, or the SFT warm
+    start's folder) is missing or damaged."""
 
 
 def parse_save_by(text: str) -> int:
