@@ -7,7 +7,9 @@
 #   3. runs the driver command ("$@") as a step on the head node with RAY_ADDRESS set, or, in
 #      attach mode (NRL_ATTACH=1, no command), keeps Ray up for `attach.sh` shells;
 #   4. exits with the driver's exit code; any Ray step ending early fails the job at once;
-#      Ray is torn down on exit, failure, scancel and the time limit (traps).
+#      Ray is torn down on exit, failure, scancel and the time limit (traps). SIGUSR1/SIGUSR2
+#      (sbatch --signal=B:USR1@N, `scancel -b -s USR1`) go to the driver and the job goes on:
+#      the driver saves and stops by itself (exit 75, docs/cluster.md).
 # Logs: $NRL_LOG_DIR/$SLURM_JOB_ID/ (driver.log, ray-<role>-<node>.log, attach.sh, sbatch.sh).
 set -uo pipefail
 unset RAY_ADDRESS # the driver gets the address of this job's cluster, nothing else does
@@ -154,10 +156,24 @@ on_signal() {
   nrl_log "received SIG$1 (scancel, the time limit or Ctrl-C); stopping the job"
   exit $((128 + $(kill -l "$1")))
 }
+# forward_to_driver SIG: pass a stop request (ahead of the time limit) to the driver step (srun
+# hands it to the driver process); Ray stays up while the driver saves.
+forward_to_driver() {
+  if [[ -n $DRIVER_PID ]]; then
+    nrl_log "received SIG$1; passing it to the driver (it finishes its step, saves and stops)"
+    kill -"$1" "$DRIVER_PID" 2>/dev/null
+  else
+    nrl_log "received SIG$1 before the driver started; ignored"
+  fi
+}
 trap teardown EXIT
 for sig in TERM INT HUP; do
   # shellcheck disable=SC2064
   trap "on_signal $sig" "$sig"
+done
+for sig in USR1 USR2; do
+  # shellcheck disable=SC2064
+  trap "forward_to_driver $sig" "$sig"
 done
 
 # --- run ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,10 @@ from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
-from nemo_rl.utils.run_config import check_resume, save_run_config
 from nemo_rl.algorithms.sft import run_sft_steps
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.utils.run_config import check_resume, save_run_config
+from nemo_rl.utils.run_stop import RunStopped, StopGuard
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
 # of a warm-started run, reloaded on resume.
@@ -102,7 +104,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     checkpointer = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
     latest = checkpointer.get_latest_checkpoint_path() if checkpointer is not None else None
     if latest is not None:
-        check_resume(latest, cfg)
+        check_resume(latest, cfg)  # before Ray: a changed model or data is refused at once
+    if checkpointer is not None:
+        checkpointer.start_resume_check()  # hashing overlaps the set-up below
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -206,18 +210,26 @@ def save_checkpoint(
     return manager.finalize_checkpoint(path)
 
 
-def restore_latest_checkpoint(components: GRPOComponents) -> int:
-    """Load the latest checkpoint if there is one; returns its step (0 without one)."""
+def restore_checkpoint(components: GRPOComponents) -> int:
+    """Load the checkpoint :meth:`~nemo_rl.utils.checkpoint.CheckpointManager.resume_checkpoint`
+    picks (verified against its manifest); returns its step (0 without one).
+
+    Raises:
+        CheckpointError: ``checkpointing.resume_from`` names a missing or damaged checkpoint,
+            or the SFT warm start's folder of a warm-started run is damaged.
+    """
     from nemo_rl.utils.checkpoint import (
         DATALOADER_STATE_FILE,
         POLICY_DIR,
         RNG_STATE_FILE,
+        CheckpointError,
         CheckpointManager,
         load_rng_state,
     )
+    from nemo_rl.utils.checkpoint_manifest import verify_folder
 
     manager = components.checkpointer
-    latest = manager.get_latest_checkpoint_path() if manager is not None else None
+    latest = manager.resume_checkpoint() if manager is not None else None
     if latest is None:
         return 0
     if components.sft_loader is not None and uses_reference_policy(components.cfg):
@@ -227,6 +239,13 @@ def restore_latest_checkpoint(components: GRPOComponents) -> int:
                 f"{latest} follows an SFT warm start but {warm} (the warm-started weights, the "
                 "run's reference policy) is missing; restore it, or start a new run in an "
                 "empty checkpointing.checkpoint_dir"
+            )
+        problem = verify_folder(warm, components.cfg.checkpointing.verify_on_resume)
+        if problem is not None:
+            raise CheckpointError(
+                f"{warm} (the warm-started weights, the run's reference policy) is damaged: "
+                f"{problem}; restore it, or start a new run in an empty "
+                "checkpointing.checkpoint_dir"
             )
         components.policy.load_checkpoint(str(warm))
         components.policy.snapshot_reference_policy()
@@ -246,6 +265,8 @@ def sft_warm_start(components: GRPOComponents) -> None:
     with checkpointing, save them to ``checkpoint_dir/sft_warmup`` so a resumed run can rebuild
     the same reference; then restart the optimizer for GRPO (zero Adam state, the policy's
     schedule from step 0)."""
+    from nemo_rl.utils.checkpoint_manifest import fsync_path, seal_folder
+
     cfg, warm = components.cfg, components.cfg.sft_warmup
     components.policy.reset_optimizer(warm.lr_schedule())
     losses = run_sft_steps(
@@ -271,7 +292,9 @@ def sft_warm_start(components: GRPOComponents) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)
             components.policy.save_checkpoint(str(tmp))
+            seal_folder(tmp)
             tmp.rename(final)
+            fsync_path(final.parent)
     components.policy.reset_optimizer()
 
 
@@ -285,14 +308,27 @@ def open_batch_store(components: GRPOComponents) -> BatchStore[Any]:
 
 
 def grpo_train(components: GRPOComponents) -> dict[str, float]:
-    """Run GRPO from the latest checkpoint (or step 0) to ``grpo.max_num_steps``, through the
+    """Run GRPO from the resumed checkpoint (or step 0) to ``grpo.max_num_steps``, through the
     batch store of :func:`open_batch_store`.
+
+    With checkpointing, a stop signal or ``checkpointing.checkpoint_must_save_by`` ends the
+    loop early by the rule of :mod:`nemo_rl.utils.run_stop`: the finished step is saved, then
+    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75) is raised.
 
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
     """
+    if components.checkpointer is None:  # nothing to save: signals keep their default effect
+        return _train_loop(components, None)
+    ckpt = components.cfg.checkpointing
+    with StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds()) as guard:
+        return _train_loop(components, guard)
+
+
+def _train_loop(components: GRPOComponents, guard: StopGuard | None) -> dict[str, float]:
+    """:func:`grpo_train`'s body; ``guard`` is None without checkpointing."""
     cfg, logger, timer = components.cfg, components.logger, components.timer
-    step = restore_latest_checkpoint(components)
+    step = restore_checkpoint(components)
     if step == 0 and components.sft_loader is not None:
         sft_warm_start(components)
     store = open_batch_store(components)
@@ -302,8 +338,11 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
         if cfg.grpo.val_at_start and step == 0 and components.val_batches:
             val_metrics = validate(components, store)
             logger.log_metrics(val_metrics, step, "validation")
+        if guard is not None and (reason := guard.stop_reason()) is not None:
+            raise RunStopped(reason, step)  # signalled before the first step: nothing new
         batches = iter(components.train_loader)
         while step < cfg.grpo.max_num_steps:
+            started = time.monotonic()
             with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
                 last = grpo_step(components, store, batches)
             step += 1
@@ -313,13 +352,42 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
                 val_metrics = validate(components, store)
                 logger.log_metrics(val_metrics, step, "validation")
-            if components.checkpointer is not None and (
-                step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps
-            ):
-                save_checkpoint(components, step, val_metrics, last)
+            if guard is not None:
+                guard.step_finished(time.monotonic() - started)
+                _save_or_stop(components, guard, step, val_metrics, last)
     finally:
         store.close()
     return {**last, **{f"val_{k}": v for k, v in val_metrics.items()}}
+
+
+def _save_or_stop(
+    components: GRPOComponents,
+    guard: StopGuard,
+    step: int,
+    val_metrics: dict[str, float],
+    train_metrics: dict[str, float],
+) -> None:
+    """After ``step``: save on ``save_period`` and at the last step; then, when a stop signal
+    came or ``checkpoint_must_save_by`` is near, save the step (if not just saved) and raise
+    :class:`~nemo_rl.utils.run_stop.RunStopped`.
+    """
+    cfg = components.cfg
+
+    def save() -> None:
+        started = time.monotonic()
+        save_checkpoint(components, step, val_metrics, train_metrics)
+        guard.save_finished(time.monotonic() - started)
+
+    final_step = step == cfg.grpo.max_num_steps
+    due = step % cfg.checkpointing.save_period == 0 or final_step
+    if due:
+        save()
+    reason = guard.stop_reason()
+    if reason is None or final_step:
+        return
+    if not due:
+        save()
+    raise RunStopped(reason, step)
 
 
 def shutdown(components: GRPOComponents) -> None:
@@ -334,14 +402,22 @@ def shutdown(components: GRPOComponents) -> None:
     components.logger.close()
 
 
-def run(cfg: GRPOMasterConfig) -> None:
-    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down."""
+def run(cfg: GRPOMasterConfig) -> int | None:
+    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down.
+
+    Returns:
+        None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+    """
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.utils.plot import plot_training_curves
 
     components = setup(cfg)
     try:
         final = grpo_train(components)
+    except RunStopped as stop:
+        print(stop)
+        return stop.code
     finally:
         shutdown(components)
         shutdown_ray()

@@ -140,4 +140,7 @@ def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
     print(f"  output:     {job.output}")
     print(f"  logs:       {job.job_dir}/ (driver.log, ray-<role>-<node>.log, attach.sh)")
     print(f"  watch:      tail -f {job.job_dir}/driver.log    cancel: scancel {job.job_id}")
+    if job.chained:
+        print(f"  chained:    {' '.join(job.chained)} (each runs if the jobs before it stopped "
+              "unsuccessfully: a stop or the time limit)")
     return 0

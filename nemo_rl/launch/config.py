@@ -150,6 +150,22 @@ class SlurmLaunchConfig(RayLaunchConfig):
         description="Interactive job: start Ray, write attach.sh (a shell on the head node) and "
         "wait until scancel or the time limit instead of running a driver.",
     )
+    stop_signal_lead_s: int | None = Field(
+        default=None,
+        ge=1,
+        description="Seconds before the time limit at which slurm signals the job with SIGUSR1 "
+        "(sbatch --signal=B:USR1@N); the job passes it to the driver, which finishes its step, "
+        "saves and exits 75 (checkpointing.stop_signals). Give it more than a step, a "
+        "validation, a save and the teardown. None: no early signal.",
+    )
+    chain_jobs: int = Field(
+        default=0,
+        ge=0,
+        description="Follow-up jobs submitted with this one: each starts once every earlier one "
+        "ended unsuccessfully (a stop, exit 75, or the time limit: "
+        "--dependency=afternotok) and resumes from the last checkpoint; once one succeeds the "
+        "rest are cancelled (--kill-on-invalid-dep=yes).",
+    )
 
     @field_validator("time")
     @classmethod

@@ -65,6 +65,7 @@ def _sbatch_header(cfg: SlurmLaunchConfig) -> list[str]:
         f"--time={cfg.time}" if cfg.time else None,
         "--exclusive" if cfg.exclusive else None,
         f"--output={Path(cfg.log_dir).resolve() / 'slurm-%j.out'}",
+        f"--signal=B:USR1@{cfg.stop_signal_lead_s}" if cfg.stop_signal_lead_s else None,
         *cfg.sbatch_args,
     ]
     return [f"#SBATCH {option}" for option in options if option is not None]
@@ -107,33 +108,21 @@ def render_sbatch(cfg: SlurmLaunchConfig, command: list[str]) -> str:
 
 @dataclass(frozen=True)
 class SubmittedJob:
-    """A submitted job: its id, the rendered script, and where its logs will appear."""
+    """A submitted job: its id, the rendered script, where its logs will appear, and the ids
+    of its follow-up jobs (``--chain-jobs``)."""
 
     job_id: str
     script: Path
     output: Path
     job_dir: Path
+    chained: tuple[str, ...] = ()
 
 
-def submit(cfg: SlurmLaunchConfig, script: str) -> SubmittedJob:
-    """Write ``script`` under ``cfg.log_dir`` and submit it with ``sbatch --parsable``.
-
-    Raises:
-        LaunchError: no ``sbatch`` on PATH, or sbatch refused the job (its message included).
-    """
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise LaunchError(
-            "sbatch not found on PATH: run this on a slurm login node (or use --dry-run to "
-            "print the job script)"
-        )
-    log_dir = Path(cfg.log_dir).resolve()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"{cfg.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    path.write_text(script)
+def _sbatch(sbatch: str, options: list[str], path: Path) -> str:
+    """Submit ``path`` with ``options``; the job id."""
     try:
         proc = subprocess.run(
-            [sbatch, "--parsable", str(path)],
+            [sbatch, "--parsable", *options, str(path)],
             capture_output=True,
             text=True,
             timeout=SBATCH_TIMEOUT_S,
@@ -148,10 +137,36 @@ def submit(cfg: SlurmLaunchConfig, script: str) -> SubmittedJob:
             f"sbatch refused the job (exit code {proc.returncode}): {proc.stderr.strip()}; the "
             f"job script is {path}"
         )
-    job_id = proc.stdout.strip().split(";")[0]
+    return proc.stdout.strip().split(";")[0]
+
+
+def submit(cfg: SlurmLaunchConfig, script: str) -> SubmittedJob:
+    """Write ``script`` under ``cfg.log_dir`` and submit it with ``sbatch --parsable``, then its
+    ``cfg.chain_jobs`` follow-ups: follow-up n waits for every earlier job to end unsuccessfully
+    (``afternotok`` on all their ids), so the chain stops at the first job that succeeds.
+
+    Raises:
+        LaunchError: no ``sbatch`` on PATH, or sbatch refused a job (its message included).
+    """
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise LaunchError(
+            "sbatch not found on PATH: run this on a slurm login node (or use --dry-run to "
+            "print the job script)"
+        )
+    log_dir = Path(cfg.log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{cfg.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path.write_text(script)
+    ids = [_sbatch(sbatch, [], path)]
+    for _ in range(cfg.chain_jobs):
+        after = ":".join(ids)
+        ids.append(_sbatch(sbatch, [f"--dependency=afternotok:{after}",
+                                    "--kill-on-invalid-dep=yes"], path))
     return SubmittedJob(
-        job_id=job_id,
+        job_id=ids[0],
         script=path,
-        output=log_dir / f"slurm-{job_id}.out",
-        job_dir=log_dir / job_id,
+        output=log_dir / f"slurm-{ids[0]}.out",
+        job_dir=log_dir / ids[0],
+        chained=tuple(ids[1:]),
     )

@@ -240,6 +240,7 @@ def slurm() -> Iterator[LoopbackSlurm]:
 DRIVER = '''\
 """Tiny CPU driver: joins the job's Ray cluster, checks its 2 nodes, runs an actor on each."""
 import os
+import signal
 import sys
 import time
 
@@ -267,6 +268,17 @@ def main() -> int:
     if sys.argv[1] == "hold":
         print("DRIVER holding", flush=True)
         time.sleep(600)
+    marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stopped_once")
+    if sys.argv[1] == "stop-once" and not os.path.exists(marker):
+        # as `nemo-rl grpo` does with checkpointing.stop_signals: save, stop, exit 75
+        received = []
+        signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+        print("DRIVER waiting for SIGUSR1", flush=True)
+        while not received:
+            time.sleep(0.2)
+        open(marker, "w").close()
+        shutdown_ray()
+        return 75
     shutdown_ray()
     return 7 if ok else 1
 
@@ -276,8 +288,11 @@ if __name__ == "__main__":
 '''
 
 
-def _submit(slurm: LoopbackSlurm, name: str, mode: str | None) -> tuple[str, Path]:
-    """Submit the tiny driver in ``mode`` ("exit" or "hold"), or an attach job (None)."""
+def _submit(
+    slurm: LoopbackSlurm, name: str, mode: str | None, *options: str
+) -> tuple[str, Path]:
+    """Submit the tiny driver in ``mode`` ("exit", "hold" or "stop-once"), or an attach job
+    (None), with extra launcher ``options``."""
     driver = slurm.base / "driver.py"
     driver.write_text(DRIVER)
     log_dir = slurm.base / "logs"
@@ -287,7 +302,7 @@ def _submit(slurm: LoopbackSlurm, name: str, mode: str | None) -> tuple[str, Pat
         "--time", "10", "--log-dir", str(log_dir), "--ray-port-base", "21000",
         "--ray-worker-ports", "64", "--ray-num-cpus", "2", "--ray-temp-dir",
         str(slurm.base / "ray"), "--head-timeout-s", "120", "--nodes-timeout-s", "120",
-        "--teardown-timeout-s", "20", *command,
+        "--teardown-timeout-s", "20", *options, *command,
     )
     assert proc.returncode == 0, proc.stderr
     match = re.search(r"submitted slurm job (\d+)", proc.stdout)
@@ -370,4 +385,24 @@ def test_attach_job_serves_shells_until_scancel(slurm: LoopbackSlurm) -> None:
     assert "received SIGTERM (scancel, the time limit or Ctrl-C); stopping the job" in (
         output.read_text()
     )
+    _assert_no_job_processes(slurm)
+
+
+def test_usr1_reaches_the_driver_and_the_chained_job_continues(slurm: LoopbackSlurm) -> None:
+    job_id, log_dir = _submit(
+        slurm, "nrl-stop", "stop-once", "--chain-jobs", "1", "--stop-signal-lead-s", "120"
+    )
+    ids = slurm.run("squeue", "-h", "--name", "nrl-stop", "-o", "%i").stdout.split()
+    (chained,) = set(ids) - {job_id}
+    _wait_for_line(log_dir / job_id / "driver.log", "DRIVER waiting for SIGUSR1", slurm, job_id)
+    # what slurm does N s before the time limit with --signal=B:USR1@N
+    assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
+    fields = slurm.wait_job_done(job_id, FAILURE_DONE_S)
+    output = (log_dir / f"slurm-{job_id}.out").read_text()
+    assert fields["ExitCode"] == "75:0", output
+    assert "received SIGUSR1; passing it to the driver" in output, output
+    assert "driver exited with code 75" in output
+    # exit 75 is "not ok": the follow-up job starts and runs the same command, which finishes
+    fields = slurm.wait_job_done(chained, JOB_DONE_S)
+    assert fields["ExitCode"] == "7:0", (log_dir / f"slurm-{chained}.out").read_text()
     _assert_no_job_processes(slurm)

@@ -38,7 +38,7 @@ def test_header_lists_every_given_sbatch_option(tmp_path: Path) -> None:
     cfg = SlurmLaunchConfig(
         nodes=2, gpus_per_node=8, cpus_per_node=64, partition="batch", account="acct",
         qos="high", time="04:00:00", job_name="grpo-8b", log_dir=str(tmp_path),
-        sbatch_args=["--mem=0", "--dependency=afterany:41"],
+        sbatch_args=["--mem=0", "--dependency=afterany:41"], stop_signal_lead_s=300,
     )
     script = render_sbatch(cfg, ["nemo-rl", "grpo"])
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
@@ -54,6 +54,7 @@ def test_header_lists_every_given_sbatch_option(tmp_path: Path) -> None:
         "#SBATCH --time=04:00:00",
         "#SBATCH --exclusive",
         f"#SBATCH --output={tmp_path}/slurm-%j.out",
+        "#SBATCH --signal=B:USR1@300",
         "#SBATCH --mem=0",
         "#SBATCH --dependency=afterany:41",
     ]
@@ -137,3 +138,26 @@ def test_submit_without_sbatch_says_where_to_run(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(LaunchError, match="sbatch not found on PATH: run this on a slurm login"):
         submit(SlurmLaunchConfig(nodes=1, gpus_per_node=0, log_dir=str(tmp_path)), "#!/bin/bash\n")
+
+
+def test_chained_jobs_each_wait_for_every_earlier_one_to_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fake sbatch that records its arguments and answers job ids 101, 102, 103
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/bash\necho "$*" >> {calls}\necho $((100 + $(wc -l < {calls})))\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    cfg = SlurmLaunchConfig(nodes=1, gpus_per_node=0, log_dir=str(tmp_path), chain_jobs=2)
+    job = submit(cfg, "#!/bin/bash\n")
+    assert (job.job_id, job.chained) == ("101", ("102", "103"))
+    script = str(job.script)
+    assert calls.read_text().splitlines() == [
+        f"--parsable {script}",
+        f"--parsable --dependency=afternotok:101 --kill-on-invalid-dep=yes {script}",
+        f"--parsable --dependency=afternotok:101:102 --kill-on-invalid-dep=yes {script}",
+    ]

@@ -7,7 +7,8 @@ checkpoint saved at one layout loads at another. Scheduler state and the step ar
 (replicated) entries. RNG states are per rank (``rng/rank_<r>.pt``) and restored only when
 the layout is unchanged. ``layout.json`` records the layout of the save and the optimizer
 steps taken (``optimizer_step``: SFT warm-start steps included, so it is not the GRPO step of
-the ``step_<n>`` folder holding it).
+the ``step_<n>`` folder holding it). Every file is fsynced before the save returns (the caller
+seals the folder with a manifest and renames it: nemo_rl/utils/checkpoint.py).
 
 The folder is also a ``megatron_bridge`` checkpoint: ``bridge.json`` (the HF config, vocabulary
 padding, parameter dtype) and ``hf_assets/`` (tokenizer, chat template, generation config of the
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_bridge.checkpoint import write_bridge_files
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
 
 LAYOUT_FILE = "layout.json"
 RNG_DIR = "rng"
@@ -122,8 +124,14 @@ def save_training_checkpoint(
         )
         write_bridge_files(ckpt, policy.bridge, policy.layout.tp, policy.dtype, assets_dir)
     dist.barrier()
-    torch.save(_rng_state(), ckpt / RNG_DIR / f"rank_{rank}.pt")
+    rng_file = ckpt / RNG_DIR / f"rank_{rank}.pt"
+    torch.save(_rng_state(), rng_file)
+    fsync_path(rng_file)
     dist.barrier()
+    if rank == 0:
+        # The shards are fsynced by dist_checkpointing's writer; this covers the small files
+        # written on rank 0 (metadata, common state, layout) and the folders' entries.
+        fsync_tree(ckpt)
 
 
 def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:

