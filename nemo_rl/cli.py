@@ -4,7 +4,8 @@ Each recipe command (see :mod:`nemo_rl.commands` for the registry and the parser
 validates its recipe against its typed schema, prints the resolved config and hands the
 validated model to the command's run function. ``nemo-rl launch ...`` goes to
 :mod:`nemo_rl.launch.cli`. Exit codes: the run function's integer result (0 when it returns
-None), 2 for a config or usage error.
+None), 2 for a config or usage error, including bad input the run finds when it reads it (a
+:class:`~nemo_rl.utils.config.ConfigError` such as a data file's bad line).
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     _show_yaml(config_to_yaml(cfg))
     if args.print_config:
         return 0
-    result = RECIPE_COMMANDS[args.command].run_function()(cfg)
+    try:
+        result = RECIPE_COMMANDS[args.command].run_function()(cfg)
+    except ConfigError as exc:
+        print(f"nemo-rl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return 0 if result is None else int(result)
 
 

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
-from nemo_rl.data.processors import PROCESSORS
+from nemo_rl.data.files import check_data_file
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
@@ -138,13 +138,14 @@ class DataConfig(ConfigModel):
     )
     train_path: str | None = Field(
         default=None,
-        description="Local training file (.jsonl, .json or .parquet). None: dataset_name's "
-        "train_split.",
+        description="Local training file (.jsonl, .json or .parquet), read whatever "
+        "dataset_name says. None: dataset_name's train_split.",
     )
     val_path: str | None = Field(
         default=None,
-        description="Local validation file (.jsonl, .json or .parquet). None: dataset_name's "
-        "val_split.",
+        description="Local validation file (.jsonl, .json or .parquet), read whatever "
+        "dataset_name says. None: dataset_name's val_split (the synthetic task's own validation "
+        "set when it also gives the training rows).",
     )
     train_split: str = Field(default="train", description="HF split used for training.")
     val_split: str | None = Field(
@@ -152,7 +153,10 @@ class DataConfig(ConfigModel):
         "unless val_path is set (the synthetic task always has one)."
     )
     prompt_key: str = Field(
-        default="prompt", min_length=1, description="Field of a record holding the prompt text."
+        default="prompt",
+        min_length=1,
+        description="Field of a record holding the prompt: a text, or a list of "
+        '{"role", "content"} messages (chat format, e.g. prompt_key: messages).',
     )
     answer_key: str | None = Field(
         default="answer",
@@ -160,8 +164,8 @@ class DataConfig(ConfigModel):
     )
     task_name: str | None = Field(
         default=None,
-        description="Task (processor and environment) of rows without a task_name field. "
-        'None: "math".',
+        description="Task (an env section's name: its environment and data processor) of rows "
+        'without a task_name field of their own. None: "math".',
     )
     prompt_file: str | None = Field(
         default=None,
@@ -184,6 +188,20 @@ class DataConfig(ConfigModel):
         description="Prompts longer than this many tokens are truncated to it and kept out of "
         "the loss (loss_multiplier 0). None: policy.max_total_sequence_length.",
     )
+
+    @property
+    def uses_synthetic(self) -> bool:
+        """Whether the training rows are the built-in synthetic task's."""
+        return self.dataset_name == SYNTHETIC_ARITHMETIC and self.train_path is None
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        """train_path / val_path exist and have a supported suffix."""
+        for name in ("train_path", "val_path"):
+            path = getattr(self, name)
+            if path is not None:
+                check_data_file(path, f"data.{name}")
+        return self
 
 
 class GRPOMasterConfig(ConfigModel):
@@ -250,11 +268,12 @@ class GRPOMasterConfig(ConfigModel):
                 )
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
-        if self.sft_warmup.enabled and self.data.dataset_name != SYNTHETIC_ARITHMETIC:
+        if self.sft_warmup.enabled and not self.data.uses_synthetic:
             raise ValueError(
-                f"sft_warmup.enabled needs data.dataset_name={SYNTHETIC_ARITHMETIC!r} (the only "
-                f"task with built-in reference replies), got {self.data.dataset_name!r}; "
-                "disable sft_warmup or warm-start the model beforehand"
+                f"sft_warmup.enabled needs the synthetic task's rows (data.dataset_name="
+                f"{SYNTHETIC_ARITHMETIC!r} without data.train_path: the only task with built-in "
+                f"reference replies), got dataset_name={self.data.dataset_name!r}, train_path="
+                f"{self.data.train_path!r}; disable sft_warmup or warm-start the model beforehand"
             )
         self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
         return self
@@ -277,20 +296,9 @@ class GRPOMasterConfig(ConfigModel):
         )
 
     def _check_task(self) -> None:
-        """The rows' default task needs a data processor and a configured environment."""
-        task = self.data.task_name or SYNTHETIC_TASK_NAME
-        if task not in PROCESSORS:
-            raise ValueError(
-                f"data.task_name={task!r} has no data processor (registered: "
-                f"{sorted(PROCESSORS)}); use one of them or register one in "
-                "nemo_rl.data.processors.PROCESSORS"
-            )
-        if getattr(self.env, task, None) is None:
-            configured = [n for n in EnvConfigs.model_fields if getattr(self.env, n) is not None]
-            raise ValueError(
-                f"data.task_name={task!r} has no environment: configure env.{task} (configured: "
-                f"{configured}) or choose a task among them"
-            )
+        """The rows' default task names a configured environment (whose processor resolved
+        when ``env`` was validated); rows' own task names are checked when the data loads."""
+        self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
 
     def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
         """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose

@@ -20,6 +20,7 @@ from nemo_rl.data.datasets import (
     setup_datasets,
     setup_synthetic_sft_dataset,
 )
+from nemo_rl.data.files import DataError
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_logs_to_flat, rl_collate_fn
 
@@ -72,20 +73,23 @@ def test_row_without_prompt_names_row_and_key(
     if from_file:
         source = str(_jsonl(tmp_path / "bad.jsonl", rows))
         rows = load_rows(source)
-    with pytest.raises(KeyError, match=r"row 4 has no field 'question' \(data.prompt_key\)"):
+    with pytest.raises(DataError, match=r"row 4 has no field 'question' \(data.prompt_key\)"):
         PromptDataset(rows, chat_tokenizer, SPEC, 128, prompt_key="question", source=source)
 
 
-def test_unknown_task_in_a_row(chat_tokenizer: Any) -> None:
-    rows = [{"prompt": "p", "answer": "1", "task_name": "chess"}]
-    ds = PromptDataset(rows, chat_tokenizer, SPEC, 64, source="mix.jsonl")
-    with pytest.raises(KeyError, match="mix.jsonl: row 0: unknown task name 'chess'"):
-        ds[0]
+def test_unknown_task_in_a_row_is_refused_when_the_data_loads(chat_tokenizer: Any) -> None:
+    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "1", "task_name": "chess"}]
+    message = (
+        "mix.jsonl: row 1: task 'chess' \\(from its task_name field\\) has no environment "
+        "\\(configured tasks: \\['math', 'prompt', 'reward_fn', 'sft'\\]\\)"
+    )
+    with pytest.raises(DataError, match=message):
+        PromptDataset(rows, chat_tokenizer, SPEC, 64, source="mix.jsonl")
 
 
 def test_check_rows_have_on_lists() -> None:
     check_rows_have([{"a": 1}], "a", "data.answer_key", "x")
-    with pytest.raises(KeyError, match="row 1 has no field 'a' .*fields are \\['b'\\]"):
+    with pytest.raises(DataError, match="row 1 has no field 'a' .*fields are \\['b'\\]"):
         check_rows_have([{"a": 1}, {"b": 2}], "a", "data.answer_key", "x")
 
 
@@ -181,5 +185,5 @@ def test_synthetic_sft_set_masks_exactly_the_reply(chat_tokenizer: Any) -> None:
         reply = chat_tokenizer.decode(flat["input_ids"][row, :n][flat["token_mask"][row, :n] == 1])
         answer = batch["extra_env_info"][row]["ground_truth"]
         assert reply == f"\\boxed{{{answer}}}<|im_end|>"
-    with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' only"):
+    with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' without"):
         setup_synthetic_sft_dataset(DataConfig(dataset_name="x", max_input_seq_length=8), None, 1)

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from nemo_rl.utils.plugins import PluginError
+
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.processors import (
     get_processor,
@@ -69,7 +71,11 @@ def test_sft_processor(chat_tokenizer: Any) -> None:
     assert short["loss_multiplier"] == 0.0 and short["length"] == datum["length"] - 1
 
 
-def test_unknown_task_name() -> None:
+def test_processor_by_name_or_import_path() -> None:
     assert get_processor("math") is math_data_processor
-    with pytest.raises(KeyError, match="unknown task name 'chess'.*registered"):
-        get_processor("chess")
+    path = "nemo_rl.data.processors:prompt_only_processor"
+    assert get_processor(path) is prompt_only_processor
+    with pytest.raises(KeyError, match="env.x.processor='chess': no data processor.*registered"):
+        get_processor("chess", "env.x.processor")
+    with pytest.raises(PluginError, match="cannot be called as processor\\(datum_dict"):
+        get_processor("os.path:basename", "env.x.processor")
