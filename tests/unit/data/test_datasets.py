@@ -187,3 +187,58 @@ def test_synthetic_sft_set_masks_exactly_the_reply(chat_tokenizer: Any) -> None:
         assert reply == f"\\boxed{{{answer}}}<|im_end|>"
     with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' without"):
         setup_synthetic_sft_dataset(DataConfig(dataset_name="x", max_input_seq_length=8), None, 1)
+
+
+def test_train_path_is_read_whatever_dataset_name_says(chat_tokenizer: Any, tmp_path: Path) -> None:
+    path = str(_jsonl(tmp_path / "own.jsonl", ROWS))
+    cfg = DataConfig(  # dataset_name keeps its default, "synthetic_arithmetic"
+        train_path=path, prompt_key="question", answer_key="solution", max_input_seq_length=64
+    )
+    train, val, spec = setup_datasets(cfg, chat_tokenizer)
+    assert len(train) == 6 and train.source == path and val is None
+    assert spec["prompt"] is None  # no synthetic answer-format instruction on own prompts
+    assert "What is 2 + 1?" in train[2]["message_log"][-1]["content"]
+    assert train[2]["extra_env_info"] == {"ground_truth": "3"}
+
+
+def test_chat_format_rows(chat_tokenizer: Any) -> None:
+    rows = [{"messages": [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Sum 1 1"},
+    ], "answer": "2"}]
+    ds = PromptDataset(rows, chat_tokenizer, SPEC, 128, prompt_key="messages")
+    log = ds[0]["message_log"]
+    assert [m["role"] for m in log] == ["system", "user", "assistant", "user"]
+    assert "".join(m["content"] for m in log) == chat_tokenizer.apply_chat_template(
+        rows[0]["messages"], tokenize=False, add_generation_prompt=True
+    )
+    bad = [{"messages": [{"role": "user"}], "answer": "2"}]
+    with pytest.raises(ValueError, match="message 0 must be"):
+        PromptDataset(bad, chat_tokenizer, SPEC, 128, prompt_key="messages")[0]
+
+
+def test_rows_must_hold_what_their_environment_declares(chat_tokenizer: Any) -> None:
+    from nemo_rl.environments.config import EnvConfigs
+
+    tasks = EnvConfigs.model_validate({"number_guess": {}}).specs()
+    spec = TaskDataSpec(task_name="number_guess", prompt=None, system_prompt=None)
+    rows = [{"prompt": "Guess 1-9", "secret": 3}, {"prompt": "Guess 1-9", "low": 1}]
+    with pytest.raises(DataError) as info:
+        PromptDataset(rows, chat_tokenizer, spec, 64, source="games.jsonl", tasks=tasks)
+    assert str(info.value) == (
+        "games.jsonl: row 1 has no field 'secret', which the environment of task "
+        "'number_guess' needs; its fields are ['low', 'prompt']. Add it to every row of the task"
+    )
+    mixed = [{"prompt": "Guess", "secret": 3}, {"prompt": "1+1", "task_name": "math"}]
+    with pytest.raises(DataError, match="row 1 has no field 'answer' \\(read from the field "
+                                        "'answer', set by data.answer_key\\)"):
+        PromptDataset(mixed, chat_tokenizer, spec, 64, source="mix", tasks=tasks)
+    ok = PromptDataset(mixed[:1], chat_tokenizer, spec, 64, tasks=tasks)
+    assert ok[0]["extra_env_info"] == {"secret": 3} and ok[0]["task_name"] == "number_guess"
+
+
+def test_missing_data_file_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="data.train_path: file 'missing.jsonl' does not exist"):
+        DataConfig(train_path="missing.jsonl")

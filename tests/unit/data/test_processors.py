@@ -14,6 +14,7 @@ from nemo_rl.data.processors import (
     math_data_processor,
     message_log_length,
     prompt_only_processor,
+    reward_fn_processor,
     sft_data_processor,
 )
 
@@ -79,3 +80,13 @@ def test_processor_by_name_or_import_path() -> None:
         get_processor("chess", "env.x.processor")
     with pytest.raises(PluginError, match="cannot be called as processor\\(datum_dict"):
         get_processor("os.path:basename", "env.x.processor")
+
+
+def test_reward_fn_processor_keeps_the_raw_prompt_answer_and_other_fields(
+    chat_tokenizer: Any,
+) -> None:
+    row = {"prompt": "Name a fruit", "answer": None, "task_name": "t", "colour": "red"}
+    datum = reward_fn_processor(row, SPEC, chat_tokenizer, 64, 0)
+    assert datum["extra_env_info"] == {
+        "prompt": "Name a fruit", "answer": None, "metadata": {"colour": "red"}
+    }
