@@ -97,7 +97,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train, val, _ = setup_datasets(cfg.data, tokenizer, tasks=cfg.env.specs())
+    train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.grpo.seed)
     check_prompt_lengths(train, cfg.policy.max_total_sequence_length)
     loader = StatefulPromptLoader(
         train, cfg.grpo.prompts_per_generation_batch, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle

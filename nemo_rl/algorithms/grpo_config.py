@@ -6,12 +6,14 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
-from nemo_rl.data.files import check_data_file
+from nemo_rl.data.files import FILE_READERS, check_data_file
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
@@ -123,6 +125,43 @@ class ClusterConfig(ConfigModel):
     )
 
 
+class DatasetSourceConfig(ConfigModel):
+    """One dataset of ``data.train_datasets``, mixed with the others by weight."""
+
+    path: str = Field(
+        min_length=1,
+        description="Local file (.jsonl, .json or .parquet), or an HF datasets name / local "
+        "dataset folder.",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="Share of the mixture: an epoch of the mixture has as many rows as all "
+        "datasets together, weight / sum(weights) of them drawn from this one (its rows "
+        "repeated or subsampled, in a seeded order).",
+    )
+    split: str = Field(default="train", description="HF split (ignored for a local file).")
+    subset: str | None = Field(default=None, description="HF config (subset) name. None: none.")
+    prompt_key: str | None = Field(
+        default=None, description="Field holding the prompt. None: data.prompt_key."
+    )
+    answer_key: str | None = Field(
+        default=None, description="Field holding the answer. None: data.answer_key."
+    )
+    task_name: str | None = Field(
+        default=None,
+        description="Task of this dataset's rows without a task_name field of their own. None: "
+        "data.task_name.",
+    )
+
+    @model_validator(mode="after")
+    def _check_local_file(self) -> DatasetSourceConfig:
+        path = Path(self.path)
+        if path.suffix.lower() in FILE_READERS or path.is_file():
+            check_data_file(self.path, "data.train_datasets[].path")
+        return self
+
+
 class DataConfig(ConfigModel):
     """Prompt data (``data``); built by :func:`nemo_rl.data.datasets.setup_datasets`."""
 
@@ -146,6 +185,11 @@ class DataConfig(ConfigModel):
         description="Local validation file (.jsonl, .json or .parquet), read whatever "
         "dataset_name says. None: dataset_name's val_split (the synthetic task's own validation "
         "set when it also gives the training rows).",
+    )
+    train_datasets: list[DatasetSourceConfig] = Field(
+        default_factory=list,
+        description="Several training datasets mixed by weight (each with its own keys and "
+        "task); replaces train_path and dataset_name's training split. Empty: not used.",
     )
     train_split: str = Field(default="train", description="HF split used for training.")
     val_split: str | None = Field(
@@ -192,7 +236,11 @@ class DataConfig(ConfigModel):
     @property
     def uses_synthetic(self) -> bool:
         """Whether the training rows are the built-in synthetic task's."""
-        return self.dataset_name == SYNTHETIC_ARITHMETIC and self.train_path is None
+        return (
+            self.dataset_name == SYNTHETIC_ARITHMETIC
+            and self.train_path is None
+            and not self.train_datasets
+        )
 
     @model_validator(mode="after")
     def _check_files(self) -> DataConfig:
@@ -201,6 +249,11 @@ class DataConfig(ConfigModel):
             path = getattr(self, name)
             if path is not None:
                 check_data_file(path, f"data.{name}")
+        if self.train_datasets and self.train_path is not None:
+            raise ValueError(
+                "data.train_datasets and data.train_path both name the training data; set one "
+                "(add train_path's file to train_datasets as {path: ..., weight: ...})"
+            )
         return self
 
 
@@ -299,6 +352,9 @@ class GRPOMasterConfig(ConfigModel):
         """The rows' default task names a configured environment (whose processor resolved
         when ``env`` was validated); rows' own task names are checked when the data loads."""
         self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
+        for i, source in enumerate(self.data.train_datasets):
+            if source.task_name is not None:
+                self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")
 
     def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
         """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose

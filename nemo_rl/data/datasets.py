@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
+import torch
 from torch.utils.data import Dataset
 
 from nemo_rl.data.files import DataError, read_data_file
@@ -190,8 +191,51 @@ class PromptDataset(Dataset):
         return self._process(idx, sys.maxsize)["length"]
 
 
+class MixedPromptDataset(Dataset):
+    """Several :class:`PromptDataset` mixed by weight into one epoch of ``sum(len)`` rows.
+
+    Dataset ``i`` contributes ``round(weight_i / sum(weights) * total)`` rows (the last one
+    takes the rounding remainder): its rows in a seeded random order, cycled when it has fewer.
+    Item ``k`` is the datum of that row with ``idx`` = k, so indices stay unique in a batch.
+
+    Args:
+        datasets: the datasets, each already checked (prompts, tasks, required fields).
+        weights: positive weight per dataset.
+        seed: seed of each dataset's row order.
+    """
+
+    def __init__(self, datasets: Sequence[PromptDataset], weights: Sequence[float], seed: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        total = sum(len(d) for d in datasets)
+        counts = [round(w / sum(weights) * total) for w in weights[:-1]]
+        counts.append(total - sum(counts))
+        self.datasets = list(datasets)
+        self.index: list[tuple[int, int]] = []
+        for i, (dataset, count) in enumerate(zip(datasets, counts)):
+            generator = torch.Generator().manual_seed(seed + i)
+            order = torch.randperm(len(dataset), generator=generator).tolist()
+            self.index += [(i, order[j % len(order)]) for j in range(count)]
+        self.counts = counts
+        self.source = " + ".join(f"{d.source} x{c}" for d, c in zip(datasets, counts))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, k: int) -> DatumSpec:
+        i, row = self.index[k]
+        datum = self.datasets[i][row]
+        datum["idx"] = k
+        return datum
+
+    def prompt_length(self, k: int) -> int:
+        """Tokens of item ``k``'s prompt before any truncation."""
+        i, row = self.index[k]
+        return self.datasets[i].prompt_length(row)
+
+
 def check_prompt_lengths(
-    dataset: PromptDataset,
+    dataset: PromptDataset | MixedPromptDataset,
     max_seq_len: int,
     config_key: str = "policy.max_total_sequence_length",
     allow_truncation: bool = False,
@@ -266,7 +310,9 @@ def load_data_splits(data_cfg: Any) -> tuple[Split, Optional[Split]]:
     """
     synthetic = data_cfg.dataset_name == SYNTHETIC_ARITHMETIC
     generated = synthetic_arithmetic_splits(data_cfg.synthetic) if data_cfg.uses_synthetic else None
-    if data_cfg.train_path is not None:
+    if data_cfg.train_datasets:
+        train = Split([], "data.train_datasets")  # mixed by setup_datasets
+    elif data_cfg.train_path is not None:
         train = Split(load_rows(data_cfg.train_path), data_cfg.train_path)
     elif generated is not None:
         train = Split(generated[0], SYNTHETIC_ARITHMETIC, canonical_keys=True)
@@ -286,17 +332,22 @@ def load_data_splits(data_cfg: Any) -> tuple[Split, Optional[Split]]:
 
 
 def setup_datasets(
-    data_cfg: Any, tokenizer: Any, tasks: Optional[Mapping[str, TaskRows]] = None
-) -> tuple[PromptDataset, Optional[PromptDataset], TaskDataSpec]:
+    data_cfg: Any,
+    tokenizer: Any,
+    tasks: Optional[Mapping[str, TaskRows]] = None,
+    seed: int = 0,
+) -> tuple[PromptDataset | MixedPromptDataset, Optional[PromptDataset], TaskDataSpec]:
     """Train and validation :class:`PromptDataset` of a DataConfig (prompts cut at
-    ``data.max_input_seq_length``, which must be set) and their task spec.
+    ``data.max_input_seq_length``, which must be set) and their task spec; the training set
+    is a :class:`MixedPromptDataset` when ``data.train_datasets`` lists several sources (each
+    with its own keys and task).
 
     ``tokenizer`` renders with its chat template when it has one (see
     :mod:`nemo_rl.data.templates`); ``tasks`` are the run's environments' tasks, anything with
     ``processor`` and ``required_fields`` by task name (the
     :class:`~nemo_rl.environments.registry.EnvironmentSpec` of
     :meth:`nemo_rl.environments.config.EnvConfigs.specs`); None: the registered processors as
-    tasks.
+    tasks. ``seed`` orders the rows a mixture draws from each dataset.
 
     Raises:
         nemo_rl.data.files.DataError: a file that does not parse, a row without its prompt,
@@ -310,19 +361,30 @@ def setup_datasets(
     spec = build_task_data_spec(data_cfg)
     train_split, val_split = load_data_splits(data_cfg)
 
-    def make(split: Split) -> PromptDataset:
+    def make(split: Split, source_cfg: Any = None) -> PromptDataset:
+        prompt_key = getattr(source_cfg, "prompt_key", None) or data_cfg.prompt_key
+        answer_key = getattr(source_cfg, "answer_key", None) or data_cfg.answer_key
+        task_name = getattr(source_cfg, "task_name", None)
         return PromptDataset(
             split.rows,
             tokenizer,
-            spec,
+            spec if task_name is None else TaskDataSpec(**{**spec, "task_name": task_name}),
             data_cfg.max_input_seq_length,
-            prompt_key="prompt" if split.canonical_keys else data_cfg.prompt_key,
-            answer_key="answer" if split.canonical_keys else data_cfg.answer_key,
+            prompt_key="prompt" if split.canonical_keys else prompt_key,
+            answer_key="answer" if split.canonical_keys else answer_key,
             source=split.source,
             tasks=tasks,
         )
 
-    return make(train_split), None if val_split is None else make(val_split), spec
+    val = None if val_split is None else make(val_split)
+    if not data_cfg.train_datasets:
+        return make(train_split), val, spec
+    parts = [
+        make(Split(load_rows(s.path, s.split, s.subset), s.path), s)
+        for s in data_cfg.train_datasets
+    ]
+    weights = [s.weight for s in data_cfg.train_datasets]
+    return MixedPromptDataset(parts, weights, seed), val, spec
 
 
 def setup_synthetic_sft_dataset(data_cfg: Any, tokenizer: Any, num_rows: int) -> PromptDataset:

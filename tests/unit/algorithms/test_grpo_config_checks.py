@@ -179,3 +179,11 @@ def test_cpu_override_of_the_distributed_optimizer_says_so_once(
     assert given.use_distributed_optimizer is True  # the config object is not changed
     lines = [r.getMessage() for r in caplog.records if "use_distributed_optimizer" in r.getMessage()]
     assert len(lines) == 1 and "overridden to false on CPU" in lines[0]
+
+
+def test_mixture_task_names_are_checked_at_config_time() -> None:
+    games = TINY.parent / "data" / "number_guess_train.jsonl"
+    mixture = f"data.train_datasets=[{{path: {games}, task_name: number_gues}}]"
+    message = refusal("sft_warmup.enabled=false", mixture, "env.number_guess={}")
+    assert "data.train_datasets[0].task_name='number_gues' names no environment: did you " \
+           "mean 'number_guess'?" in message

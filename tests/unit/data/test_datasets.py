@@ -242,3 +242,38 @@ def test_rows_must_hold_what_their_environment_declares(chat_tokenizer: Any) -> 
 def test_missing_data_file_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="data.train_path: file 'missing.jsonl' does not exist"):
         DataConfig(train_path="missing.jsonl")
+
+
+def test_datasets_mixed_by_weight_with_their_own_keys_and_tasks(
+    chat_tokenizer: Any, tmp_path: Path
+) -> None:
+    from nemo_rl.environments.config import EnvConfigs
+
+    sums = _jsonl(tmp_path / "sums.jsonl", ROWS)  # question / solution, task math
+    games = _jsonl(tmp_path / "games.jsonl", [{"prompt": f"Guess {i}", "secret": i} for i in range(4)])
+    cfg = DataConfig(
+        train_datasets=[
+            {"path": str(sums), "weight": 3.0, "prompt_key": "question", "answer_key": "solution"},
+            {"path": str(games), "weight": 1.0, "task_name": "number_guess"},
+        ],
+        max_input_seq_length=64,
+    )
+    assert not cfg.uses_synthetic
+    tasks = EnvConfigs.model_validate({"number_guess": {}}).specs()
+    train, val, _ = setup_datasets(cfg, chat_tokenizer, tasks, seed=5)
+    assert val is None and len(train) == 10 and train.counts == [8, 2]  # 3:1 of 6 + 4 rows
+    items = [train[k] for k in range(len(train))]
+    assert [d["idx"] for d in items] == list(range(10))
+    assert [d["task_name"] for d in items] == ["math"] * 8 + ["number_guess"] * 2
+    truths = sorted(d["extra_env_info"]["ground_truth"] for d in items[:8])
+    assert set(truths) == {str(i + 1) for i in range(6)}  # every row once, two repeated
+    assert all("secret" in d["extra_env_info"] for d in items[8:])
+    assert train.prompt_length(9) == len(items[9]["message_log"][0]["token_ids"]) + sum(
+        len(m["token_ids"]) for m in items[9]["message_log"][1:]
+    )
+    again, _, _ = setup_datasets(cfg, chat_tokenizer, tasks, seed=5)
+    assert again.index == train.index
+    with pytest.raises(ValueError, match="data.train_datasets and data.train_path both"):
+        DataConfig(train_datasets=[{"path": str(sums)}], train_path=str(sums))
+    with pytest.raises(ValueError, match="data.train_datasets\\[\\].path: file 'x.jsonl' does"):
+        DataConfig(train_datasets=[{"path": "x.jsonl"}])
