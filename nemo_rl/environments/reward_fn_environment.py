@@ -20,7 +20,11 @@ from typing import Any, Callable
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
-from nemo_rl.environments.common import batch_success_metrics, last_assistant_content
+from nemo_rl.environments.common import (
+    batch_success_metrics,
+    final_step_return,
+    last_assistant_content,
+)
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.utils.plugins import load_function
 
@@ -84,15 +88,7 @@ class RewardFnEnvironment(EnvironmentInterface):
             self._score(i, log, meta)
             for i, (log, meta) in enumerate(zip(message_log_batch, metadata, strict=True))
         ]
-        size = len(rewards)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(size)],
-            metadata=[None] * size,
-            next_stop_strings=[None] * size,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(size, dtype=torch.bool),
-            answers=[None] * size,
-        )
+        return final_step_return(torch.tensor(rewards, dtype=torch.float32))
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         """``accuracy`` (share of samples with reward >= 1) and ``pass@k``; batch unchanged."""

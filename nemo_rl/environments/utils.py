@@ -17,6 +17,7 @@ import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.environments.common import final_step_return
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
@@ -67,14 +68,7 @@ def shutdown_environments(task_to_env: dict[str, Any]) -> None:
 def failed_step_return(size: int) -> EnvironmentReturn:
     """What a failed environment step gives its ``size`` samples: reward 0, episode over,
     an empty observation, no metadata, stop strings or answer."""
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": ""} for _ in range(size)],
-        metadata=[None] * size,
-        next_stop_strings=[None] * size,
-        rewards=torch.zeros(size, dtype=torch.float32),
-        terminateds=torch.ones(size, dtype=torch.bool),
-        answers=[None] * size,
-    )
+    return final_step_return(torch.zeros(size, dtype=torch.float32))
 
 
 def _check_return(result: Any, size: int) -> EnvironmentReturn:

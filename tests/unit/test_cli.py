@@ -130,3 +130,17 @@ def test_misspelt_task_name_is_refused_at_config_time(capsys: pytest.CaptureFixt
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert "data.task_name='maths' names no environment: did you mean 'math'?" in captured.err
+
+
+def test_plugin_environment_added_by_override(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main([
+        "grpo", "--config", TINY, "--print-config", "+env.mine.reward_fn=os.path:join",
+        "+env.mine.num_cpus=0.5", "data.task_name=mine",
+    ])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert code == 0
+    assert printed["env"]["mine"] == {"num_cpus": 0.5, "processor": None, "cls": None,
+                                      "reward_fn": "os.path:join"}
+    code = cli.main(["grpo", "--config", TINY, "+env.mine.reward_fn=os.path:nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and "env.mine.reward_fn='os.path:nope': 'os.path' has no attribute" in err
