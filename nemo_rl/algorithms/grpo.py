@@ -81,6 +81,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.data.datasets import (
         check_prompt_lengths,
         setup_datasets,
+        setup_demonstration_dataset,
         setup_synthetic_sft_dataset,
     )
     from nemo_rl.data.llm_message_utils import rl_collate_fn
@@ -110,7 +111,14 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
 
     sft_loader = None
     if cfg.sft_warmup.enabled:
-        sft_set = setup_synthetic_sft_dataset(cfg.data, tokenizer, cfg.sft_warmup.num_samples)
+        warmup = cfg.sft_warmup
+        sft_set = (
+            setup_synthetic_sft_dataset(cfg.data, tokenizer, warmup.num_samples)
+            if warmup.train_path is None
+            else setup_demonstration_dataset(
+                cfg.data, warmup.train_path, tokenizer, warmup.response_key
+            )
+        )
         check_prompt_lengths(sft_set, cfg.policy.max_total_sequence_length)
         sft_loader = StatefulPromptLoader(
             sft_set, cfg.sft_warmup.global_batch_size, seed=cfg.grpo.seed, shuffle=True

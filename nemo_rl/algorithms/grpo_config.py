@@ -280,7 +280,8 @@ class GRPOMasterConfig(ConfigModel):
     )
     sft_warmup: SFTWarmupConfig = Field(
         default_factory=SFTWarmupConfig,
-        description="Supervised warm start before the first GRPO step (synthetic task only).",
+        description="Supervised warm start before the first GRPO step (the synthetic task's "
+        "replies, or sft_warmup.train_path's demonstrations).",
     )
 
     @model_validator(mode="after")
@@ -321,12 +322,14 @@ class GRPOMasterConfig(ConfigModel):
                 )
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
-        if self.sft_warmup.enabled and not self.data.uses_synthetic:
+        warmup = self.sft_warmup
+        if warmup.enabled and warmup.train_path is None and not self.data.uses_synthetic:
             raise ValueError(
-                f"sft_warmup.enabled needs the synthetic task's rows (data.dataset_name="
-                f"{SYNTHETIC_ARITHMETIC!r} without data.train_path: the only task with built-in "
-                f"reference replies), got dataset_name={self.data.dataset_name!r}, train_path="
-                f"{self.data.train_path!r}; disable sft_warmup or warm-start the model beforehand"
+                f"sft_warmup.enabled needs demonstrations: set sft_warmup.train_path to a file "
+                f"of prompts and replies, or train on the synthetic task's rows (data."
+                f"dataset_name={SYNTHETIC_ARITHMETIC!r} without data.train_path, the only task "
+                f"with built-in replies); got dataset_name={self.data.dataset_name!r}, "
+                f"train_path={self.data.train_path!r}"
             )
         self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
         return self

@@ -408,3 +408,33 @@ def setup_synthetic_sft_dataset(data_cfg: Any, tokenizer: Any, num_rows: int) ->
         data_cfg.max_input_seq_length,
         source=f"{SYNTHETIC_ARITHMETIC} (sft)",
     )
+
+
+def setup_demonstration_dataset(
+    data_cfg: Any, path: str, tokenizer: Any, response_key: str = "response"
+) -> PromptDataset:
+    """Warm-start rows of a demonstrations file: each row's prompt (``data.prompt_key``,
+    rendered with the GRPO prompts' template and system prompt) followed by its reference
+    reply (``response_key``) as an assistant message (task "sft", whatever the row's own
+    ``task_name``).
+
+    Raises:
+        nemo_rl.data.files.DataError: a line that does not parse, or a row without its prompt
+            or its reply (naming the file, row and field).
+    """
+    rows = load_rows(path)
+    check_rows_have(rows, response_key, "sft_warmup.response_key", path)
+    demos = [
+        {**{k: v for k, v in dict(row).items() if k != "task_name"}, "response": row[response_key]}
+        for row in rows
+    ]
+    spec = build_task_data_spec(data_cfg)
+    return PromptDataset(
+        demos,
+        tokenizer,
+        TaskDataSpec(task_name="sft", prompt=spec["prompt"], system_prompt=spec["system_prompt"]),
+        data_cfg.max_input_seq_length,
+        prompt_key=data_cfg.prompt_key,
+        answer_key=data_cfg.answer_key,
+        source=path,
+    )

@@ -1,6 +1,6 @@
 """The shipped multi-turn recipes run from the CLI on their own data: number guessing (several
-guesses per sample) and the calculator tool, two GRPO steps each, every environment call
-answered without an error."""
+guesses per sample) and the calculator tool (after a short warm start on the recipe's own
+demonstrations file), two GRPO steps each, every environment call answered without an error."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_multi_turn_recipe_runs_from_the_cli(recipe: str, min_turns: float, tmp_
         [
             sys.executable, "-m", "nemo_rl.cli", "grpo", "--config", f"configs/{recipe}",
             "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=false",
-            "grpo.max_val_samples=8", "checkpointing.enabled=false",
+            "grpo.max_val_samples=8", "checkpointing.enabled=false", "sft_warmup.num_steps=5",
             f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
         ],
         cwd=REPO, capture_output=True, text=True, timeout=840,

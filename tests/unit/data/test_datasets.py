@@ -277,3 +277,19 @@ def test_datasets_mixed_by_weight_with_their_own_keys_and_tasks(
         DataConfig(train_datasets=[{"path": str(sums)}], train_path=str(sums))
     with pytest.raises(ValueError, match="data.train_datasets\\[\\].path: file 'x.jsonl' does"):
         DataConfig(train_datasets=[{"path": "x.jsonl"}])
+
+
+def test_demonstrations_file_for_the_warm_start(chat_tokenizer: Any, tmp_path: Path) -> None:
+    from nemo_rl.data.datasets import setup_demonstration_dataset
+
+    demos = _jsonl(tmp_path / "demos.jsonl", [
+        {"question": "What is 2 * 3?", "reply": "<calc>2 * 3</calc>", "task_name": "calculator"},
+    ])
+    cfg = DataConfig(prompt_key="question", task_name="calculator", max_input_seq_length=64)
+    ds = setup_demonstration_dataset(cfg, str(demos), chat_tokenizer, response_key="reply")
+    datum = ds[0]
+    assert datum["task_name"] == "sft"
+    assert datum["message_log"][-1]["role"] == "assistant"
+    assert datum["message_log"][-1]["content"] == "<calc>2 * 3</calc><|im_end|>"
+    with pytest.raises(DataError, match="row 0 has no field 'response' \\(sft_warmup.response_key\\)"):
+        setup_demonstration_dataset(cfg, str(demos), chat_tokenizer)
