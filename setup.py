@@ -28,7 +28,6 @@ COMMON = [
     "math-verify>=0.7",
     "numpy>=1.26",
     "psutil>=5.9",  # kill_actors waits for killed actors' processes to exit
-    "numba>=0.60",  # the refit sender's one-pass copy + checksum kernel
 ]
 
 EXTRAS = {

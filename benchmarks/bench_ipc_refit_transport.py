@@ -89,11 +89,11 @@ def receiver_main(device_name: str, inbox: Any, outbox: Any, packing_done: Any) 
         receiver.prepare_refit_info(inbox.get())
         outbox.put("ready")
         while (stream := inbox.get()) is not None:
-            receiver.receive_ipc_stream(
+            receiver.receive_weights_ipc_stream(
                 stream, lambda: "finished" if packing_done.is_set() else None, timeout_s=120
             )
             checked = time.perf_counter()
-            timings = receiver.commit()
+            timings = receiver.commit_weight_update()
             outbox.put({"checked": checked, "load_s": timings["load_s"],
                         "receive_s": timings["receive_s"]})
     except Exception as err:  # report instead of leaving the sender waiting
@@ -116,13 +116,14 @@ def main() -> None:
             "--device cpu runs the same transport over shared memory"
         )
 
+    from nemo_rl.models.generation.refit.interfaces import RefitSettings
     from nemo_rl.models.generation.refit.sender import RefitSender
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     tensors = llama_tensors(args.layers, args.hidden, device)
-    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, device)
+    settings = RefitSettings(args.bucket_mb * 1024**2, None, timeout_s=120.0, checksums=True)
+    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, device, settings)
     info = sender.prepare_refit_info()
-    bucket_bytes = args.bucket_mb * 1024**2
     nbytes = sum(t.numel() * t.itemsize for t in tensors.values())
 
     ctx = multiprocessing.get_context("spawn")
@@ -137,13 +138,13 @@ def main() -> None:
         for repeat in range(args.repeats + 1):  # the first one warms up both sides
             baseline = memcpy.bandwidth()
             packing_done.clear()
-            stream = sender.start_stream(bucket_bytes)
+            stream = sender.prepare_weights_for_ipc()
             inbox.put(stream)
             start = time.perf_counter()
-            sender.pack_stream()
+            sender.stream_weights_ipc()
             packing_done.set()
             report = outbox.get(timeout=300)
-            timings = sender.finish_stream()
+            timings = sender.finish_weights_ipc()
             if not isinstance(report, dict):
                 raise RuntimeError(f"receiver: {report}")
             if repeat:

@@ -5,12 +5,13 @@ heads of 64, MLP 4096, the ~1,000-token BPE vocabulary of the tiny models so the
 the weight), built once with :func:`nemo_rl.models.tiny.build_tiny_model`. One
 :class:`Policy` rank (TP=1, ``--precision``) and one :class:`VllmGeneration` engine share one
 bundle of a local Ray cluster; each refit is ``refit_policy_generation(colocated=True)`` with
-``--bucket-mb`` buckets.
+``--bucket-mb`` buckets (``policy.refit_buffer_size_gb``), bucket checksums on or off
+(``policy.refit_checksums``).
 
 Reported, median of ``--repeats`` refits after one warm-up (which also sends the refit info):
 
 * the refit's own split (:class:`RefitResult.seconds`): the sender's ``export_s`` (waiting for
-  ``export_hf_weights``) and ``pack_s`` (copying into the shared buffer + checksum); the
+  ``export_hf_weights``) and ``pack_s`` (copying into the shared buffer, + checksum); the
   engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (the model's loaders
   copying straight from the shared buffer into its live parameters, or vLLM's
   ``reload_weights`` where the backend repacked them); ``stream_s`` (export +
@@ -26,15 +27,9 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
 
 Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
-    PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5]
+    PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5] [--checksums off]
 
-Measured on the quiet 2-core machine, 0.508 GB bf16 stream, 64 MiB buckets (8), median of 5
-refits, this version (one-pass copy + checksum on two threads) and the one before it (torch
-copy, then sum, one thread) run alternately, four pairs: transfer 0.069-0.075 s (pack
-0.046-0.053 s) against 0.095-0.099 s; transfer / memcpy 0.48-0.53 (2 threads) and 0.69-0.75
-(1 thread), before 0.31-0.38 and 0.53-0.55; end to end 0.21-0.23 s, of which the engine load
-is 0.11 s. Over ten runs of this version: 0.48-0.55 of the 2-thread memcpy, median 0.525.
-See docs/performance.md (refit section) for the split and what bounds it.
+Measured numbers and what bounds them: docs/performance.md (refit section).
 """
 
 from __future__ import annotations
@@ -63,6 +58,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--precision", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--checksums", default="on", choices=["on", "off"])
     args = parser.parse_args()
 
     from nemo_rl.distributed.ray_bootstrap import ray_cluster
@@ -75,20 +71,22 @@ def main() -> None:
     from nemo_rl.models.tiny import build_tiny_model
 
     model_path = build_tiny_model("llama", **SIZES)
-    bucket_bytes = args.bucket_mb * 1024**2
-    policy_cfg = PolicyConfig(
-        model_name=str(model_path),
-        precision=args.precision,
-        train_global_batch_size=1,
-        train_micro_batch_size=1,
-        max_total_sequence_length=256,
-    )
     gen_cfg = GenerationConfig(
         max_new_tokens=8,
         vllm_cfg=VllmConfig(
             precision=args.precision, max_model_len=256, kv_cache_memory_bytes=64 * 1024**2,
             enforce_eager=True,
         ),
+    )
+    policy_cfg = PolicyConfig(
+        model_name=str(model_path),
+        precision=args.precision,
+        train_global_batch_size=1,
+        train_micro_batch_size=1,
+        max_total_sequence_length=256,
+        generation=gen_cfg,
+        refit_buffer_size_gb=args.bucket_mb / 1024,
+        refit_checksums=args.checksums == "on",
     )
     with ray_cluster(num_cpus=8):
         cluster = RayVirtualCluster(
@@ -97,9 +95,7 @@ def main() -> None:
         policy = Policy(cluster, policy_cfg, init_reference_model=False)
         generation = VllmGeneration(cluster, gen_cfg, str(model_path), pad_token_id=0)
         try:
-            refit = lambda: refit_policy_generation(  # noqa: E731
-                policy, generation, colocated=True, bucket_bytes=bucket_bytes
-            )
+            refit = lambda: refit_policy_generation(policy, generation, colocated=True)  # noqa: E731
             warm = refit()
             memcpy = Memcpy(warm.nbytes)
             runs, memcpy_1, memcpy_2 = [], [], []
@@ -119,7 +115,7 @@ def main() -> None:
     split["transfer_s"] = statistics.median(transfer)
 
     print(f"command: PYTHONPATH=. python benchmarks/bench_refit.py --bucket-mb {args.bucket_mb} "
-          f"--repeats {args.repeats} --precision {args.precision}")
+          f"--repeats {args.repeats} --precision {args.precision} --checksums {args.checksums}")
     print(f"stream: {nbytes / 1e9:.3f} GB {args.precision} in {warm.num_buckets} buckets of "
           f"{args.bucket_mb} MiB; versions {[r.version for r in runs]}")
     print(f"memcpy of the same bytes (median of {args.repeats}, each right before a refit): "

@@ -41,6 +41,7 @@ from megatron_bridge.checkpoint import (
 )
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
+from megatron_bridge.fallback_warnings import quiet_fallback_warnings
 from megatron_bridge.hub import resolve_hf_checkpoint
 from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.tensor_check import check_hf_tensors
@@ -71,6 +72,12 @@ def _checkpoint_kind(path: Path) -> str:
         return "megatron"
     if (path / "config.json").is_file():
         return "hf"
+    if (path / ".metadata").is_file():
+        raise CliError(
+            f"{path} is a Megatron dist checkpoint without {BRIDGE_FILE}, so the model it holds "
+            "is unknown (a nemo_rl policy checkpoint saved before they carried one: export it "
+            "with `nemo-rl export CHECKPOINT HF_OUT --model MODEL`)"
+        )
     raise CliError(f"{path} is neither an HF checkpoint (config.json) nor a Megatron one ({BRIDGE_FILE})")
 
 
@@ -484,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_fallback_warnings()  # conversion does not need the accelerators: no note
     try:
         return args.func(args)
     except CliError as err:

@@ -12,6 +12,10 @@ to a byte range of a ``.distcp`` file holding it as ``torch.save`` output. Chunk
 here directly (``torch.load`` through a window on the file, which reads the bytes straight
 into the new tensor); a region that is exactly one stored chunk is that loaded tensor, with no
 further copy (DCP's own ``read_data`` always copies into a destination tensor).
+
+A training checkpoint (model and optimizer saved together, as nemo_rl's policy saves them)
+is read the same way: megatron-core keys every optimizer tensor under ``optimizer.``
+(:data:`OPTIMIZER_KEY_PREFIX`), and those are not model tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ import torch
 
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.dist_ckpt_layout import global_region
+
+# Prefix of the keys megatron-core's optimizers give their sharded state (Adam moments, fp32
+# master copies) in a dist checkpoint saved with the model.
+OPTIMIZER_KEY_PREFIX = "optimizer."
 
 
 class _FileWindow(io.RawIOBase):
@@ -178,7 +186,8 @@ def checkpoint_hf_weights(
     Args:
         ckpt_dir: a checkpoint written by :func:`~megatron_bridge.checkpoint.
             save_megatron_checkpoint` or :func:`~megatron_bridge.dist_ckpt_writer.
-            convert_hf_to_dist_checkpoint`.
+            convert_hf_to_dist_checkpoint`, or a training checkpoint holding the model's
+            tensors with its optimizer's (skipped) and a ``bridge.json``.
         bridge: its :class:`BridgeConfig` (:func:`~megatron_bridge.checkpoint.
             checkpoint_bridge`), which carries the saved vocabulary padding.
         dtype: cast to this dtype; None keeps the stored one.
@@ -195,7 +204,11 @@ def checkpoint_hf_weights(
     reader = DistCheckpointReader(ckpt_dir)
     dims = bridge.dims(1)
     plan = bridge.plan()
-    stored = {k for k, md in reader.metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+    stored = {
+        k
+        for k, md in reader.metadata.state_dict_metadata.items()
+        if hasattr(md, "chunks") and not k.startswith(OPTIMIZER_KEY_PREFIX)
+    }
     leftover = sorted(stored - {global_region(m, bridge)[0] for m in plan})
     if leftover:
         reader.close()

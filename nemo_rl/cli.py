@@ -2,18 +2,17 @@
 
 Each recipe command (see :mod:`nemo_rl.commands` for the registry and the parser) loads and
 validates its recipe against its typed schema, prints the resolved config and hands the
-validated model to the command's run function. ``nemo-rl launch ...`` goes to
-:mod:`nemo_rl.launch.cli`. Exit codes: the run function's integer result (0 when it returns
-None), 2 for a config or usage error, including bad input the run finds when it reads it (a
-:class:`~nemo_rl.utils.config.ConfigError` such as a data file's bad line).
+validated model to the command's run function. The commands with their own arguments
+(``nemo-rl export ...``, ``nemo-rl launch ...``: ``TOOL_COMMANDS``) get the rest of the line.
+Exit codes: the run function's integer result (0 when it returns None), 2 for a config or
+usage error (also one the run function finds, raised as ``ConfigError``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
-from nemo_rl.utils.config import ConfigError, config_to_yaml
+from megatron_bridge.fallback_warnings import quiet_fallback_warnings
 
 
 def _show_yaml(text: str) -> None:
@@ -30,11 +29,21 @@ def _show_yaml(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["launch"]:
-        from nemo_rl.launch.cli import main as launch_main
+    # before anything imports megatron-core, here or in the processes the run starts
+    note = quiet_fallback_warnings()
+    from nemo_rl.commands import (
+        RECIPE_COMMANDS,
+        TOOL_COMMANDS,
+        load_recipe,
+        parse_recipe_command,
+    )
+    from nemo_rl.utils.config import ConfigError, config_to_yaml
 
-        return launch_main(argv[1:])
+    if argv and argv[0] in TOOL_COMMANDS:
+        return TOOL_COMMANDS[argv[0]].main()(argv[1:])
     args = parse_recipe_command(argv)
+    if note and not args.print_config:
+        print(f"nemo-rl: {note}", file=sys.stderr)
     try:
         cfg = load_recipe(args)
     except ConfigError as exc:
@@ -45,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = RECIPE_COMMANDS[args.command].run_function()(cfg)
-    except ConfigError as exc:
-        print(f"nemo-rl {args.command}: error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # found when the run starts (e.g. against its checkpoints)
+        print(f"nemo-rl {args.command}: config error: {exc}", file=sys.stderr)
         return 2
     return 0 if result is None else int(result)
 

@@ -2,7 +2,9 @@
 
 A recipe command, ``nemo-rl <name> --config RECIPE [overrides...] [--print-config]``, loads a
 YAML recipe, validates it against the command's schema and calls the command's run function with
-the validated model. :data:`RECIPE_COMMANDS` lists them. Two modules read this registry and
+the validated model. :data:`RECIPE_COMMANDS` lists them; :data:`TOOL_COMMANDS` lists the
+commands with arguments of their own (``nemo-rl export ...``, ``nemo-rl launch ...``), each a
+``main(argv) -> exit code``. Two modules read this registry and
 neither imports the other for it: :mod:`nemo_rl.cli` (the ``nemo-rl`` entry point, which runs
 a command) and :mod:`nemo_rl.launch.recipe` (which reads a driver command's recipe to size a
 slurm job before submitting it). Nothing here imports a run function's module.
@@ -19,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
 
 
@@ -44,6 +47,35 @@ class RecipeCommand:
 
 RECIPE_COMMANDS: dict[str, RecipeCommand] = {
     "grpo": RecipeCommand(GRPOMasterConfig, "nemo_rl.algorithms.grpo", "run"),
+    "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
+}
+
+
+@dataclass(frozen=True)
+class ToolCommand:
+    """One ``nemo-rl <name> ARGS...`` command that parses its own arguments.
+
+    Attributes:
+        help: one line for ``nemo-rl --help``.
+        module: the module whose ``main(argv: list[str]) -> int`` runs the command with the
+            arguments after ``<name>``; imported only when the command runs.
+    """
+
+    help: str
+    module: str
+
+    def main(self) -> Callable[[list[str]], int]:
+        """Import and return the command's ``main``."""
+        return importlib.import_module(self.module).main
+
+
+TOOL_COMMANDS: dict[str, ToolCommand] = {
+    "export": ToolCommand(
+        "write an HF model folder from a training checkpoint", "nemo_rl.models.policy.export"
+    ),
+    "launch": ToolCommand(
+        "run a command on Ray across slurm nodes or locally", "nemo_rl.launch.cli"
+    ),
 }
 
 _OVERRIDE_HELP = (
@@ -54,8 +86,8 @@ _OVERRIDE_HELP = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``nemo-rl`` argument parser: one subcommand per entry of :data:`RECIPE_COMMANDS`,
-    and ``launch`` (listed for ``--help``; :func:`nemo_rl.cli.main` hands ``launch ...`` to
-    :mod:`nemo_rl.launch.cli` before parsing)."""
+    and those of :data:`TOOL_COMMANDS` (listed for ``--help``; :func:`nemo_rl.cli.main` hands
+    them their arguments before parsing)."""
     parser = argparse.ArgumentParser(prog="nemo-rl", description="RL post-training of LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in RECIPE_COMMANDS:
@@ -65,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--print-config", action="store_true", help="print the resolved config and exit"
         )
         sub.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)
-    commands.add_parser("launch", help="run a command on Ray across slurm nodes or locally")
+    for name, tool in TOOL_COMMANDS.items():
+        commands.add_parser(name, help=tool.help)
     return parser
 
 

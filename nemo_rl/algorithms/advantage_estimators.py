@@ -4,8 +4,10 @@ Inputs are per-sample rewards [B] (one scalar per response), group ids [B] (resp
 same prompt share an id) and a token mask [B, S] (1 on the response tokens the loss trains on).
 Each estimator returns advantages [B, S] that are 0 outside the mask.
 
-Standard deviations are sample standard deviations (Bessel's correction, n - 1). Groups with a
-single member or zero spread get advantage 0 (never NaN).
+The semantics are NeMo RL's (``grpo.adv_estimator``), so a recipe gives the same advantages
+in both. GRPO's group standard deviations are sample standard deviations (Bessel's correction,
+n - 1); groups with a single member or zero spread get advantage 0 (never NaN). REINFORCE++
+whitens over the batch's tokens with the population variance.
 """
 
 from __future__ import annotations
@@ -109,18 +111,23 @@ def reinforce_plus_plus_advantages(
     logprobs: torch.Tensor | None = None,
     reference_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_type: str = "k1",
+    kl_type: str = "k3",
     group_ids: torch.Tensor | None = None,
-    epsilon: float = 1e-6,
 ) -> torch.Tensor:
-    """REINFORCE++ advantages: returns of a KL-shaped reward, whitened over the global batch.
+    """REINFORCE++ advantages as NeMo RL computes them (``grpo.adv_estimator.name:
+    reinforce_plus_plus``): the sample's reward, minus its group's mean reward when
+    ``group_ids`` are given (``minus_baseline``, "REINFORCE++-baseline"), on each of its masked
+    tokens, minus ``kl_coef`` times the ``kl_type`` estimate of KL(policy || reference) on that
+    token when ``kl_coef`` is not 0 (KL in the reward); then whitened over all masked tokens of
+    the batch: ``(a - mean) / sqrt(max(var, 1e-8))`` with the population variance.
 
-    Token rewards: ``-kl_coef * kl_t`` on every masked token (``kl_t`` the ``kl_type``
-    estimate of KL(policy || reference) from ``logprobs`` and ``reference_logprobs``, [B, S]),
-    plus the sample's reward on its last masked token. The advantage of a token is the
-    undiscounted sum of token rewards from it to the end of the sequence, then whitened with
-    the mean and sample std over all masked tokens of the batch (zero spread gives 0).
-    With ``group_ids`` (REINFORCE++-baseline) the group mean reward is subtracted first.
+    Args:
+        rewards: [B] float, one reward per response.
+        mask: [B, S], 1 on the tokens that receive an advantage (the loss's tokens).
+        logprobs, reference_logprobs: [B, S], needed when ``kl_coef`` is not 0.
+        kl_coef: weight of the per-token KL penalty in the reward.
+        kl_type: "k1", "k2" or "k3".
+        group_ids: [B] int; None: no group baseline.
 
     Returns:
         [B, S] advantages, 0 outside ``mask``.
@@ -130,7 +137,7 @@ def reinforce_plus_plus_advantages(
     if group_ids is not None:
         sizes, sums, _ = _group_statistics(rewards, group_ids)
         rewards = rewards - sums / sizes
-    token_rewards = torch.zeros_like(token_mask)
+    advantages = rewards[:, None].expand(batch, seq)
     if kl_coef != 0.0:
         if kl_type not in KL_TYPES:
             raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
@@ -139,15 +146,8 @@ def reinforce_plus_plus_advantages(
         check_tensor(logprobs, "logprobs", (batch, seq), "[batch, seq]", floating=True)
         check_tensor(reference_logprobs, "reference_logprobs", (batch, seq), "[batch, seq]", floating=True)
         kl = kl_estimate(logprobs.to(rewards.dtype), reference_logprobs.to(rewards.dtype), kl_type)
-        token_rewards = torch.where(token_mask > 0, -kl_coef * kl, token_rewards)
-    positions = torch.arange(seq).expand(batch, seq)
-    last = torch.where(token_mask > 0, positions, -1).max(-1).values
-    has_tokens = last >= 0
-    rows = torch.arange(batch)[has_tokens]
-    token_rewards[rows, last[has_tokens]] += rewards[has_tokens]
-    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * token_mask
-    count = token_mask.sum()
-    mean = returns.sum() / count.clamp_min(1)
-    variance = (((returns - mean) * token_mask).square().sum() / (count - 1).clamp_min(1))
-    std = torch.where(count > 1, variance, torch.zeros_like(variance)).sqrt()
-    return _scale_by_std(returns - mean, std, epsilon) * token_mask
+        advantages = advantages - kl_coef * kl
+    count = token_mask.sum().clamp_min(1)
+    mean = (advantages * token_mask).sum() / count
+    variance = ((advantages - mean).square() * token_mask).sum() / count
+    return (advantages - mean) * variance.clamp_min(1e-8).rsqrt() * token_mask

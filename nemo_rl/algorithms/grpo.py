@@ -28,6 +28,7 @@ from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
+from nemo_rl.utils.run_config import check_resume, save_run_config
 from nemo_rl.algorithms.sft import run_sft_steps
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -72,6 +73,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     """Data, Ray, clusters, policy, generation engines, environments, loss, logger and
     checkpoints of a run; resumes from the latest checkpoint when checkpointing is enabled.
 
+    Raises:
+        ConfigError: before anything starts, when the latest checkpoint was trained on another
+            model or data than ``cfg`` names (:func:`~nemo_rl.utils.run_config.check_resume`).
+
     Colocated generation (``policy.generation.colocated.enabled``) puts the engines on the
     policy's bundles; otherwise they get a cluster of the same shape of their own.
     """
@@ -95,6 +100,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.utils.logger import Logger
     from nemo_rl.utils.timer import Timer
 
+    checkpointer = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
+    latest = checkpointer.get_latest_checkpoint_path() if checkpointer is not None else None
+    if latest is not None:
+        check_resume(latest, cfg)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -163,7 +172,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         val_batches=val_batches,
         loss_fn=ClippedPGLossFn(cfg.loss_fn),
         logger=logger,
-        checkpointer=CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None,
+        checkpointer=checkpointer,
         timer=Timer(),
         clusters=clusters,
         sft_loader=sft_loader,
@@ -176,8 +185,8 @@ def save_checkpoint(
     val_metrics: dict[str, float],
     train_metrics: dict[str, float],
 ) -> Path:
-    """Policy (model, optimizer, scheduler, RNG), data loader position and driver RNG of
-    ``step`` into a new checkpoint folder; the manager keeps the top-k and the latest, ranked
+    """Policy (model, optimizer, scheduler, RNG), data loader position, driver RNG and the
+    resolved recipe (``config.yaml``) of ``step`` into a new checkpoint folder; the manager keeps the top-k and the latest, ranked
     by ``checkpointing.metric_name`` among the last validation's metrics (``val_`` prefixed)
     and the step's train metrics (``train_`` prefixed)."""
     from nemo_rl.utils.checkpoint import (
@@ -198,6 +207,7 @@ def save_checkpoint(
     if "val_accuracy" in info:
         info.setdefault("val_reward", info["val_accuracy"])
     path = manager.init_tmp_checkpoint(step, info)
+    save_run_config(path, components.cfg)
     components.policy.save_checkpoint(str(path / POLICY_DIR))
     torch.save(components.train_loader.state_dict(), path / DATALOADER_STATE_FILE)
     save_rng_state(path / RNG_STATE_FILE)

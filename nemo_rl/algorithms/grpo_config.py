@@ -7,6 +7,7 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -23,6 +24,35 @@ from nemo_rl.models.tiny import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
 from nemo_rl.utils.logger import LoggerConfig
+
+
+class AdvEstimatorConfig(ConfigModel):
+    """How advantages are computed from the rewards (``grpo.adv_estimator``; NeMo RL's keys).
+
+    ``grpo``: reward minus the group baseline, divided by the group's std when
+    ``normalize_rewards``. ``rloo``: reward minus the mean of the other responses to the same
+    prompt, not normalised (GRPO with ``use_leave_one_out_baseline: true, normalize_rewards:
+    false``). ``reinforce_plus_plus``: reward minus the group mean when ``minus_baseline``,
+    whitened over all loss tokens of the batch.
+    """
+
+    name: Literal["grpo", "rloo", "reinforce_plus_plus"] = Field(
+        default="grpo", description="The estimator: 'grpo', 'rloo' or 'reinforce_plus_plus'."
+    )
+    normalize_rewards: bool | None = Field(
+        default=None,
+        description="grpo: divide by the group's reward std. None: grpo.normalize_rewards.",
+    )
+    use_leave_one_out_baseline: bool | None = Field(
+        default=None,
+        description="grpo: baseline = mean reward of the other responses of the prompt. "
+        "None: grpo.use_leave_one_out_baseline.",
+    )
+    minus_baseline: bool = Field(
+        default=True,
+        description="reinforce_plus_plus: subtract the group's mean reward before the batch "
+        "whitening (REINFORCE++-baseline).",
+    )
 
 
 class GRPOConfig(ConfigModel):
@@ -46,6 +76,12 @@ class GRPOConfig(ConfigModel):
         default=True,
         description="Baseline each response by the mean reward of the other responses of its "
         "prompt instead of the whole group's mean; needs num_generations_per_prompt >= 2.",
+    )
+    adv_estimator: AdvEstimatorConfig = Field(
+        default_factory=AdvEstimatorConfig,
+        description="The advantage estimator (grpo, rloo, reinforce_plus_plus) and its "
+        "settings; its grpo settings default to normalize_rewards and "
+        "use_leave_one_out_baseline above.",
     )
     use_dynamic_sampling: bool = Field(
         default=False,
@@ -95,8 +131,33 @@ class GRPOConfig(ConfigModel):
         return max(self.num_prompts_per_step, round(self.num_prompts_per_step * self.batch_multiplier))
 
     @model_validator(mode="after")
-    def _check_baseline(self) -> GRPOConfig:
-        if self.use_leave_one_out_baseline and self.num_generations_per_prompt < 2:
+    def _resolve_estimator(self) -> GRPOConfig:
+        """Fill ``adv_estimator``'s grpo settings from the top-level keys (NeMo RL has both)
+        and check they agree and fit the group size."""
+        est = self.adv_estimator
+        if est.name == "rloo":
+            if est.normalize_rewards or est.use_leave_one_out_baseline is False:
+                raise ValueError(
+                    "adv_estimator.name 'rloo' is a leave-one-out baseline without "
+                    f"normalisation, but adv_estimator sets normalize_rewards="
+                    f"{est.normalize_rewards}, use_leave_one_out_baseline="
+                    f"{est.use_leave_one_out_baseline}; remove them or use name 'grpo'"
+                )
+            est.normalize_rewards, est.use_leave_one_out_baseline = False, True
+        for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+            mine, top = getattr(est, key), getattr(self, key)
+            if mine is None:
+                setattr(est, key, top)
+            elif est.name == "grpo" and mine != top and key in self.model_fields_set:
+                raise ValueError(
+                    f"grpo.{key} ({top}) and grpo.adv_estimator.{key} ({mine}) disagree; set "
+                    "one of them"
+                )
+        if (
+            est.name != "reinforce_plus_plus"
+            and est.use_leave_one_out_baseline
+            and self.num_generations_per_prompt < 2
+        ):
             raise ValueError(
                 "use_leave_one_out_baseline needs num_generations_per_prompt >= 2 "
                 f"(got {self.num_generations_per_prompt}); set one of them differently"

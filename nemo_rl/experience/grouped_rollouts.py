@@ -24,7 +24,10 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 
 # The fields of :func:`training_fields` that hold right-padded token rows ``[B, S]``.
 TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
-_CARRY_TENSORS = ("group_ids", "rewards", "loss_multiplier", "truncated", "response_truncated")
+_CARRY_TENSORS = (
+    "group_ids", "rewards", "loss_multiplier", "truncated", "response_truncated",
+    "response_tokens",
+)
 
 
 def repeat_prompts(
@@ -58,6 +61,7 @@ class RolloutCarry:
         loss_multiplier: float32, 0 for samples kept out of the loss (e.g. truncated prompts).
         truncated: bool, the conversation reached ``max_seq_len``.
         response_truncated: bool, the last response stopped at a token limit.
+        response_tokens: int64, the sample's assistant tokens (the loss's ``token_mask``).
         metrics: the rollout metrics of ``run_multi_turn_rollout``.
         sampling_step: the generation's ``sampling_step`` after the rollout (a driver whose
             generation facade is a copy of the roller's must continue from it).
@@ -68,6 +72,7 @@ class RolloutCarry:
     loss_multiplier: torch.Tensor
     truncated: torch.Tensor
     response_truncated: torch.Tensor
+    response_tokens: torch.Tensor
     metrics: dict[str, float]
     sampling_step: int
 
@@ -85,6 +90,13 @@ class RolloutCarry:
             loss_multiplier=torch.as_tensor(rollout["loss_multiplier"], dtype=torch.float32),
             truncated=rollout["truncated"].bool(),
             response_truncated=rollout["response_truncated"].bool(),
+            response_tokens=torch.tensor(
+                [
+                    sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")
+                    for log in rollout["message_log"]
+                ],
+                dtype=torch.int64,
+            ),
             metrics=metrics,
             sampling_step=sampling_step,
         )

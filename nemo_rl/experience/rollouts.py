@@ -194,7 +194,8 @@ def run_multi_turn_rollout(
         ``truncated`` ``[B]`` bool (reached ``max_seq_len``), ``response_truncated`` ``[B]`` bool
         (the last response stopped at a token limit, ``max_new_tokens`` or ``max_seq_len``,
         instead of a stop token), ``terminated`` ``[B]`` bool (the environment ended the
-        episode) and ``num_turns`` ``[B]`` int64. Metrics: ``mean_turns_per_sample``,
+        episode), ``num_turns`` ``[B]`` int64 and ``answers`` (B strings or None: the answer
+        the environment extracted from each sample's last judged response). Metrics: ``mean_turns_per_sample``,
         ``total_generated_tokens``, ``mean_generated_tokens_per_sample``, ``truncation_rate``,
         ``max_new_tokens_hit_rate`` (turns that stopped at the per-turn token limit),
         ``natural_termination_rate``, ``env_time_s``, ``generation_time_s``, ``env_errors``,
@@ -226,6 +227,7 @@ def run_multi_turn_rollout(
     response_truncated = torch.zeros(size, dtype=torch.bool)
     terminated = torch.zeros(size, dtype=torch.bool)
     num_turns = torch.zeros(size, dtype=torch.long)
+    answers: list[Optional[str]] = [None] * size
     generated_tokens = 0
     env_time = gen_time = 0.0
     env_errors = 0
@@ -272,6 +274,7 @@ def run_multi_turn_rollout(
         still_active = []
         for i, row in enumerate(active):
             total_reward[row] += float(env_return.rewards[i])
+            answers[row] = env_return.answers[i]
             metadata[row] = env_return.metadata[i] or {}
             if env_return.terminateds[i]:
                 terminated[row] = True
@@ -296,6 +299,7 @@ def run_multi_turn_rollout(
     batch["response_truncated"] = response_truncated
     batch["terminated"] = terminated
     batch["num_turns"] = num_turns
+    batch["answers"] = answers
     metrics = {
         "mean_turns_per_sample": float(num_turns.float().mean()),
         "total_generated_tokens": float(generated_tokens),

@@ -319,19 +319,20 @@ def _settings_key(family: Family, vocab: Vocab, sizes: dict[str, int]) -> str:
 
 
 def default_cache_root() -> Path:
-    """Where tiny models are cached when no ``cache_dir`` is given.
+    """Where tiny models are cached when no ``cache_dir`` is given: the user's cache folder,
+    never the source checkout.
 
     ``$NEMO_RL_CACHE_DIR/tiny_models`` if that variable is set, else
-    ``<repo>/.cache/nemo_rl/tiny_models`` when running from a source checkout (the folder
-    holding ``setup.py`` next to the ``nemo_rl`` package), else
-    ``<cwd>/.cache/nemo_rl/tiny_models``.
+    ``$XDG_CACHE_HOME/nemo_rl/tiny_models``, else ``~/.cache/nemo_rl/tiny_models``. Builds are
+    named by a hash of their settings and the builder's version, so one cache serves every
+    checkout.
     """
     env_dir = os.environ.get("NEMO_RL_CACHE_DIR")
     if env_dir:
         return Path(env_dir).expanduser() / "tiny_models"
-    repo_root = Path(__file__).resolve().parents[2]
-    base = repo_root if (repo_root / "setup.py").is_file() else Path.cwd()
-    return base / ".cache" / "nemo_rl" / "tiny_models"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "nemo_rl" / "tiny_models"
 
 
 def build_tiny_model(

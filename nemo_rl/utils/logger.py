@@ -10,9 +10,10 @@ and :func:`read_metrics_jsonl` reads it back (plots and tests use it). Only scal
 (python/numpy numbers, bools, one-element tensors/arrays); other values are skipped with one
 warning per metric name.
 
-The console shows a compact table per :meth:`Logger.log_metrics` call and, with
-:meth:`Logger.step_progress`, a live display of the phases a :class:`~nemo_rl.utils.timer.Timer`
-times during a step.
+The console shows, per :meth:`Logger.log_metrics` call, a compact table on a terminal and one
+line (``train step 3: loss=1.880e-09 reward=0.5000``) when written to a file or a pipe; names
+and numbers are never cut. With :meth:`Logger.step_progress` a terminal also gets a live
+display of the phases a :class:`~nemo_rl.utils.timer.Timer` times during a step.
 """
 
 from __future__ import annotations
@@ -219,6 +220,12 @@ class _MLflowBackend:
         self.client.set_terminated(self.run_id)
 
 
+def _line(scalars: dict[str, float | int], step: int, prefix: str) -> str:
+    """``"{prefix} step {step}: name=value ..."``, names sorted."""
+    values = " ".join(f"{name}={_format(value)}" for name, value in sorted(scalars.items()))
+    return f"{prefix or 'metrics'} step {step}: {values}"
+
+
 class Logger:
     """Logs metrics and hyperparameters to every enabled backend (see module docstring).
 
@@ -277,7 +284,12 @@ class Logger:
         for backend in self._backends:
             backend.log_metrics(named, step)
         if self.cfg.console_enabled and scalars:
-            self.console.print(self._table(scalars, step, prefix))
+            if self.console.is_terminal:
+                self.console.print(self._table(scalars, step, prefix))
+            else:  # a log file: one line, never wrapped or cut
+                self.console.print(
+                    _line(scalars, step, prefix), soft_wrap=True, markup=False, highlight=False
+                )
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Record a run's (nested) config: flattened to dotted keys, also saved as JSON."""
@@ -319,13 +331,15 @@ class Logger:
             timer.remove_listener(on_phase)
 
     def _table(self, scalars: dict[str, float | int], step: int, prefix: str) -> Table:
-        """Metrics as a compact table of (name, value) pairs, two pairs per row."""
+        """Metrics as a compact table of (name, value) pairs, two pairs per row where the
+        console is wide enough for the longest ones, else one; cells fold, never cut."""
         title = f"{prefix or 'metrics'} · step {step}"
         table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-        pairs = 2
+        widest = max(len(k) + len(_format(v)) for k, v in scalars.items()) + 4
+        pairs = 2 if 2 * widest <= self.console.width else 1
         for _ in range(pairs):
-            table.add_column(style="cyan", no_wrap=True)
-            table.add_column(justify="right", no_wrap=True)
+            table.add_column(style="cyan", overflow="fold")
+            table.add_column(justify="right", overflow="fold")
         items = sorted(scalars.items())
         for start in range(0, len(items), pairs):
             row: list[str] = []

@@ -51,6 +51,12 @@ def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, coloca
     assert abs(first["token_mult_prob_error"] - 1.0) < 1e-3
     # after an update and a refit, generation still matches the policy it was refit from
     assert abs(records[2]["token_mult_prob_error"] - 1.0) < 1e-3
+    # every logged metric is in the glossary
+    glossary = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    logged = {
+        name for r in read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl") for name in r["metrics"]
+    }
+    assert not {name for name in logged if f"`{name}`" not in glossary}
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_llama_path):

@@ -113,7 +113,7 @@ def test_own_data_errors_exit_2_naming_file_line_or_field(
     bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "x", answer: 3}\n')
     code = cli.main(["grpo", "--config", TINY, *own, f"data.train_path={bad}"])
     err = capsys.readouterr().err
-    assert code == 2 and f"nemo-rl grpo: error: {bad}:2: not valid JSON" in err
+    assert code == 2 and f"nemo-rl grpo: config error: {bad}:2: not valid JSON" in err
     assert "Traceback" not in err
     games = tmp_path / "games.jsonl"
     games.write_text('{"prompt": "Guess a number from 1 to 9", "low": 1}\n')

@@ -1,11 +1,15 @@
-"""A step's per-sample training fields, from the rollout carry: GRPO advantages and the
-loss's sample mask ``[B]``."""
+"""A step's per-sample training fields, from the rollout carry: the advantages of
+``grpo.adv_estimator`` and the loss's sample mask ``[B]``."""
 
 from __future__ import annotations
 
 import torch
 
-from nemo_rl.algorithms.advantage_estimators import grpo_advantages, group_reward_std
+from nemo_rl.algorithms.advantage_estimators import (
+    grpo_advantages,
+    group_reward_std,
+    reinforce_plus_plus_advantages,
+)
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 
@@ -15,24 +19,36 @@ def advantage_fields(
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Per-sample ``advantages`` and ``sample_mask`` ``[B]`` float32 of a step.
 
-    ``advantages`` is the value :func:`grpo_advantages` puts on every loss token of the sample
-    (the policy's batch holds it on every token of ``token_mask``).
+    ``advantages`` is the value the estimator (``grpo_cfg.adv_estimator``) puts on every loss
+    token of the sample (the policy's batch holds it on every token of ``token_mask``): with no
+    KL term in the reward, every estimator here gives one value per sample.
 
     Returns:
         ``(fields, metrics)``; metrics: ``fraction_of_zero_std_groups`` and, with overlong
         filtering, ``overlong_filtered_fraction``.
     """
     rewards, group_ids = carry.rewards, carry.group_ids
-    advantages = grpo_advantages(
-        rewards,
-        group_ids,
-        torch.ones(carry.size, 1),
-        use_leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline,
-        normalize_rewards=grpo_cfg.normalize_rewards,
-    )[:, 0]
     sample_mask, metrics = loss_sample_mask(
         carry.loss_multiplier, carry.truncated | carry.response_truncated, grpo_cfg
     )
+    est = grpo_cfg.adv_estimator
+    if est.name == "reinforce_plus_plus":
+        # whitened over the loss's tokens: each sample weighs its response tokens
+        tokens = carry.response_tokens * (sample_mask > 0)
+        width = max(int(tokens.max()), 1)
+        token_mask = (torch.arange(width)[None, :] < tokens[:, None]).float()
+        per_token = reinforce_plus_plus_advantages(
+            rewards, token_mask, group_ids=group_ids if est.minus_baseline else None
+        )
+        advantages = per_token[:, 0]
+    else:
+        advantages = grpo_advantages(
+            rewards,
+            group_ids,
+            torch.ones(carry.size, 1),
+            use_leave_one_out_baseline=bool(est.use_leave_one_out_baseline),
+            normalize_rewards=bool(est.normalize_rewards),
+        )[:, 0]
     metrics["fraction_of_zero_std_groups"] = zero_std_group_fraction(rewards, group_ids)
     return {"advantages": advantages, "sample_mask": sample_mask}, metrics
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from nemo_rl.models.generation.config import GenerationConfig, Precision
+from nemo_rl.models.generation.refit.buckets import ALIGNMENT
+from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.utils.config import ConfigModel, validate_config
 
 
@@ -51,7 +53,6 @@ class MegatronOptimizerConfig(ConfigModel):
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         return self
 
-
 class MegatronSchedulerConfig(ConfigModel):
     """Learning-rate schedule (``policy.megatron_cfg.scheduler``), counted in optimizer steps."""
 
@@ -79,7 +80,6 @@ class MegatronSchedulerConfig(ConfigModel):
                 f"({self.lr_warmup_iters}); raise lr_decay_iters or lower lr_warmup_iters"
             )
         return self
-
 
 class MegatronConfig(ConfigModel):
     """Megatron-Core training backend (``policy.megatron_cfg``): parallelism and optimizer."""
@@ -124,7 +124,6 @@ class MegatronConfig(ConfigModel):
                 "tensor_model_parallel_size > 1; set sequence_parallel=false or raise TP"
             )
         return self
-
     def lr_schedule(
         self, overrides: Mapping[str, Any]
     ) -> tuple[MegatronOptimizerConfig, MegatronSchedulerConfig]:
@@ -253,6 +252,25 @@ class PolicyConfig(ConfigModel):
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, description="Rollout generation settings."
     )
+    refit_buffer_size_gb: float = Field(
+        default=0.25,
+        gt=0,
+        description="Size of one weight-refit bucket, GiB (rounded down to 64 bytes). "
+        "Colocated, the policy holds one shared buffer of the whole stream; over a broadcast, "
+        "two buckets, and each engine the whole stream.",
+    )
+    refit_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds any one refit step (a bucket, forming the broadcast group, a "
+        "broadcast, the engines' load) may take before the refit fails.",
+    )
+    refit_checksums: bool = Field(
+        default=True,
+        description="Stamp every refit bucket with a 64-bit checksum the engines verify "
+        "before loading: a corrupted bucket is refused instead of loaded. Costs one more read "
+        "of the weights on each side (docs/performance.md, refit).",
+    )
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> PolicyConfig:
@@ -283,3 +301,16 @@ class PolicyConfig(ConfigModel):
             if section.logprob_mb_tokens is None:
                 section.logprob_mb_tokens = seq_len * self.logprob_batch_size
         return self
+
+    def refit_settings(self) -> RefitSettings:
+        """How this policy streams its weights into the engines: buckets of
+        ``refit_buffer_size_gb``, exported in the engines' precision
+        (``generation.vllm_cfg.precision``)."""
+        bucket_bytes = int(self.refit_buffer_size_gb * 1024**3) // ALIGNMENT * ALIGNMENT
+        bucket_bytes = max(ALIGNMENT, bucket_bytes)
+        return RefitSettings(
+            bucket_bytes=bucket_bytes,
+            dtype=self.generation.vllm_cfg.precision,
+            timeout_s=self.refit_timeout_s,
+            checksums=self.refit_checksums,
+        )

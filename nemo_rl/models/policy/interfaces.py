@@ -84,11 +84,18 @@ class PolicyInterface(ABC):
 
 
 class ColocatablePolicyInterface(PolicyInterface):
-    """A policy that can hand its weights to a generation engine (refit)."""
+    """A policy that can hand its weights to a generation engine (refit).
+
+    The refit verbs are the sender side of the weight-sync protocol
+    (:mod:`nemo_rl.models.generation.refit.interfaces`); their settings (bucket size, export
+    dtype, timeout, checksums) are the policy's configuration, not arguments.
+    ``nemo_rl.models.generation.refit.refit_policy_generation`` runs the whole sequence.
+    """
 
     @abstractmethod
     def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
-        """Join one process group with the generation workers for broadcast refit."""
+        """Join one process group with the generation workers for broadcast refit; one
+        future per rank, to wait for together with the engines' joins."""
 
     @abstractmethod
     def offload_before_refit(self) -> None:
@@ -100,17 +107,20 @@ class ColocatablePolicyInterface(PolicyInterface):
 
     @abstractmethod
     def prepare_refit_info(self) -> Optional[dict[str, Any]]:
-        """Names, shapes and dtypes of the HF-named weights the engine will receive."""
+        """``{hf_name: (shape, dtype)}`` of the weights the engines will receive, in export
+        order."""
 
     @abstractmethod
     def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
-        """Plan the IPC transfer: the weight names grouped into buckets that fit a memory budget
-        (with what the engines need to read the stream, e.g. an ``IpcStream``)."""
+        """Open a colocated transfer: the weight names grouped into buckets that fit the
+        configured size, with what the engines need to read the stream (an ``IpcStream``)."""
 
     @abstractmethod
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
-        """Shareable handles (CUDA IPC on GPU, shared memory on CPU) of the named weights."""
+        """Pack the named weights (the next bucket of the open transfer) and return their
+        shareable handle (CUDA IPC on GPU, shared memory on CPU): ``{"bucket": IpcBucket}``."""
 
     @abstractmethod
     def broadcast_weights_for_collective(self) -> list[ray.ObjectRef]:
-        """Broadcast all weights over the collective formed by :meth:`init_collective`."""
+        """Broadcast all weights over the collective formed by :meth:`init_collective`; one
+        future per rank, to wait for together with the engines' receives."""

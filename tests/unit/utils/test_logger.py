@@ -46,7 +46,35 @@ def test_jsonl_console_and_nonscalar_warning_once(tmp_path):
         {"step": 2, "prefix": "train", "metrics": {"reward": 0.75}},
     ]
     out = console.file.getvalue()
-    assert "train · step 2" in out and "reward" in out and "0.7500" in out
+    # not a terminal: one line per call
+    assert "train step 2: reward=0.7500\n" in out
+
+
+def test_console_never_cuts_a_name_or_a_number(tmp_path):
+    """A log file gets one complete line per call; a narrow terminal folds cells instead of
+    ending them with an ellipsis."""
+    metrics = {
+        "rollout/total_generated_tokens": 965.0,
+        "loss": 1.88e-09,
+        "rollout/mean_generated_tokens_per_sample": 7.5391,
+        "token_mult_prob_error": 1.000012,
+    }
+    to_file = _console()
+    with Logger(LoggerConfig(log_dir=str(tmp_path / "a")), console=to_file) as logger:
+        logger.log_metrics(metrics, step=4, prefix="train")
+    lines = to_file.file.getvalue().splitlines()
+    assert lines == [
+        "train step 4: loss=1.880e-09 rollout/mean_generated_tokens_per_sample=7.5391 "
+        "rollout/total_generated_tokens=965.0000 token_mult_prob_error=1.0000"
+    ]
+    for width in (60, 30):  # one pair per row; then too narrow even for that: cells fold
+        terminal = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+        with Logger(LoggerConfig(log_dir=str(tmp_path / f"b{width}")), console=terminal) as logger:
+            logger.log_metrics(metrics, step=4, prefix="train")
+        out = terminal.file.getvalue()
+        assert "…" not in out and "1.880e-09" in out
+        if width == 60:
+            assert all(name in out for name in metrics)
 
 
 def test_step_progress_shows_phases(tmp_path):

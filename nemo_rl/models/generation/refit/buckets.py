@@ -10,7 +10,7 @@ colocated, its own staging memory when the bytes come over a broadcast); once al
 every tensor is a view of that buffer.
 
 Each bucket travels with a :class:`BucketHeader`: the refit version, its index and the bucket
-count, its length, a 64-bit additive checksum of its bytes, and its manifest (which byte range
+count, its length, optionally a 64-bit additive checksum of its bytes, and its manifest (which byte range
 of which tensor sits where in it). Both sides build the same :class:`StreamLayout` from the
 refit info; the sender checks every exported tensor against it and the receiver checks every
 header against it, so a stream that disagrees with the refit info is refused, not loaded.
@@ -19,22 +19,28 @@ header against it, so a stream that disagrees with the refit info is refused, no
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.interfaces import RefitInfo
 
 # Byte alignment of every tensor in the stream (and of bucket sizes): covers every dtype's
 # element size and keeps staged tensors aligned for vectorised loads.
 ALIGNMENT = 64
+# CPU packing: bytes one thread copies (and sums) at a time, small enough to stay in cache
+# between the copy and the sum; threads per pack, the caller included (the policy process is
+# otherwise idle during a refit).
+CHUNK_BYTES = 4 * 1024**2
+PACK_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 
 _MASK64 = (1 << 64) - 1
-
-# {hf_name: (shape, dtype)}, in export order.
-RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def _align(nbytes: int) -> int:
@@ -47,77 +53,67 @@ def bucket_checksum(data: torch.Tensor) -> int:
     Args:
         data: uint8 tensor [nbytes], nbytes a multiple of 8, 8-byte aligned (any device).
 
-    Catches flipped, zeroed, stale and truncated bytes in one read at memory speed (on the
-    2-core benchmark machine 14 GB/s for one thread, against 11 GB/s for xxh3_64, 3.2 GB/s
-    for zlib.crc32 and 2.8 GB/s for zlib.adler32 on the same 64 MiB); not a cryptographic
-    hash, and blind to 8-byte words swapped in place. Torch's sum, also on CPU: engines check
-    buckets with it and must not load numba (see :mod:`.copy_checksum`).
-    """
-    if data.numel() == 0:
-        return 0
-    return int(_word_sum(data).item()) & _MASK64
-
-
-def _word_sum(data: torch.Tensor) -> torch.Tensor:
-    """The sum of ``data``'s 8-byte words (uint8 [n], n a multiple of 8) as a 0-dim int64
-    tensor on its device: int64 addition wraps in two's complement, i.e. it is the sum mod
-    2**64 in any order."""
-    if data.numel() % 8:
-        raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {data.numel()}")
-    return data.view(torch.int64).sum()
-
-
-def copy_with_checksum(
-    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-) -> int | torch.Tensor:
-    """Copy each ``(dst, src)`` piece's ``src`` to the start of its ``dst``; return the sum of
-    :func:`bucket_checksum` over the ``dst`` windows, mod 2**64 (a bucket's checksum when
-    the pieces and zero padding tile it).
-
-    On CPU (8-byte aligned pieces) one pass does both: a numba kernel that stores each word
-    and adds it to the sum, on several threads sharing the pieces' chunks
-    (:mod:`.copy_checksum`). Elsewhere (CUDA) torch copies, then sums, each piece
-    (:func:`_copy_then_sum`), and the result is a 0-dim int64 tensor on the device, so a
-    bucket costs one host sync (``int(result) & (2**64 - 1)``), not one per piece.
-
-    Runs with torch-function handling off: these are plain byte copies and sums with no device
-    argument, which a torch-function mode (the CPU compatibility layer's, pushed for the whole
-    policy process) would pass through unchanged at the cost of a Python call per op.
-
-    Args:
-        pieces: ``dst`` uint8 [n], n a multiple of 8, 8-byte aligned (bytes past ``src`` are
-            summed as they are: callers zero them); ``src`` uint8 [<= n], same device.
+    One read at memory speed (torch's sum, on the tensor's device); catches flipped, zeroed,
+    stale and truncated bytes; not a cryptographic hash, and blind to 8-byte words swapped in
+    place. Runs with torch-function handling off: a plain sum with no device argument, which a
+    torch-function mode (the CPU compatibility layer's) would pass through unchanged at the
+    cost of a Python call.
     """
     with torch._C.DisableTorchFunction():
-        on_cpu = [
-            d.device.type == s.device.type == "cpu" and d.data_ptr() % 8 == s.data_ptr() % 8 == 0
-            for d, s in pieces
-        ]
-        others = [_copy_then_sum(d, s) for (d, s), cpu in zip(pieces, on_cpu) if not cpu]
-        total = _copy_and_sum_on_cpu([p for p, cpu in zip(pieces, on_cpu) if cpu])
-        return sum(others, total)
+        nbytes = data.numel()
+        if nbytes % 8:
+            raise ValueError(f"checksummed data must be a multiple of 8 bytes, got {nbytes}")
+        if nbytes == 0:
+            return 0
+        # int64 addition wraps in two's complement: the sum mod 2**64 in any order
+        return int(data.view(torch.int64).sum().item()) & _MASK64
 
 
-def _copy_and_sum_on_cpu(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    if not pieces:
-        return 0
-    from nemo_rl.models.generation.refit.copy_checksum import copy_and_sum
+def copy_pieces(
+    dest: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], checksums: bool
+) -> int | None:
+    """Copy each ``(offset, src)`` piece to ``dest[offset:]``; the :func:`bucket_checksum` of
+    ``dest`` when ``checksums`` (bytes between pieces must already be zero), else None.
 
-    words = lambda t: t.numpy().view(np.uint64)  # noqa: E731 (shares t's memory)
-    whole = [s.numel() // 8 * 8 for _, s in pieces]
-    checksum = copy_and_sum([(words(d[:w]), words(s[:w])) for (d, s), w in zip(pieces, whole)])
-    for (dst, src), w in zip(pieces, whole):
-        if w < dst.numel():  # src's last partial word, then dst's padding
-            dst[w : src.numel()].copy_(src[w:])
-            checksum += bucket_checksum(dst[w:])
-    return checksum & _MASK64
+    On CPU the pieces are cut into :data:`CHUNK_BYTES` chunks that :data:`PACK_THREADS` threads
+    (this one and helpers) take in turn, each copying a chunk and summing it while it is in
+    cache, with numpy (single-threaded kernels that release the GIL: torch's would each start
+    their own OpenMP team, which stalls when other work holds a core). Elsewhere (CUDA) torch
+    copies each piece and sums the bucket on the device, one host sync per bucket.
+
+    Args:
+        dest: uint8 [n], 8-byte aligned, the bucket.
+        pieces: ``offset`` (a multiple of 8) and ``src`` uint8 bytes, in order, not overlapping.
+    """
+    if dest.device.type != "cpu":
+        for offset, src in pieces:
+            dest[offset : offset + src.numel()].copy_(src)
+        return bucket_checksum(dest) if checksums else None
+    out = dest.numpy()
+    chunks = iter([
+        (offset + lo, src[lo : lo + CHUNK_BYTES].detach().numpy())
+        for offset, src in pieces
+        for lo in range(0, src.numel(), CHUNK_BYTES)
+    ])  # next() on a shared iterator is atomic under the GIL
+
+    def work() -> int:
+        total = 0
+        for start, chunk in chunks:
+            stop = start + chunk.size
+            np.copyto(out[start:stop], chunk)
+            if checksums:  # the chunk's words, its zero tail up to the next word included
+                words = out[start : -(-stop // 8) * 8].view(np.uint64)
+                total += int(words.sum(dtype=np.uint64))
+        return total
+
+    helpers = [_pack_pool().submit(work) for _ in range(PACK_THREADS - 1)]
+    total = work() + sum(h.result() for h in helpers)
+    return total & _MASK64 if checksums else None
 
 
-def _copy_then_sum(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """One piece of :func:`copy_with_checksum` with two torch ops (any device): the sum as a
-    0-dim int64 tensor on ``dst``'s device (:func:`_word_sum`)."""
-    dst[: src.numel()].copy_(src)
-    return _word_sum(dst)
+@functools.cache
+def _pack_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, PACK_THREADS - 1), thread_name_prefix="refit-pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +150,8 @@ class BucketHeader:
         num_buckets: buckets in the whole stream.
         bucket_bytes: the stream's bucket size (every bucket but the last is this long).
         nbytes: length of the bucket's payload in bytes.
-        checksum: :func:`bucket_checksum` of the payload.
+        checksum: :func:`bucket_checksum` of the payload; None when the sender does not
+            checksum (``policy.refit_checksums: false``).
         manifest: the tensor pieces in the payload, in stream order.
     """
 
@@ -163,7 +160,7 @@ class BucketHeader:
     num_buckets: int
     bucket_bytes: int
     nbytes: int
-    checksum: int
+    checksum: int | None
     manifest: tuple[ManifestEntry, ...]
 
 
@@ -263,13 +260,19 @@ class BucketPacker:
         layout: the stream layout (from the same refit info the receiver got).
         stream: the exported tensors, in layout order (e.g. ``export_hf_weights(...)``).
         version: refit version stamped on every header.
+        checksums: stamp every header with the bucket's :func:`bucket_checksum` (else None).
     """
 
     def __init__(
-        self, layout: StreamLayout, stream: Iterable[tuple[str, torch.Tensor]], version: int
+        self,
+        layout: StreamLayout,
+        stream: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        checksums: bool = True,
     ) -> None:
         self.layout = layout
         self.version = version
+        self.checksums = checksums
         self.timings = PackTimings()
         self._iter = iter(stream)
         self._next_index = 0
@@ -318,23 +321,18 @@ class BucketPacker:
             raise ValueError(f"bucket {index} needs a uint8 buffer of >= {stop - start} bytes")
         dest = out[: stop - start]
         cursor, pieces = 0, []
-        for entry in self.layout.manifest(index):
-            source = self._tensor_bytes(entry)
-            # Padding is zero, so the bucket's checksum is the sum of its pieces' (each
-            # taken over whole 8-byte words, zero tail included).
-            if entry.bucket_offset > cursor:
-                dest[cursor : entry.bucket_offset].zero_()
-            end = entry.bucket_offset + entry.length
-            cursor = -(-end // 8) * 8
-            dest[end:cursor].zero_()
-            pieces.append((
-                dest[entry.bucket_offset : cursor],
-                source[entry.tensor_offset : entry.tensor_offset + entry.length],
-            ))
-        if cursor < dest.numel():
-            dest[cursor:].zero_()
-        tick = time.perf_counter()
-        checksum = int(copy_with_checksum(pieces)) & _MASK64  # a device bucket's one sync
+        with torch._C.DisableTorchFunction():  # plain byte slicing (see bucket_checksum)
+            for entry in self.layout.manifest(index):
+                source = self._tensor_bytes(entry)
+                if entry.bucket_offset > cursor:  # padding is zero: checksums are repeatable
+                    dest[cursor : entry.bucket_offset].zero_()
+                cursor = entry.bucket_offset + entry.length
+                piece = source[entry.tensor_offset : entry.tensor_offset + entry.length]
+                pieces.append((entry.bucket_offset, piece))
+            if cursor < dest.numel():
+                dest[cursor:].zero_()
+            tick = time.perf_counter()
+            checksum = copy_pieces(dest, pieces, self.checksums)
         self.timings.pack_s += time.perf_counter() - tick
         self._next_index += 1
         if self.done:
@@ -455,7 +453,8 @@ class StagingArea:
 
     def verify(self, header: BucketHeader) -> None:
         """Check the payload of ``header`` in its window (after :meth:`destination`, once the
-        bytes are there) against the sender's checksum: one read of the window.
+        bytes are there) against the sender's checksum: one read of the window. A header
+        without a checksum (the sender was told not to compute them) passes.
 
         Raises:
             RefitError: the checksum differs (the bucket was corrupted in transit).
@@ -465,7 +464,7 @@ class StagingArea:
                 f"verify bucket {header.index} after destination() accepted its header"
             )
         start, stop = self.layout.span(header.index)
-        checksum = bucket_checksum(self.buffer[start:stop])
+        checksum = None if header.checksum is None else bucket_checksum(self.buffer[start:stop])
         if checksum != header.checksum:
             raise RefitError(
                 f"bucket {header.index} of refit version {header.version} is corrupt: its "

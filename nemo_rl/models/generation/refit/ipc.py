@@ -62,9 +62,11 @@ class IpcStream:
 
 
 # One record per bucket: version, index, num_buckets, bucket_bytes, nbytes, checksum, then
-# ``index + 1`` once the other six are written; padded to 64 bytes (a cache line).
+# ``index + 1`` once the others are written, then 1 if the checksum is set; 64 bytes (a cache
+# line).
 _RECORD_WORDS = 8
 _COMPLETE = 6
+_HAS_CHECKSUM = 7
 _INT64_RANGE = 1 << 64
 
 
@@ -104,12 +106,14 @@ class BucketRecords:
         """Record ``header`` (the sender, once the bucket's bytes are in place), the
         completion word last."""
         record = self._words[header.index]
-        signed = header.checksum - _INT64_RANGE if header.checksum >= 1 << 63 else header.checksum
+        checksum = header.checksum or 0
+        signed = checksum - _INT64_RANGE if checksum >= 1 << 63 else checksum
         fields = (
             header.version, header.index, header.num_buckets, header.bucket_bytes,
             header.nbytes, signed,
         )
         record[:_COMPLETE].copy_(torch.tensor(fields, dtype=torch.int64))
+        record[_HAS_CHECKSUM] = int(header.checksum is not None)
         synchronize(self._words.device)
         record[_COMPLETE] = header.index + 1
         synchronize(self._words.device)
@@ -121,9 +125,10 @@ class BucketRecords:
         if int(record[_COMPLETE].item()) != index + 1:  # read first: the fields follow it
             return None
         version, got, num_buckets, bucket_bytes, nbytes, checksum = record[:_COMPLETE].tolist()
+        has_checksum = bool(record[_HAS_CHECKSUM].item())
         return BucketHeader(
-            version, got, num_buckets, bucket_bytes, nbytes, checksum % _INT64_RANGE,
-            self.layout.manifest(index),
+            version, got, num_buckets, bucket_bytes, nbytes,
+            checksum % _INT64_RANGE if has_checksum else None, self.layout.manifest(index),
         )
 
 

@@ -5,9 +5,10 @@ Ray object refs); weight bytes go from the trainer's rank 0 to the engines direc
 shared buffers (colocated) or a broadcast group (not colocated).
 
 Colocated sequence: ``policy.offload_before_refit`` (optimizer state and gradients off the
-device), ``generation.prepare_for_generation`` (engines awake), the bucket stream,
-``generation.commit_weight_update``, ``policy.finish_weights_ipc``,
-``policy.offload_after_refit``. The sender packs the buckets one after another into their
+device), ``generation.prepare_for_generation`` (engines awake), the bucket stream, the engines'
+``commit_weight_update``, ``policy.finish_weights_ipc``, ``policy.offload_after_refit``. The
+verbs are those of :mod:`.interfaces`; the settings (bucket size, export dtype, timeout,
+checksums) are the policy config's (``PolicyConfig.refit_settings``). The sender packs the buckets one after another into their
 windows of one shared buffer of the stream's size, in one call, while the engines check each
 bucket where it lies as soon as its record in that buffer says it is packed (one call per
 engine; the driver is never between the two), and at commit the engines load straight from
@@ -32,6 +33,7 @@ import ray
 
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.utils.timer import Timer
 
 if TYPE_CHECKING:
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -67,56 +67,58 @@ class RefitResult:
 
 
 def refit_policy_generation(
-    policy: Policy,
-    generation: VllmGeneration,
-    colocated: bool,
-    *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout_s: float = 600.0,
+    policy: Policy, generation: VllmGeneration, colocated: bool
 ) -> RefitResult:
     """Copy the policy's current weights into every generation engine.
 
-    Weights are exported in the engines' precision (``vllm_cfg.precision``). The first call
-    exports the refit info once and hands it to the engines (which check it against their
-    checkpoint); a non-colocated first call also forms the broadcast group.
+    Weights are exported in the engines' precision; bucket size, timeout and checksums are the
+    policy config's ``refit_*`` fields. The first call exports the refit info once and hands it
+    to the engines (which check it against their checkpoint); a non-colocated first call also
+    forms the broadcast group.
 
     Args:
         policy: the trained policy (its rank 0 sends).
         generation: the engines to update.
         colocated: True when both share devices (shared-memory / CUDA IPC buffers),
             False for a broadcast over a process group.
-        bucket_bytes: bucket size in bytes, a positive multiple of 64. Colocated, the sender
-            holds one buffer of the whole stream that every engine on its node reads; over a
-            broadcast, the sender holds two buckets and each engine the whole stream.
-        timeout_s: seconds any single step (a bucket, the broadcast, the load) may take.
 
     Returns:
         The new version, the bytes and buckets streamed, and where the time went.
 
     Raises:
-        RefitError: the refit failed; the engines keep their previous weights and version.
+        RefitError: the refit failed, or the policy exports another dtype than the engines
+            run; the engines keep their previous weights and version.
     """
     start = time.perf_counter()
-    info = policy.prepare_refit_info(generation.config.vllm_cfg.precision)
+    settings = policy.cfg.refit_settings()
+    engine_dtype = generation.config.vllm_cfg.precision
+    if settings.dtype != engine_dtype:
+        raise RefitError(
+            f"the policy exports its weights in {settings.dtype} "
+            f"(policy.generation.vllm_cfg.precision) but the engines run in {engine_dtype}: "
+            "build both from the same generation config"
+        )
+    info = policy.prepare_refit_info()
+    assert info is not None  # rank 0 always exports
     if generation.refit_info != info:
         generation.prepare_refit_info(info)
-    layout = StreamLayout(info, bucket_bytes)
+    layout = StreamLayout(info, settings.bucket_bytes)
     timer = Timer()
     if colocated:
         policy.offload_before_refit()
         generation.prepare_for_generation()
         try:
             with timer.time("stream_s"):
-                _stream_ipc(policy, generation, bucket_bytes, timeout_s)
+                _stream_ipc(policy, generation, settings.timeout_s)
             with timer.time("commit_s"):
                 engines = _commit(generation)
         finally:  # the engines are done with the sender's buffer (committed or aborted)
             sender = _finish_ipc(policy)
         policy.offload_after_refit()
     else:
-        _ensure_group(policy, generation, timeout_s)
+        _ensure_group(policy, generation, settings.timeout_s)
         with timer.time("stream_s"):
-            sender = _stream_collective(policy, generation, bucket_bytes, timeout_s)
+            sender = _stream_collective(policy, generation, settings)
         with timer.time("commit_s"):
             engines = _commit(generation)
     seconds = {
@@ -158,14 +160,12 @@ def _describe(err: BaseException) -> str:
 
 def _abort(generation: VllmGeneration) -> None:
     try:
-        generation.abort_weight_update()
+        ray.get(generation.refit("abort_weight_update"))
     except Exception as err:  # an engine that died cannot abort; the others did
         logger.warning("aborting the refit on the engines failed: %s", err)
 
 
-def _stream_ipc(
-    policy: Policy, generation: VllmGeneration, bucket_bytes: int, timeout_s: float
-) -> None:
+def _stream_ipc(policy: Policy, generation: VllmGeneration, timeout_s: float) -> None:
     """Have the sender pack every bucket into its shared buffer and every engine check it;
     returns once all are checked. Raises RefitError, after aborting the engines, naming the
     first bucket that failed."""
@@ -174,8 +174,8 @@ def _stream_ipc(
         # in the shared buffer once it is packed and the engines poll those records, so no
         # bucket waits for a Ray hand-off; the engines watch the sender's future to notice
         # a sender that fails.
-        stream, packed = policy.stream_weights_ipc(bucket_bytes)
-        checked = generation.receive_weights_ipc_stream(stream, packed[0], timeout_s)
+        stream, packed = policy.stream_weights_ipc()
+        checked = generation.refit("receive_weights_ipc_stream", stream, [packed[0]], timeout_s)
         _wait(checked + packed, timeout_s * len(stream.plan), "the refit stream")
     except Exception as err:
         _abort(generation)
@@ -200,7 +200,7 @@ def _ensure_group(policy: Policy, generation: VllmGeneration, timeout_s: float) 
         return
     ip, port = policy.refit_collective_address()
     world_size = 1 + generation.num_replicas
-    refs = policy.init_collective(ip, port, world_size, timeout_s)
+    refs = policy.init_collective(ip, port, world_size)
     refs += generation.init_collective(ip, port, world_size, timeout_s)
     try:
         _wait(refs, timeout_s + 30, "forming the refit group")
@@ -218,13 +218,13 @@ def _close_group(policy: Policy, generation: VllmGeneration) -> None:
 
 
 def _stream_collective(
-    policy: Policy, generation: VllmGeneration, bucket_bytes: int, timeout_s: float
+    policy: Policy, generation: VllmGeneration, settings: RefitSettings
 ) -> dict[str, float]:
     """Broadcast every bucket over the refit group; the sender's timings."""
-    send = policy.broadcast_weights_for_collective(bucket_bytes)
-    receive = generation.update_weights_from_collective(bucket_bytes)
+    send = policy.broadcast_weights_for_collective()
+    receive = generation.refit("update_weights_from_collective", settings.bucket_bytes)
     try:
-        results = _wait(send + receive, timeout_s, "the refit broadcast")
+        results = _wait(send + receive, settings.timeout_s, "the refit broadcast")
     except RefitError:
         _abort(generation)
         # after a failed broadcast the group may be out of step or broken: form it anew
@@ -236,7 +236,7 @@ def _stream_collective(
 def _commit(generation: VllmGeneration) -> list[dict[str, float | int]]:
     """Every engine loads its staged refit; all must end on the same version."""
     try:
-        results = generation.commit_weight_update()
+        results = ray.get(generation.refit("commit_weight_update"))
     except Exception as err:
         _abort(generation)
         raise RefitError(f"committing the refit failed: {_describe(err)}") from err

@@ -1,15 +1,16 @@
 """Engine side of a refit: check the whole stream where it lies, then load it in one go.
 
-Nothing reaches the engine until every bucket has arrived and passed its checks (order,
-version, sizes, manifest against the refit info, checksum): :meth:`RefitReceiver.commit` then
+Implements :class:`~.interfaces.WeightReceiver`. Nothing reaches the engine until every
+bucket has arrived and passed its checks (order, version, sizes, manifest against the refit
+info, checksum when the sender set one): ``commit_weight_update`` then
 hands all tensors to the engine's loader and only then takes the new version. A refit that
 fails before that (a missing or corrupt bucket, a sender that died, a stream that disagrees
 with the refit info) is discarded and leaves the engine on its previous weights and version.
 
 Where the stream lies. Colocated, in the sender's shared buffer of the stream's size: each
 bucket is checked in place (one read), as its message arrives
-(:meth:`RefitReceiver.receive_ipc_bucket`) or as soon as its record in the buffer says it is
-packed (:meth:`RefitReceiver.receive_ipc_stream`, one call for the whole stream), and the
+(``update_weights_from_ipc_handles``) or as soon as its record in the buffer says it is
+packed (``receive_weights_ipc_stream``, one call for the whole stream), and the
 loader gets views of that buffer, so the bytes are copied once, by the sender, before the
 engine's own load. The sender writes the buffer
 again only in its next stream, which the driver opens after every engine has committed or
@@ -23,18 +24,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from nemo_rl.models.generation.refit.buckets import (
-    BucketHeader,
-    RefitInfo,
-    StagingArea,
-    StreamLayout,
-)
+from nemo_rl.models.generation.refit.buckets import BucketHeader, StagingArea, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.interfaces import RefitInfo, SenderOutcome
 from nemo_rl.models.generation.refit.ipc import (
     BucketRecords,
     IpcBucket,
@@ -51,9 +49,6 @@ logger = logging.getLogger(__name__)
 # stream buffer (the sender's shared buffer or the engine's staging).
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 
-# What became of the sender of a stream: None while it runs, else a description of its end.
-SenderOutcome = Callable[[], str | None]
-
 # Seconds between two looks at a bucket record that is not there yet (a read of shared
 # memory), and between two questions to the sender's future (a Ray call: a few per second
 # keep the engine's core free for the sender).
@@ -65,7 +60,7 @@ _NOT_EXPORTED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class RefitReceiver:
-    """One generation engine's part in refits.
+    """One generation engine's part in refits (:class:`~.interfaces.WeightReceiver`).
 
     Args:
         load_weights: loads a complete set of HF-named tensors into the engine.
@@ -106,7 +101,7 @@ class RefitReceiver:
             raise RefitError("the refit info is empty: the policy exported no tensors")
         if self.expected_shapes is not None:
             _check_against_checkpoint(info, self.expected_shapes)
-        self.abort()
+        self.abort_weight_update()
         self.info = dict(info)
         self._layouts = {}
 
@@ -127,7 +122,7 @@ class RefitReceiver:
 
     # ------------------------------------------------------------------ colocated (IPC)
 
-    def receive_ipc_bucket(self, bucket: IpcBucket) -> None:
+    def update_weights_from_ipc_handles(self, bucket: IpcBucket) -> None:
         """Check one bucket where the sender wrote it, in its shared buffer (no copy).
 
         Raises:
@@ -162,23 +157,25 @@ class RefitReceiver:
             raise RefitError(f"receiving bucket {header.index} failed: {err}") from err
         self._receive_s += time.perf_counter() - tick
 
-    def receive_ipc_stream(
-        self, stream: IpcStream, sender_outcome: SenderOutcome, timeout_s: float
+    def receive_weights_ipc_stream(
+        self, stream: IpcStream, sender: SenderOutcome | Sequence[Any], timeout_s: float
     ) -> None:
         """Check every bucket of ``stream`` where the sender writes it, as soon as its record
         says it is packed (polled in the shared buffer: no message per bucket).
 
         Args:
             stream: the stream the sender opened (buffer handle, version, bucket size).
-            sender_outcome: None while the sender is still packing, else what became of it
-                (e.g. "failed: ..."); asked every :data:`_OUTCOME_S` seconds while a bucket
-                is not there yet.
+            sender: what became of the sender, asked every :data:`_OUTCOME_S` seconds while a
+                bucket is not there yet: a function returning None while it is still packing,
+                else a description (e.g. "failed: ..."); or ``[ref]``, the Ray future of its
+                packing (in a list, so that Ray hands over the future, not its result).
             timeout_s: seconds any one bucket may take to appear.
 
         Raises:
             RefitError: a bucket never appeared (the sender failed, died or timed out), is
                 corrupt, or disagrees with the refit info; the refit is discarded.
         """
+        sender_outcome = sender if callable(sender) else lambda: _task_outcome(sender[0])
         index = 0
         try:
             buffer = self._attach(stream.buffer)
@@ -226,7 +223,7 @@ class RefitReceiver:
         self.close_collective()
         self._collective = RefitCollective(ip, port, world_size, rank, self.device, timeout_s)
 
-    def receive_collective(self, bucket_bytes: int) -> None:
+    def update_weights_from_collective(self, bucket_bytes: int) -> None:
         """Stage a whole stream broadcast over the refit group.
 
         Raises:
@@ -260,7 +257,7 @@ class RefitReceiver:
 
     # ------------------------------------------------------------------ commit / abort
 
-    def commit(self) -> dict[str, float | int]:
+    def commit_weight_update(self) -> dict[str, float | int]:
         """Load the staged refit into the engine and take its version.
 
         Returns:
@@ -294,7 +291,7 @@ class RefitReceiver:
         self._discard()
         return {"version": self.version, "receive_s": self._receive_s, "load_s": load_s}
 
-    def abort(self) -> None:
+    def abort_weight_update(self) -> None:
         """Drop a refit in progress (idempotent); the engine keeps its weights and version."""
         self._discard()
 
@@ -310,6 +307,19 @@ class RefitReceiver:
         self._staging = None
         if self.device.type == "cuda":  # the sender frees its buffer once no one maps it
             self._detach()
+
+
+def _task_outcome(ref: Any) -> str | None:
+    """None while the Ray task behind ``ref`` runs, else how it ended."""
+    import ray
+
+    if not ray.wait([ref], timeout=0)[0]:
+        return None
+    try:
+        ray.get(ref)
+    except Exception as err:  # the task's error or its worker's death
+        return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return "finished"
 
 
 def _await_record(

@@ -5,14 +5,14 @@ TP/PP ranks, so every rank of replica 0 runs it, in lockstep, bucket by bucket; 
 rank 0 (the *source*) packs and sends. Ranks of other replicas hold the same weights and do
 nothing.
 
-Colocated (IPC): :meth:`RefitSender.start_stream` opens a stream (a new version; one shared
-buffer of the stream's size on the source), each :meth:`RefitSender.next_bucket` packs the next
-bucket into its window of that buffer, publishes its record there and returns its
-:class:`~.ipc.IpcBucket` (:meth:`RefitSender.pack_stream` packs all of them in one call),
-:meth:`RefitSender.finish_stream` ends it once the engines have committed or aborted (they load
-straight from the buffer); :meth:`RefitSender.close` unlinks the buffer. Not colocated:
-:meth:`RefitSender.broadcast` streams everything over the :class:`~.collective.RefitCollective`
-joined with :meth:`RefitSender.init_collective`.
+Implements :class:`~.interfaces.WeightSender` (the verbs are documented there). Colocated:
+``prepare_weights_for_ipc`` opens a stream (a new version; one shared buffer of the stream's
+size on the source), each ``get_weights_ipc_handles`` packs the next bucket into its window of
+that buffer, publishes its record there and returns its :class:`~.ipc.IpcBucket`
+(``stream_weights_ipc`` packs all of them in one call), ``finish_weights_ipc`` ends it once the
+engines have committed or aborted (they load straight from the buffer); :meth:`close` unlinks
+the buffer. Not colocated: ``broadcast_weights_for_collective`` streams everything over the
+:class:`~.collective.RefitCollective` joined with ``init_collective``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from nemo_rl.models.generation.refit.buckets import BucketPacker, RefitInfo, StreamLayout
+from megatron_bridge import dtype_from_name
+from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.interfaces import RefitInfo, RefitSettings
 from nemo_rl.models.generation.refit.ipc import (
     BucketRecords,
     IpcBucket,
@@ -40,17 +42,23 @@ ExportFn = Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
 
 
 class RefitSender:
-    """One policy rank's part in refits.
+    """One policy rank's part in refits (:class:`~.interfaces.WeightSender`).
 
     Args:
         export: starts a fresh export; called on every exporting rank at once.
         exports: this rank takes part in the export (data-parallel replica 0).
         is_source: this rank packs and sends (global rank 0; implies ``exports``).
         device: where the send buffers live (the policy's device).
+        settings: bucket size, export dtype, timeout and checksums of every refit.
     """
 
     def __init__(
-        self, export: ExportFn, exports: bool, is_source: bool, device: torch.device
+        self,
+        export: ExportFn,
+        exports: bool,
+        is_source: bool,
+        device: torch.device,
+        settings: RefitSettings,
     ) -> None:
         if is_source and not exports:
             raise ValueError("the sending rank must take part in the export")
@@ -58,11 +66,12 @@ class RefitSender:
         self.exports = exports
         self.is_source = is_source
         self.device = device
+        self.settings = settings
         self.version = 0  # refits started; the receivers commit this number
         self.info: RefitInfo | None = None
-        self._dtype: torch.dtype | None = None
-        self._packer: BucketPacker | None = None
-        self._ipc_buffer: IpcBuffer | None = None  # the stream's bytes, see finish_stream
+        self._dtype = None if settings.dtype is None else dtype_from_name(settings.dtype)
+        self._open: BucketPacker | None = None  # the open IPC stream
+        self._ipc_buffer: IpcBuffer | None = None  # the stream's bytes, see finish_weights_ipc
         self._records: BucketRecords | None = None  # the bucket records in _ipc_buffer
         self._send_buffers: list[torch.Tensor] = []  # two buckets, kept, for broadcasts
         self._stream_start = 0.0
@@ -71,35 +80,39 @@ class RefitSender:
 
     # ------------------------------------------------------------------ refit info
 
-    def prepare_refit_info(self, dtype: torch.dtype | None = None) -> RefitInfo | None:
+    def prepare_refit_info(self) -> RefitInfo | None:
         """``{hf_name: (shape, dtype)}`` of the exported weights in export order (exporting
-        ranks; None elsewhere). Runs one export; later refits export in ``dtype`` too."""
-        self._dtype = dtype
+        ranks; None elsewhere), in the settings' dtype. Runs one export."""
         if not self.exports:
             return None
-        self.info = {name: (tuple(t.shape), t.dtype) for name, t in self._export(dtype)}
+        self.info = {name: (tuple(t.shape), t.dtype) for name, t in self._export(self._dtype)}
         return self.info
 
-    def _layout(self, bucket_bytes: int) -> StreamLayout:
+    def _layout(self) -> StreamLayout:
         if self.info is None:
             raise RuntimeError("call prepare_refit_info() before streaming weights")
-        return StreamLayout(self.info, bucket_bytes)
+        return StreamLayout(self.info, self.settings.bucket_bytes)
+
+    def _packer(self, layout: StreamLayout) -> BucketPacker:
+        self.version += 1
+        return BucketPacker(
+            layout, self._export(self._dtype), self.version, self.settings.checksums
+        )
 
     # ------------------------------------------------------------------ colocated (IPC)
 
-    def start_stream(self, bucket_bytes: int) -> IpcStream | None:
+    def prepare_weights_for_ipc(self) -> IpcStream | None:
         """Open an IPC stream (a new version, every bucket record cleared); the source
         returns its :class:`~.ipc.IpcStream` (plan, buffer handle, version), others None.
 
         The previous stream is finished first: call this only once every engine has
         committed or aborted it, since its buffer is about to be overwritten.
         """
-        self.finish_stream()
+        self.finish_weights_ipc()
         if not self.exports:
             return None
-        layout = self._layout(bucket_bytes)
-        self.version += 1
-        self._packer = BucketPacker(layout, self._export(self._dtype), self.version)
+        layout = self._layout()
+        self._open = self._packer(layout)
         self._stream_start = time.perf_counter()
         self._stream_end = None
         if not self.is_source:
@@ -111,9 +124,11 @@ class RefitSender:
         assert self._ipc_buffer.tensor is not None
         self._records = BucketRecords(self._ipc_buffer.tensor, layout)
         self._records.clear()
-        return IpcStream(layout.plan(), self._ipc_buffer.handle, self.version, bucket_bytes)
+        return IpcStream(
+            layout.plan(), self._ipc_buffer.handle, self.version, layout.bucket_bytes
+        )
 
-    def next_bucket(self, keys: list[str]) -> IpcBucket | None:
+    def get_weights_ipc_handles(self, keys: list[str]) -> IpcBucket | None:
         """Export and pack the next bucket (which must carry ``keys``) into its window of the
         stream buffer and publish its record; the source returns its :class:`IpcBucket`,
         other ranks None.
@@ -124,7 +139,7 @@ class RefitSender:
         """
         if not self.exports:
             return None
-        packer = self._packer
+        packer = self._open
         if packer is None or packer.done:
             raise RefitError("no open refit stream: call prepare_weights_for_ipc() first")
         index = packer.next_index
@@ -147,22 +162,22 @@ class RefitSender:
             self._stream_end = time.perf_counter()
         return IpcBucket(header, self._ipc_buffer.handle)
 
-    def pack_stream(self) -> None:
+    def stream_weights_ipc(self) -> None:
         """Export and pack every remaining bucket of the open stream, publishing each one's
         record as it is packed (engines given the :class:`~.ipc.IpcStream` poll them): one
-        call for the whole stream instead of one :meth:`next_bucket` per bucket.
+        call for the whole stream instead of one :meth:`get_weights_ipc_handles` per bucket.
 
         Raises:
-            RefitError: as :meth:`next_bucket`.
+            RefitError: as :meth:`get_weights_ipc_handles`.
         """
         if not self.exports:
             return
-        if self._packer is None:
+        if self._open is None:
             raise RefitError("no open refit stream: call prepare_weights_for_ipc() first")
-        for keys in self._packer.layout.plan()[self._packer.next_index :]:
-            self.next_bucket(keys)
+        for keys in self._open.layout.plan()[self._open.next_index :]:
+            self.get_weights_ipc_handles(keys)
 
-    def finish_stream(self) -> dict[str, float] | None:
+    def finish_weights_ipc(self) -> dict[str, float] | None:
         """End the open IPC stream (if any) and return the source's timings in seconds
         (``export_s``, ``pack_s``, ``stream_s``: opening to the last bucket packed).
 
@@ -170,7 +185,7 @@ class RefitSender:
         stays for the next refit (fresh shared memory costs a page fault per page); a CUDA
         buffer is released, as colocated training needs the memory back.
         """
-        packer, self._packer = self._packer, None
+        packer, self._open = self._open, None
         if self.device.type == "cuda":
             self._close_ipc_buffer()
         if packer is None or not self.is_source:
@@ -187,23 +202,25 @@ class RefitSender:
     def close(self) -> None:
         """Release everything: the open stream, the IPC buffer (unlinked), the send
         buffers and the refit group. Idempotent."""
-        self.finish_stream()
+        self.finish_weights_ipc()
         self._close_ipc_buffer()
         self._send_buffers = []
         self.close_collective()
 
     # ------------------------------------------------------------------ collective
 
-    def init_collective(self, ip: str, port: int, world_size: int, timeout_s: float) -> None:
+    def init_collective(self, ip: str, port: int, world_size: int) -> None:
         """The source joins the refit group as rank 0 (other ranks: nothing to do)."""
         if not self.is_source:
             return
         self.close_collective()
-        self._collective = RefitCollective(ip, port, world_size, 0, self.device, timeout_s)
+        self._collective = RefitCollective(
+            ip, port, world_size, 0, self.device, self.settings.timeout_s
+        )
 
-    def broadcast(self, bucket_bytes: int) -> dict[str, float] | None:
+    def broadcast_weights_for_collective(self) -> dict[str, float] | None:
         """Stream every bucket over the refit group; the source returns its timings (as
-        :meth:`finish_stream`), other ranks None.
+        :meth:`finish_weights_ipc`), other ranks None.
 
         Raises:
             RefitError: no group yet, a broadcast failed, or the export disagrees with the
@@ -213,15 +230,14 @@ class RefitSender:
             return None
         if self.is_source and self._collective is None:
             raise RefitError("no refit group: call init_collective() first")
-        layout = self._layout(bucket_bytes)
-        self.version += 1
-        packer = BucketPacker(layout, self._export(self._dtype), self.version)
+        layout = self._layout()
+        packer = self._packer(layout)
         start = time.perf_counter()
         if not self.is_source:
             for index in range(layout.num_buckets):
                 packer.advance(index)
             return None
-        size = min(bucket_bytes, layout.total_bytes)
+        size = min(layout.bucket_bytes, layout.total_bytes)
         if [b.numel() for b in self._send_buffers] != [size, size]:
             self._send_buffers = [
                 torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)

@@ -29,8 +29,7 @@ from nemo_rl.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
-from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
+from nemo_rl.models.generation.refit.interfaces import RefitInfo
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
 
 
@@ -154,38 +153,23 @@ class VllmGeneration(GenerationInterface):
     # ------------------------------------------------------------------ weight refit
     # The whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
 
+    def refit(self, verb: str, *args: Any) -> list[ray.ObjectRef]:
+        """Run one verb of the weight-sync protocol
+        (:class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`) on every engine,
+        without waiting; one future per engine."""
+        return self.worker_group.run_all_workers_single_data("refit", verb, *args)
+
     def prepare_refit_info(self, info: RefitInfo) -> None:
-        """Give every engine the policy's ``{hf_name: (shape, dtype)}``.
+        """Give every engine the policy's ``{hf_name: (shape, dtype)}`` and remember it.
 
         Raises:
             RefitError: the info does not match the engines' checkpoint.
         """
-        ray.get(self.worker_group.run_all_workers_single_data("prepare_refit_info", info))
+        ray.get(self.refit("prepare_refit_info", info))
         self.refit_info = dict(info)
 
-    def update_weights_from_ipc_handles(
-        self, bucket: IpcBucket | ray.ObjectRef
-    ) -> list[ray.ObjectRef]:
-        """Have every engine check one colocated bucket in the sender's shared buffer (or the
-        future of one: the engines then wait for the sender themselves); returns one future
-        per engine, resolving to True once the bucket passed its checks."""
-        return self.worker_group.run_all_workers_single_data(
-            "update_weights_from_ipc_handles", bucket
-        )
-
-    def receive_weights_ipc_stream(
-        self, stream: IpcStream, sender: ray.ObjectRef, timeout_s: float
-    ) -> list[ray.ObjectRef]:
-        """Have every engine check each bucket of a colocated ``stream`` as soon as the
-        sender has packed it (the engines poll the bucket records in the shared buffer and
-        watch ``sender``, the future of the sender's packing); one future per engine,
-        resolving to True once every bucket passed its checks."""
-        return self.worker_group.run_all_workers_single_data(
-            "receive_weights_ipc_stream", stream, [sender], timeout_s
-        )
-
     def init_collective(
-        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
+        self, ip: str, port: int, world_size: int, timeout_s: float
     ) -> list[ray.ObjectRef]:
         """Have engine ``r`` join the refit group at ``ip:port`` as rank ``r + 1`` (the
         trainer is rank 0); returns one future per engine.
@@ -200,30 +184,14 @@ class VllmGeneration(GenerationInterface):
             )
         self.refit_group = (ip, port, world_size)
         return [
-            worker.init_collective.remote(ip, port, world_size, rank + 1, timeout_s)
+            worker.refit.remote("init_collective", ip, port, world_size, rank + 1, timeout_s)
             for rank, worker in enumerate(self.worker_group.workers)
         ]
-
-    def update_weights_from_collective(self, bucket_bytes: int) -> list[ray.ObjectRef]:
-        """Have every engine stage the refit broadcast over the refit group; one future
-        per engine."""
-        return self.worker_group.run_all_workers_single_data(
-            "update_weights_from_collective", bucket_bytes
-        )
 
     def close_collective(self) -> None:
         """Have every engine leave the refit group."""
         self.refit_group = None
-        ray.get(self.worker_group.run_all_workers_single_data("close_collective"))
-
-    def commit_weight_update(self) -> list[dict[str, float | int]]:
-        """Load the staged refit into every engine; per engine ``version``, ``receive_s``,
-        ``load_s``."""
-        return ray.get(self.worker_group.run_all_workers_single_data("commit_weight_update"))
-
-    def abort_weight_update(self) -> None:
-        """Drop a staged or partial refit on every engine (they keep their weights)."""
-        ray.get(self.worker_group.run_all_workers_single_data("abort_weight_update"))
+        ray.get(self.refit("close_collective"))
 
     def weight_version(self) -> int:
         """The engines' weight version (committed refits; 0: the checkpoint).

@@ -14,7 +14,7 @@ prefix cache: cached KV blocks were computed with the current weights and must n
 after a weight update that may follow. Either way a sleeping worker refuses to generate, so
 code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on GPU.
 
-Weight refit. The refit methods delegate to a
+Weight refit. :meth:`VllmGenerationWorker.refit` runs a verb of the weight-sync protocol on a
 :class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which checks a whole refit
 before it touches the engine; loading then goes through
 :func:`~nemo_rl.models.generation.vllm.weight_loading.load_weights` (the model's loaders
@@ -37,8 +37,7 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
-from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
+from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, call_verb
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
 from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_weights
 
@@ -110,7 +109,7 @@ class VllmGenerationWorker:
         self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
         self.asleep = False
         self.last_load_path: LoadPath | None = None  # how the last refit was loaded
-        self.refit = RefitReceiver(
+        self.receiver = RefitReceiver(
             self._load_weights,
             device=torch.device("cuda") if use_gpu else torch.device("cpu"),
             expected_shapes=_checkpoint_shapes(model_path),
@@ -119,7 +118,7 @@ class VllmGenerationWorker:
     @property
     def weight_version(self) -> int:
         """Committed refits (0: the checkpoint's weights)."""
-        return self.refit.version
+        return self.receiver.version
 
     # ------------------------------------------------------------------ generation
 
@@ -233,49 +232,12 @@ class VllmGenerationWorker:
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
 
-    def prepare_refit_info(self, info: RefitInfo) -> None:
-        """Accept the policy's ``{hf_name: (shape, dtype)}`` (checked against the checkpoint)."""
-        self.refit.prepare_refit_info(info)
-
-    def update_weights_from_ipc_handles(self, bucket: IpcBucket) -> bool:
-        """Check one colocated bucket where it lies, in the sender's shared buffer; True once
-        it passed. The engine is untouched until :meth:`commit_weight_update`."""
-        self.refit.receive_ipc_bucket(bucket)
-        return True
-
-    def receive_weights_ipc_stream(
-        self, stream: IpcStream, sender: list[Any], timeout_s: float
-    ) -> bool:
-        """Check every bucket of a colocated ``stream`` as the sender packs it; True once
-        all passed. ``sender``: ``[future of the sender's packing]`` (in a list so that Ray
-        hands over the future, not its result). The engine is untouched until
-        :meth:`commit_weight_update`."""
-        self.refit.receive_ipc_stream(stream, lambda: _task_outcome(sender[0]), timeout_s)
-        return True
-
-    def init_collective(
-        self, ip: str, port: int, world_size: int, rank: int, timeout_s: float = 300.0
-    ) -> None:
-        """Join the refit group as ``rank`` (1..world_size-1; rank 0 is the trainer)."""
-        self.refit.init_collective(ip, port, world_size, rank, timeout_s)
-
-    def update_weights_from_collective(self, bucket_bytes: int) -> bool:
-        """Stage a whole refit broadcast over the refit group (blocks until it ends)."""
-        self.refit.receive_collective(bucket_bytes)
-        return True
-
-    def close_collective(self) -> None:
-        """Leave the refit group (idempotent)."""
-        self.refit.close_collective()
-
-    def commit_weight_update(self) -> dict[str, float | int]:
-        """Load the staged refit into the engine; returns ``version``, ``receive_s``,
-        ``load_s``. On failure the engine keeps its weights and version."""
-        return self.refit.commit()
-
-    def abort_weight_update(self) -> None:
-        """Drop a staged or partial refit; the engine keeps its weights and version."""
-        self.refit.abort()
+    def refit(self, verb: str, *args: Any) -> Any:
+        """Run one verb of the weight-sync protocol on this engine's
+        :class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver` (verbs and their
+        arguments: :class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`). The
+        engine is untouched until ``commit_weight_update``."""
+        return call_verb(self.receiver, RECEIVER_VERBS, verb, *args)
 
     def report_weight_version(self) -> int:
         """How many weight updates this engine has received (0: the checkpoint's weights)."""
@@ -283,25 +245,12 @@ class VllmGenerationWorker:
 
     def shutdown(self) -> bool:
         """Drop the engine and free its memory; the actor itself is ended by its group."""
-        self.refit.close()
+        self.receiver.close()
         self.llm = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
-
-
-def _task_outcome(ref: Any) -> str | None:
-    """None while the Ray task behind ``ref`` runs, else how it ended."""
-    import ray
-
-    if not ray.wait([ref], timeout=0)[0]:
-        return None
-    try:
-        ray.get(ref)
-    except Exception as err:  # the task's error or its worker's death
-        return f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return "finished"
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
-from megatron_bridge import dtype_from_name, export_hf_weights
+from megatron_bridge import export_hf_weights
 from nemo_rl.data_plane.config import DataPlaneConfig, attach_data_plane
 from nemo_rl.data_plane.interfaces import DataPlaneClient
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.generation.refit.buckets import RefitInfo
-from nemo_rl.models.generation.refit.ipc import IpcBucket, IpcStream
+from nemo_rl.models.generation.refit.interfaces import SENDER_VERBS, call_verb
 from nemo_rl.models.generation.refit.sender import RefitSender
 from megatron_bridge.parallel_state import destroy_megatron_parallel
 from nemo_rl.models.policy.config import PolicyConfig
@@ -47,6 +46,7 @@ class MegatronPolicyWorker:
         seed: int = 42,
     ) -> None:
         self.config = config
+        self.model_path = model_path
         self.policy = setup_policy_model(config, model_path, seed)
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
@@ -207,9 +207,12 @@ class MegatronPolicyWorker:
         return offload.offload_params(self.policy, self._host_params)
 
     # ---------------------------------------------------------------- weight refit
-    # Logic in nemo_rl.models.generation.refit.sender; every rank is called, rank 0 sends.
 
-    def _refit_sender(self) -> RefitSender:
+    def refit(self, verb: str, *args: Any) -> Any:
+        """Run one verb of the weight-sync protocol on this rank's
+        :class:`~nemo_rl.models.generation.refit.sender.RefitSender` (verbs and arguments:
+        :class:`~nemo_rl.models.generation.refit.interfaces.WeightSender`). Every rank is
+        called (the export is collective over TP/PP); rank 0 sends and returns the result."""
         if self._refit is None:
             from megatron.core import parallel_state
 
@@ -224,55 +227,16 @@ class MegatronPolicyWorker:
                 exports=parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
                 is_source=torch.distributed.get_rank() == 0,
                 device=device,
+                settings=self.config.refit_settings(),
             )
-        return self._refit
-
-    def prepare_refit_info(self, dtype: str | None = None) -> RefitInfo | None:
-        """``{hf_name: (shape, dtype)}`` of the weights a refit sends, exported in ``dtype``
-        (e.g. "bfloat16"; None: the parameters' dtype) now and in later refits."""
-        return self._refit_sender().prepare_refit_info(
-            None if dtype is None else dtype_from_name(dtype)
-        )
-
-    def prepare_weights_for_ipc(self, bucket_bytes: int) -> IpcStream | None:
-        """Open a colocated refit stream; rank 0 returns it (the weight names per bucket, the
-        buffer's handle and the version)."""
-        return self._refit_sender().start_stream(bucket_bytes)
-
-    def get_weights_ipc_handles(self, keys: list[str]) -> IpcBucket | None:
-        """Export and pack the next bucket (``keys``) into its window of the stream buffer;
-        rank 0 returns its header and buffer handle."""
-        return self._refit_sender().next_bucket(keys)
-
-    def stream_weights_ipc(self) -> None:
-        """Export and pack every remaining bucket of the open stream, each one's record
-        published in the stream buffer for the engines to poll."""
-        self._refit_sender().pack_stream()
-
-    def finish_weights_ipc(self) -> dict[str, float] | None:
-        """End the colocated stream once the engines committed or aborted it; rank 0 returns
-        its timings (s)."""
-        return self._refit_sender().finish_stream()
-
-    def init_collective(
-        self, ip: str, port: int, world_size: int, timeout_s: float = 300.0
-    ) -> None:
-        """Rank 0 joins the refit group (rank 0 of ``world_size``) with the engines."""
-        self._refit_sender().init_collective(ip, port, world_size, timeout_s)
-
-    def broadcast_weights_for_collective(self, bucket_bytes: int) -> dict[str, float] | None:
-        """Broadcast every weight over the refit group; rank 0 returns its timings (s)."""
-        return self._refit_sender().broadcast(bucket_bytes)
-
-    def close_collective(self) -> None:
-        """Leave the refit group (idempotent)."""
-        self._refit_sender().close_collective()
+        return call_verb(self._refit, SENDER_VERBS, verb, *args)
 
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer, scheduler, RNG and step into the new folder ``path``."""
-        checkpointing.save_training_checkpoint(self.policy, path, self.step)
+        """Model, optimizer, scheduler, RNG and step into the new folder ``path``, with the
+        source model's tokenizer files (an export of it is a complete HF folder)."""
+        checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder (saved at any TP/PP/DP layout)."""

@@ -13,7 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rl.algorithms.advantage_estimators import grpo_advantages
+from nemo_rl.algorithms.advantage_estimators import (
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.train_fields import advantage_fields
@@ -157,3 +161,62 @@ def test_carry_select_and_concat_keep_rows_aligned() -> None:
     joined = RolloutCarry.concat([picked, carry.select([4])], {"reward_mean": 0.25})
     assert joined.size == 3 and joined.truncated.tolist() == [False, False, True]
     assert joined.metrics == {"reward_mean": 0.25}
+
+
+@pytest.mark.parametrize("minus_baseline", [True, False])
+def test_reinforce_plus_plus_fields_equal_the_estimator_on_the_loss_tokens(minus_baseline):
+    """NeMo RL whitens over ``token_mask * sample_mask``; the per-sample values the step
+    stores, put on each sample's tokens, are that estimator's advantages."""
+    cfg = GRPOConfig(
+        num_generations_per_prompt=2,
+        overlong_filtering=True,
+        adv_estimator={"name": "reinforce_plus_plus", "minus_baseline": minus_baseline},
+    )
+    rollout, group_ids = rollout_batch()
+    carry = RolloutCarry.from_rollout(rollout, group_ids, {}, sampling_step=0)
+    per_sample, _ = advantage_fields(carry, cfg)
+    token_mask = message_logs_to_flat(rollout["message_log"], PAD)["token_mask"].float()
+    want = reinforce_plus_plus_advantages(
+        rollout["total_reward"].float(),
+        token_mask * per_sample["sample_mask"][:, None],
+        group_ids=group_ids if minus_baseline else None,
+    )
+    got = per_sample["advantages"][:, None] * token_mask
+    torch.testing.assert_close(got * per_sample["sample_mask"][:, None], want)
+    assert (want != 0).any()
+
+
+def test_rloo_fields_are_leave_one_out_without_normalisation():
+    cfg = GRPOConfig(num_generations_per_prompt=2, adv_estimator={"name": "rloo"})
+    assert (cfg.adv_estimator.normalize_rewards, cfg.adv_estimator.use_leave_one_out_baseline) == (
+        False, True
+    )
+    rollout, group_ids = rollout_batch()
+    carry = RolloutCarry.from_rollout(rollout, group_ids, {}, sampling_step=0)
+    per_sample, _ = advantage_fields(carry, cfg)
+    mask = torch.ones(len(ROWS), 1)
+    want = rloo_advantages(rollout["total_reward"].float(), group_ids, mask)[:, 0]
+    assert torch.equal(per_sample["advantages"], want)
+    assert per_sample["advantages"].tolist()[:2] == [1.0, -1.0]
+
+
+def test_estimator_settings_resolve_from_nemo_rls_two_places_and_contradictions_are_refused():
+    # adv_estimator's grpo settings default to the top-level keys
+    cfg = GRPOConfig(normalize_rewards=False, use_leave_one_out_baseline=False)
+    assert (cfg.adv_estimator.normalize_rewards, cfg.adv_estimator.use_leave_one_out_baseline) == (
+        False, False
+    )
+    cfg = GRPOConfig(adv_estimator={"normalize_rewards": False})
+    assert cfg.adv_estimator.normalize_rewards is False
+    with pytest.raises(ValueError, match=r"grpo.normalize_rewards \(True\) and "
+                       r"grpo.adv_estimator.normalize_rewards \(False\) disagree"):
+        GRPOConfig(normalize_rewards=True, adv_estimator={"normalize_rewards": False})
+    with pytest.raises(ValueError, match="'rloo' is a leave-one-out baseline without"):
+        GRPOConfig(adv_estimator={"name": "rloo", "normalize_rewards": True})
+    with pytest.raises(ValueError, match="needs num_generations_per_prompt >= 2"):
+        GRPOConfig(num_generations_per_prompt=1, adv_estimator={"name": "rloo"})
+    with pytest.raises(ValueError, match="adv_estimator.name"):
+        GRPOConfig(adv_estimator={"name": "gae"})
+    # REINFORCE++ has no leave-one-out baseline: one generation per prompt is fine
+    GRPOConfig(num_generations_per_prompt=1, use_leave_one_out_baseline=False,
+               adv_estimator={"name": "reinforce_plus_plus"})

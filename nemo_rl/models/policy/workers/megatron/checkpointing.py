@@ -5,7 +5,15 @@ Model and optimizer go through their sharded state dicts (the distributed optimi
 megatron's ``fully_reshardable`` format), whose layout is independent of TP/PP/DP, so a
 checkpoint saved at one layout loads at another. Scheduler state and the step are common
 (replicated) entries. RNG states are per rank (``rng/rank_<r>.pt``) and restored only when
-the layout is unchanged. ``layout.json`` records the layout of the save.
+the layout is unchanged. ``layout.json`` records the layout of the save and the optimizer
+steps taken (``optimizer_step``: SFT warm-start steps included, so it is not the GRPO step of
+the ``step_<n>`` folder holding it).
+
+The folder is also a ``megatron_bridge`` checkpoint: ``bridge.json`` (the HF config, vocabulary
+padding, parameter dtype) and ``hf_assets/`` (tokenizer, chat template, generation config of the
+source model), so ``megatron-bridge convert --from megatron --to hf`` and ``nemo-rl export``
+stream its model tensors into an HF folder without building a model (the optimizer's tensors
+are skipped).
 
 The folder must not exist or be empty: dist_checkpointing treats a non-empty folder without its
 metadata as corrupt. The vocabulary padding must match across layouts (it depends on TP only
@@ -22,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.checkpoint import write_bridge_files
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 
 LAYOUT_FILE = "layout.json"
@@ -82,8 +91,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_training_checkpoint(policy: PolicyModel, path: str | Path, step: int) -> None:
-    """Save this rank's share of the training state into ``path`` (call on every rank)."""
+def save_training_checkpoint(
+    policy: PolicyModel, path: str | Path, step: int, assets_dir: str | Path | None = None
+) -> None:
+    """Save this rank's share of the training state into ``path`` (call on every rank).
+
+    Args:
+        step: optimizer steps taken (restored by :func:`load_training_checkpoint`).
+        assets_dir: the source HF folder whose tokenizer/generation files go to
+            ``hf_assets/`` (None: none, and an export has no tokenizer).
+    """
     from megatron.core import dist_checkpointing
 
     ckpt = Path(path)
@@ -100,7 +117,10 @@ def save_training_checkpoint(policy: PolicyModel, path: str | Path, step: int) -
     if rank == 0:
         (ckpt / RNG_DIR).mkdir()
         layout = dataclasses.asdict(policy.layout)
-        (ckpt / LAYOUT_FILE).write_text(json.dumps({**layout, "step": step}, indent=2) + "\n")
+        (ckpt / LAYOUT_FILE).write_text(
+            json.dumps({**layout, "optimizer_step": step}, indent=2) + "\n"
+        )
+        write_bridge_files(ckpt, policy.bridge, policy.layout.tp, policy.dtype, assets_dir)
     dist.barrier()
     torch.save(_rng_state(), ckpt / RNG_DIR / f"rank_{rank}.pt")
     dist.barrier()

@@ -1,0 +1,1 @@
+"""Evaluation: ``nemo-rl eval --config RECIPE`` (see :mod:`nemo_rl.evals.eval`)."""

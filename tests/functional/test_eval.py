@@ -1,0 +1,125 @@
+"""Export and evaluation of a trained checkpoint, end to end on CPU.
+
+A tiny GRPO run (an SFT warm start on the synthetic task, then one GRPO step validated with
+greedy decoding, checkpointed) is evaluated with ``nemo-rl eval``'s code on its checkpoint
+folder (exported to HF on the fly, served by vLLM): with the validation's sampling settings
+(greedy, the same prompts in the same batches) the accuracy is the one the validation logged,
+and every response equals the greedy continuation of the Megatron model loaded from the saved
+policy folder (the trained weights as the policy holds them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_rl.evals.config import EvalMasterConfig
+from nemo_rl.evals.eval import run_eval
+from nemo_rl.utils.logger import read_metrics_jsonl
+
+from tiny_grpo import run_grpo, tiny_grpo_config
+
+pytestmark = pytest.mark.slow
+
+VAL_PROMPTS, VAL_BATCH, MAX_NEW_TOKENS = 16, 8, 8
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama_path) -> Path:
+    """The run's folder: logs/ and ckpt/ (step_1 after warm start + one GRPO step)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = tiny_grpo_config(
+        tmp / "logs",
+        tiny_llama_path,
+        grpo={"max_num_steps": 1, "val_period": 1, "val_greedy": True,
+              "max_val_samples": VAL_PROMPTS, "val_batch_size": VAL_BATCH},
+        sft_warmup={"enabled": True, "num_steps": 60},
+        data={"synthetic": {"max_operand": 4, "num_val": VAL_PROMPTS}},
+        checkpointing={"enabled": True, "checkpoint_dir": str(tmp / "ckpt"), "save_period": 1},
+    )
+    run_grpo(cfg)
+    (tmp / "data.json").write_text(cfg.data.model_dump_json())
+    return tmp
+
+
+def eval_config(trained: Path) -> EvalMasterConfig:
+    """Greedy, one sample per prompt, the validation's prompts and batches."""
+    return EvalMasterConfig.model_validate({
+        "eval": {"num_prompts_per_step": VAL_BATCH, "max_num_prompts": VAL_PROMPTS,
+                 "save_path": str(trained / "eval")},
+        "generation": {
+            "model_name": str(trained / "ckpt"),
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "temperature": 0.0,
+            "vllm_cfg": {"precision": "float32", "max_model_len": 64,
+                         "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True},
+        },
+        "data": json.loads((trained / "data.json").read_text()),
+        "cluster": {"cpus_per_node": 8},
+    })
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained) -> dict[str, float]:
+    return run_eval(eval_config(trained))
+
+
+def test_eval_of_the_checkpoint_reproduces_its_last_validation(trained, evaluated):
+    (validation,) = [
+        r["metrics"] for r in read_metrics_jsonl(trained / "logs" / "metrics.jsonl")
+        if r["prefix"] == "validation"
+    ]
+    assert validation["num_samples"] == evaluated["num_samples"] == VAL_PROMPTS
+    assert evaluated["accuracy"] == validation["accuracy"]
+    assert evaluated["pass@1"] == evaluated["accuracy"]
+    summary = json.loads((trained / "eval" / "summary.json").read_text())
+    assert summary == evaluated
+    lines = (trained / "eval" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == VAL_PROMPTS
+
+
+def megatron_greedy(policy_dir: Path, prompts: list[torch.Tensor], eos: int) -> list[list[int]]:
+    """Greedy continuations (at most MAX_NEW_TOKENS, through the first ``eos``) of the Megatron
+    model loaded from a saved policy folder, one process, TP=PP=1."""
+    from megatron_bridge.checkpoint import load_megatron_checkpoint
+    from megatron_bridge.forward import megatron_logits
+    from megatron_bridge.parallel_state import (
+        destroy_megatron_parallel,
+        find_free_port,
+        initialize_megatron_parallel,
+    )
+
+    initialize_megatron_parallel(0, 1, tp=1, pp=1, master_port=find_free_port())
+    try:
+        model, bridge = load_megatron_checkpoint(policy_dir)
+        out = []
+        for ids in prompts:
+            new: list[int] = []
+            while len(new) < MAX_NEW_TOKENS and (not new or new[-1] != eos):
+                seq = torch.cat([ids, torch.tensor(new, dtype=torch.long)])
+                with torch.no_grad():
+                    logits = megatron_logits(model, seq.unsqueeze(0), bridge.vocab_size)[0]
+                new.append(int(logits[-1].argmax()))
+            out.append(new)
+        return out
+    finally:
+        destroy_megatron_parallel()
+
+
+def test_exported_model_on_vllm_answers_as_the_saved_policy_greedily(trained, evaluated):
+    from transformers import AutoTokenizer
+
+    from nemo_rl.data.datasets import setup_datasets
+
+    cfg = eval_config(trained)
+    policy_dir = trained / "ckpt" / "step_1" / "policy"
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir / "hf_assets")
+    _, val, _ = setup_datasets(cfg.data, tokenizer)
+    prompts = [torch.cat([m["token_ids"] for m in val[i]["message_log"]]) for i in range(VAL_PROMPTS)]
+    expected = megatron_greedy(policy_dir, prompts, tokenizer.eos_token_id)
+    records = [json.loads(line) for line in (trained / "eval" / "samples.jsonl").read_text().splitlines()]
+    responses = [r["response"] for r in sorted(records, key=lambda r: r["prompt_index"])]
+    assert responses == [tokenizer.decode(ids) for ids in expected]

@@ -1,0 +1,102 @@
+"""The weight-sync protocol: one set of verbs, implemented once, with the signatures the
+interfaces declare (the end-to-end refit is in test_refit.py)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.refit import RefitError, refit_policy_generation
+from nemo_rl.models.generation.refit.interfaces import (
+    RECEIVER_VERBS,
+    SENDER_VERBS,
+    WeightReceiver,
+    WeightSender,
+    call_verb,
+)
+from nemo_rl.models.generation.refit.receiver import RefitReceiver
+from nemo_rl.models.generation.refit.sender import RefitSender
+from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.interfaces import ColocatablePolicyInterface
+from nemo_rl.models.policy.lm_policy import Policy
+
+
+def signature(cls: type, name: str) -> list[tuple[str, object, object]]:
+    """Parameters (name, kind, default) and the return annotation of ``cls.name``, with
+    annotations as written (every module here uses postponed annotations)."""
+    sig = inspect.signature(getattr(cls, name))
+    params = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
+    return params + [("return", None, None, str(sig.return_annotation))]
+
+
+REFIT_METHODS = [
+    "init_collective",
+    "offload_before_refit",
+    "offload_after_refit",
+    "prepare_refit_info",
+    "prepare_weights_for_ipc",
+    "get_weights_ipc_handles",
+    "broadcast_weights_for_collective",
+]
+
+
+@pytest.mark.parametrize("name", REFIT_METHODS)
+def test_policy_refit_methods_have_the_interfaces_signatures_exactly(name):
+    assert name in ColocatablePolicyInterface.__abstractmethods__
+    assert signature(Policy, name) == signature(ColocatablePolicyInterface, name)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "protocol", "verbs"),
+    [(RefitSender, WeightSender, SENDER_VERBS), (RefitReceiver, WeightReceiver, RECEIVER_VERBS)],
+)
+def test_sender_and_receiver_implement_every_verb_with_its_signature(
+    implementation, protocol, verbs
+):
+    assert verbs == {n for n, v in vars(protocol).items() if inspect.isfunction(v) and n[0] != "_"}
+    for verb in verbs:
+        assert signature(implementation, verb) == signature(protocol, verb), verb
+
+
+def test_the_seeds_verbs_are_the_senders_verbs():
+    """Every refit verb of the policy interface (all but the memory moves) is a sender verb,
+    so the facade, the worker and the sender use one name for it."""
+    moves = {"offload_before_refit", "offload_after_refit"}
+    assert set(REFIT_METHODS) - moves <= SENDER_VERBS
+
+
+def test_a_worker_runs_only_the_protocols_verbs():
+    receiver = RefitReceiver(lambda weights: None, device=__import__("torch").device("cpu"))
+    assert call_verb(receiver, RECEIVER_VERBS, "abort_weight_update") is None
+    with pytest.raises(ValueError, match="unknown refit verb 'close'.*commit_weight_update"):
+        call_verb(receiver, RECEIVER_VERBS, "close")
+
+
+def test_refit_settings_come_from_the_policy_config():
+    cfg = PolicyConfig(
+        refit_buffer_size_gb=0.001,
+        refit_timeout_s=30,
+        refit_checksums=False,
+        generation=GenerationConfig(vllm_cfg=VllmConfig(precision="bfloat16")),
+    )
+    settings = cfg.refit_settings()
+    assert settings.bucket_bytes == int(0.001 * 1024**3) // 64 * 64
+    assert (settings.dtype, settings.timeout_s, settings.checksums) == ("bfloat16", 30, False)
+    assert PolicyConfig().refit_settings().bucket_bytes == 256 * 1024**2
+    with pytest.raises(ValueError, match="refit_buffer_size_gb"):
+        PolicyConfig(refit_buffer_size_gb=0)
+
+
+def test_refit_refuses_a_policy_exporting_another_dtype_than_the_engines_run():
+    """Checked before any worker is called: a policy configured for float32 engines would
+    otherwise stream twice the bytes into bfloat16 engines."""
+    policy = SimpleNamespace(cfg=PolicyConfig())  # generation precision: float32
+    generation = SimpleNamespace(
+        config=GenerationConfig(vllm_cfg=VllmConfig(precision="bfloat16"))
+    )
+    with pytest.raises(RefitError, match=r"float32 \(policy.generation.vllm_cfg.precision\).*"
+                       "engines run in bfloat16"):
+        refit_policy_generation(policy, generation, colocated=True)
