@@ -88,6 +88,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.data.datasets import (
         check_prompt_lengths,
         setup_datasets,
+        setup_demonstration_dataset,
         setup_synthetic_sft_dataset,
     )
     from nemo_rl.data.llm_message_utils import rl_collate_fn
@@ -110,7 +111,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train, val, _ = setup_datasets(cfg.data, tokenizer)
+    train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.grpo.seed)
     check_prompt_lengths(train, cfg.policy.max_total_sequence_length)
     loader = StatefulPromptLoader(
         train, cfg.grpo.prompts_per_generation_batch, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle
@@ -123,7 +124,14 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
 
     sft_loader = None
     if cfg.sft_warmup.enabled:
-        sft_set = setup_synthetic_sft_dataset(cfg.data, tokenizer, cfg.sft_warmup.num_samples)
+        warmup = cfg.sft_warmup
+        sft_set = (
+            setup_synthetic_sft_dataset(cfg.data, tokenizer, warmup.num_samples)
+            if warmup.train_path is None
+            else setup_demonstration_dataset(
+                cfg.data, warmup.train_path, tokenizer, warmup.response_key
+            )
+        )
         check_prompt_lengths(sft_set, cfg.policy.max_total_sequence_length)
         sft_loader = StatefulPromptLoader(
             sft_set, cfg.sft_warmup.global_batch_size, seed=cfg.grpo.seed, shuffle=True

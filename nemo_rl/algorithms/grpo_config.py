@@ -6,6 +6,7 @@ The defaults describe a tiny CPU run (8 prompts x 4 generations on a tiny model)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -13,7 +14,7 @@ from pydantic import Field, model_validator
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
-from nemo_rl.data.processors import PROCESSORS
+from nemo_rl.data.files import FILE_READERS, check_data_file
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
@@ -185,6 +186,43 @@ class ClusterConfig(ConfigModel):
     )
 
 
+class DatasetSourceConfig(ConfigModel):
+    """One dataset of ``data.train_datasets``, mixed with the others by weight."""
+
+    path: str = Field(
+        min_length=1,
+        description="Local file (.jsonl, .json or .parquet), or an HF datasets name / local "
+        "dataset folder.",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="Share of the mixture: an epoch of the mixture has as many rows as all "
+        "datasets together, weight / sum(weights) of them drawn from this one (its rows "
+        "repeated or subsampled, in a seeded order).",
+    )
+    split: str = Field(default="train", description="HF split (ignored for a local file).")
+    subset: str | None = Field(default=None, description="HF config (subset) name. None: none.")
+    prompt_key: str | None = Field(
+        default=None, description="Field holding the prompt. None: data.prompt_key."
+    )
+    answer_key: str | None = Field(
+        default=None, description="Field holding the answer. None: data.answer_key."
+    )
+    task_name: str | None = Field(
+        default=None,
+        description="Task of this dataset's rows without a task_name field of their own. None: "
+        "data.task_name.",
+    )
+
+    @model_validator(mode="after")
+    def _check_local_file(self) -> DatasetSourceConfig:
+        path = Path(self.path)
+        if path.suffix.lower() in FILE_READERS or path.is_file():
+            check_data_file(self.path, "data.train_datasets[].path")
+        return self
+
+
 class DataConfig(ConfigModel):
     """Prompt data (``data``); built by :func:`nemo_rl.data.datasets.setup_datasets`."""
 
@@ -200,13 +238,19 @@ class DataConfig(ConfigModel):
     )
     train_path: str | None = Field(
         default=None,
-        description="Local training file (.jsonl, .json or .parquet). None: dataset_name's "
-        "train_split.",
+        description="Local training file (.jsonl, .json or .parquet), read whatever "
+        "dataset_name says. None: dataset_name's train_split.",
     )
     val_path: str | None = Field(
         default=None,
-        description="Local validation file (.jsonl, .json or .parquet). None: dataset_name's "
-        "val_split.",
+        description="Local validation file (.jsonl, .json or .parquet), read whatever "
+        "dataset_name says. None: dataset_name's val_split (the synthetic task's own validation "
+        "set when it also gives the training rows).",
+    )
+    train_datasets: list[DatasetSourceConfig] = Field(
+        default_factory=list,
+        description="Several training datasets mixed by weight (each with its own keys and "
+        "task); replaces train_path and dataset_name's training split. Empty: not used.",
     )
     train_split: str = Field(default="train", description="HF split used for training.")
     val_split: str | None = Field(
@@ -214,7 +258,10 @@ class DataConfig(ConfigModel):
         "unless val_path is set (the synthetic task always has one)."
     )
     prompt_key: str = Field(
-        default="prompt", min_length=1, description="Field of a record holding the prompt text."
+        default="prompt",
+        min_length=1,
+        description="Field of a record holding the prompt: a text, or a list of "
+        '{"role", "content"} messages (chat format, e.g. prompt_key: messages).',
     )
     answer_key: str | None = Field(
         default="answer",
@@ -222,8 +269,8 @@ class DataConfig(ConfigModel):
     )
     task_name: str | None = Field(
         default=None,
-        description="Task (processor and environment) of rows without a task_name field. "
-        'None: "math".',
+        description="Task (an env section's name: its environment and data processor) of rows "
+        'without a task_name field of their own. None: "math".',
     )
     prompt_file: str | None = Field(
         default=None,
@@ -246,6 +293,29 @@ class DataConfig(ConfigModel):
         description="Prompts longer than this many tokens are truncated to it and kept out of "
         "the loss (loss_multiplier 0). None: policy.max_total_sequence_length.",
     )
+
+    @property
+    def uses_synthetic(self) -> bool:
+        """Whether the training rows are the built-in synthetic task's."""
+        return (
+            self.dataset_name == SYNTHETIC_ARITHMETIC
+            and self.train_path is None
+            and not self.train_datasets
+        )
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        """train_path / val_path exist and have a supported suffix."""
+        for name in ("train_path", "val_path"):
+            path = getattr(self, name)
+            if path is not None:
+                check_data_file(path, f"data.{name}")
+        if self.train_datasets and self.train_path is not None:
+            raise ValueError(
+                "data.train_datasets and data.train_path both name the training data; set one "
+                "(add train_path's file to train_datasets as {path: ..., weight: ...})"
+            )
+        return self
 
 
 class GRPOMasterConfig(ConfigModel):
@@ -271,7 +341,8 @@ class GRPOMasterConfig(ConfigModel):
     )
     sft_warmup: SFTWarmupConfig = Field(
         default_factory=SFTWarmupConfig,
-        description="Supervised warm start before the first GRPO step (synthetic task only).",
+        description="Supervised warm start before the first GRPO step (the synthetic task's "
+        "replies, or sft_warmup.train_path's demonstrations).",
     )
 
     @model_validator(mode="after")
@@ -312,11 +383,14 @@ class GRPOMasterConfig(ConfigModel):
                 )
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
-        if self.sft_warmup.enabled and self.data.dataset_name != SYNTHETIC_ARITHMETIC:
+        warmup = self.sft_warmup
+        if warmup.enabled and warmup.train_path is None and not self.data.uses_synthetic:
             raise ValueError(
-                f"sft_warmup.enabled needs data.dataset_name={SYNTHETIC_ARITHMETIC!r} (the only "
-                f"task with built-in reference replies), got {self.data.dataset_name!r}; "
-                "disable sft_warmup or warm-start the model beforehand"
+                f"sft_warmup.enabled needs demonstrations: set sft_warmup.train_path to a file "
+                f"of prompts and replies, or train on the synthetic task's rows (data."
+                f"dataset_name={SYNTHETIC_ARITHMETIC!r} without data.train_path, the only task "
+                f"with built-in replies); got dataset_name={self.data.dataset_name!r}, "
+                f"train_path={self.data.train_path!r}"
             )
         self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
         return self
@@ -339,20 +413,12 @@ class GRPOMasterConfig(ConfigModel):
         )
 
     def _check_task(self) -> None:
-        """The rows' default task needs a data processor and a configured environment."""
-        task = self.data.task_name or SYNTHETIC_TASK_NAME
-        if task not in PROCESSORS:
-            raise ValueError(
-                f"data.task_name={task!r} has no data processor (registered: "
-                f"{sorted(PROCESSORS)}); use one of them or register one in "
-                "nemo_rl.data.processors.PROCESSORS"
-            )
-        if getattr(self.env, task, None) is None:
-            configured = [n for n in EnvConfigs.model_fields if getattr(self.env, n) is not None]
-            raise ValueError(
-                f"data.task_name={task!r} has no environment: configure env.{task} (configured: "
-                f"{configured}) or choose a task among them"
-            )
+        """The rows' default task names a configured environment (whose processor resolved
+        when ``env`` was validated); rows' own task names are checked when the data loads."""
+        self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
+        for i, source in enumerate(self.data.train_datasets):
+            if source.task_name is not None:
+                self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")
 
     def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
         """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose

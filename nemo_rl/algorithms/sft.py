@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loss import NLLLoss
+from nemo_rl.data.files import check_data_file
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.utils.config import ConfigModel
@@ -35,7 +36,19 @@ class SFTWarmupConfig(ConfigModel):
         default=1024,
         ge=1,
         description="Distinct warm-start conversations generated (the synthetic task's "
-        "training prompts with their correct replies); steps cycle through them.",
+        "training prompts with their correct replies); steps cycle through them. Ignored "
+        "with train_path (every demonstration is used).",
+    )
+    train_path: str | None = Field(
+        default=None,
+        description="File of demonstrations (.jsonl, .json or .parquet): each row a prompt "
+        "(data.prompt_key, rendered like the GRPO prompts) and its reference reply "
+        "(response_key). None: the synthetic task's correct replies (needs its rows).",
+    )
+    response_key: str = Field(
+        default="response",
+        min_length=1,
+        description="Field of a demonstration holding the reference reply.",
     )
     global_batch_size: int | None = Field(
         default=None,
@@ -53,6 +66,8 @@ class SFTWarmupConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_lr_range(self) -> SFTWarmupConfig:
+        if self.train_path is not None:
+            check_data_file(self.train_path, "sft_warmup.train_path")
         if self.min_lr > self.lr:
             raise ValueError(
                 f"sft_warmup.min_lr ({self.min_lr}) must be <= sft_warmup.lr ({self.lr})"

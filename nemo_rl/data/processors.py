@@ -18,6 +18,7 @@ from nemo_rl.data.interfaces import (
     TaskDataSpec,
 )
 from nemo_rl.data.templates import build_prompt_message_log, tokenize_text, truncate_message_log
+from nemo_rl.utils.plugins import load_function
 
 
 def message_log_length(message_log: LLMMessageLogType) -> int:
@@ -117,24 +118,52 @@ def sft_data_processor(
     return datum
 
 
-# task name -> processor; a row's task_name picks its processor and its environment.
+def reward_fn_processor(
+    datum_dict: dict[str, Any],
+    task_data_spec: TaskDataSpec,
+    tokenizer: Any,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """A prompt for a reward function (``env.<task>.reward_fn``): ``extra_env_info`` holds the
+    row's ``"prompt"`` (as in the data, before any template), its ``"answer"`` (None when the
+    row has none) and ``"metadata"``, the row's other fields."""
+    rest = {k: v for k, v in datum_dict.items() if k not in ("prompt", "answer", "task_name")}
+    info = {"prompt": datum_dict["prompt"], "answer": datum_dict.get("answer"), "metadata": rest}
+    return _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, info)
+
+
+# Registered processors by name; an environment section's ``processor`` (or its environment
+# class's ``default_processor``) names one of them or gives an import path.
 PROCESSORS: dict[str, TaskDataProcessFnCallable] = {
     "math": math_data_processor,
     "prompt": prompt_only_processor,
+    "reward_fn": reward_fn_processor,
     "sft": sft_data_processor,
 }
 
+PROCESSOR_SIGNATURE = "processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)"
 
-def get_processor(task_name: str) -> TaskDataProcessFnCallable:
-    """The processor registered for ``task_name``.
+
+def get_processor(name: str, field: str = "processor") -> TaskDataProcessFnCallable:
+    """The processor registered as ``name``, or the function at import path ``name``
+    (``"package.module:function"``, called like the built-ins: see
+    :class:`~nemo_rl.data.interfaces.TaskDataProcessFnCallable`).
+
+    Args:
+        name: a key of :data:`PROCESSORS` or an import path.
+        field: the recipe field holding ``name``, named in errors.
 
     Raises:
-        KeyError: naming the unknown task and the registered ones.
+        KeyError: naming the unknown name and the registered ones.
+        nemo_rl.utils.plugins.PluginError: an import path that does not resolve to a function
+            of five arguments.
     """
-    if task_name not in PROCESSORS:
-        raise KeyError(
-            f"unknown task name {task_name!r}: no data processor is registered for it "
-            f"(registered: {sorted(PROCESSORS)}); fix the row's task_name or register one in "
-            "nemo_rl.data.processors.PROCESSORS"
-        )
-    return PROCESSORS[task_name]
+    if name in PROCESSORS:
+        return PROCESSORS[name]
+    if ":" in name:
+        return load_function(name, 5, field, PROCESSOR_SIGNATURE)
+    raise KeyError(
+        f"{field}={name!r}: no data processor is registered under that name (registered: "
+        f"{sorted(PROCESSORS)}); use one of them or an import path 'package.module:function'"
+    )

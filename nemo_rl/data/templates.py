@@ -67,24 +67,53 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
     )
 
 
+ChatMessages = list[dict[str, str]]
+
+
+def check_chat_messages(messages: Any, where: str) -> ChatMessages:
+    """``messages`` if it is a non-empty list of ``{"role": str, "content": str}`` dicts.
+
+    Raises:
+        ValueError: naming ``where`` (e.g. the file and row) and the first bad message.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: a chat prompt must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: message {i} must be {{\"role\": str, \"content\": str}}, got "
+                f"{str(m)[:80]}"
+            )
+    return messages
+
+
 def render_prompt_texts(
-    tokenizer: Any, user_text: str, system_prompt: Optional[str]
+    tokenizer: Any, user_text: str | ChatMessages, system_prompt: Optional[str]
 ) -> list[tuple[str, str]]:
     """(role, rendered text) per prompt message; the texts concatenate to the model's input.
 
+    ``user_text`` is one user message, or a list of ``{"role", "content"}`` messages (chat
+    format; the system prompt goes first unless the list starts with a system message).
     With a chat template the conversation is rendered one message longer each time and each
     message gets the added text; if the template does not render prefixes consistently (e.g.
     it injects a default system prompt), the whole rendering becomes one ``user`` message.
-    Without a chat template: the system prompt plus a blank line, then the user text; the
-    tokenizer's bos token, if any, starts the first message.
+    Without a chat template: the system prompt plus a blank line, then each message's text
+    (separated by blank lines); the tokenizer's bos token, if any, starts the first message.
     """
-    chat = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
-    chat.append({"role": "user", "content": user_text})
+    turns = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
+    chat = [dict(m) for m in turns]
+    if system_prompt is not None and chat[0]["role"] != "system":
+        chat.insert(0, {"role": "system", "content": system_prompt})
     if not has_chat_template(tokenizer):
         bos = getattr(tokenizer, "bos_token", None) or ""
-        texts = [(m["role"], m["content"]) for m in chat]
-        if system_prompt is not None:
-            texts[0] = ("system", system_prompt + "\n\n")
+        texts = [
+            (m["role"], m["content"] + ("\n\n" if i < len(chat) - 1 else ""))
+            for i, m in enumerate(chat)
+        ]
         texts[0] = (texts[0][0], bos + texts[0][1])
         return texts
     full = _render(tokenizer, chat, generation_prompt=True)
@@ -105,10 +134,24 @@ def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
 
 
 def build_prompt_message_log(
-    tokenizer: Any, prompt: str, prompt_template: Optional[str], system_prompt: Optional[str]
+    tokenizer: Any,
+    prompt: str | ChatMessages,
+    prompt_template: Optional[str],
+    system_prompt: Optional[str],
 ) -> LLMMessageLogType:
-    """The tokenized prompt messages of one row: template applied, then chat-rendered."""
-    user_text = apply_prompt_template(prompt_template, prompt)
+    """The tokenized prompt messages of one row: template applied, then chat-rendered.
+
+    ``prompt`` is a text, or a list of ``{"role", "content"}`` messages (chat format; the
+    template then applies to the content of its last user message).
+    """
+    if isinstance(prompt, str):
+        user_text: str | ChatMessages = apply_prompt_template(prompt_template, prompt)
+    else:
+        user_text = [dict(m) for m in check_chat_messages(prompt, "chat prompt")]
+        last_user = max((i for i, m in enumerate(user_text) if m["role"] == "user"), default=None)
+        if last_user is not None:
+            content = user_text[last_user]["content"]
+            user_text[last_user]["content"] = apply_prompt_template(prompt_template, content)
     return [
         Message(role=role, content=text, token_ids=tokenize_text(tokenizer, text))
         for role, text in render_prompt_texts(tokenizer, user_text, system_prompt)

@@ -139,6 +139,9 @@ class CalculatorEnvironment(EnvironmentInterface):
     Metadata per sample: ``{"ground_truth": str}``; the environment adds ``"turn"``.
     """
 
+    default_processor = "math"
+    required_fields = ("answer",)
+
     def __init__(self, cfg: Optional[CalculatorEnvConfig] = None) -> None:
         self.cfg = cfg or CalculatorEnvConfig()
 

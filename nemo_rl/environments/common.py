@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
+from nemo_rl.environments.interfaces import EnvironmentReturn
 
 
 def last_assistant_content(message_log: LLMMessageLogType) -> str:
@@ -69,3 +70,17 @@ def batch_success_metrics(batch: Any, threshold: float = 1.0) -> dict[str, float
     if isinstance(idx, torch.Tensor):
         idx = idx.tolist()
     return success_metrics(torch.as_tensor(batch["total_reward"]), idx, threshold)
+
+
+def final_step_return(rewards: torch.Tensor) -> EnvironmentReturn:
+    """Every sample's episode ends with ``rewards[i]`` (``[B]`` float32) and nothing more: an
+    empty observation, no metadata, stop strings or answer."""
+    size = int(rewards.numel())
+    return EnvironmentReturn(
+        observations=[{"role": "environment", "content": ""} for _ in range(size)],
+        metadata=[None] * size,
+        next_stop_strings=[None] * size,
+        rewards=rewards.to(torch.float32),
+        terminateds=torch.ones(size, dtype=torch.bool),
+        answers=[None] * size,
+    )

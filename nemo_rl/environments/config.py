@@ -1,21 +1,27 @@
-"""Typed config of the environments (the ``env`` section): one optional section per task.
+"""Typed config of the environments (the ``env`` section): one section per task.
 
-``env.math`` follows NeMo RL's keys (``num_workers``, ``stop_strings``). A section left at
-None starts no environment; :func:`nemo_rl.environments.utils.create_environments` starts one
-Ray actor per configured section, keyed by the section's name (the samples' ``task_name``).
+The section's name is the task name that rows carry (``data.task_name`` or a row's
+``task_name``). Built-in tasks have typed sections (``env.math`` follows NeMo RL's keys,
+``num_workers`` and ``stop_strings``); a section left at None starts no environment. Any other
+name is a plug-in section (:class:`PluginEnvConfig`): an environment class named by import path
+with its own keyword arguments, or a reward function. Every section, built-in or plug-in, is
+resolved the same way (:mod:`nemo_rl.environments.registry`) when the recipe is validated, and
+:func:`nemo_rl.environments.utils.create_environments` starts one Ray actor per section.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+from typing import Any, ClassVar, Optional
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
+from nemo_rl.environments.registry import EnvironmentSpec, resolve_environment
 from nemo_rl.utils.config import ConfigModel
 
 
 class EnvActorConfig(ConfigModel):
-    """What every environment actor reserves from Ray."""
+    """What every environment section states: the actor's Ray CPUs and the rows' processor."""
 
     num_cpus: float = Field(
         default=0.25,
@@ -23,10 +29,26 @@ class EnvActorConfig(ConfigModel):
         description="Logical Ray CPUs the environment's actor reserves (fractions allowed; "
         "environments are light, so several share a core).",
     )
+    processor: Optional[str] = Field(
+        default=None,
+        description="Data processor turning this task's rows into prompts: a registered name "
+        "('math', 'prompt', 'reward_fn', 'sft') or an import path 'package.module:function'. "
+        "None: the environment class's default_processor.",
+    )
+
+    # Import path of the environment class a built-in section starts (called with the section).
+    environment_class: ClassVar[str] = ""
+
+    def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
+        """``(class import path, recipe field naming it, args, kwargs)`` that start this
+        section's environment: a built-in section is passed to its class as the one argument."""
+        return self.environment_class, "", (self,), {}
 
 
 class MathEnvConfig(EnvActorConfig):
     """``env.math``: single-turn answers checked with math-verify."""
+
+    environment_class: ClassVar[str] = "nemo_rl.environments.math_environment:MathEnvironment"
 
     num_workers: int = Field(
         default=1,
@@ -48,6 +70,10 @@ class MathEnvConfig(EnvActorConfig):
 class NumberGuessEnvConfig(EnvActorConfig):
     """``env.number_guess``: guess the secret number, told "higher" or "lower" each turn."""
 
+    environment_class: ClassVar[str] = (
+        "nemo_rl.environments.number_guess_environment:NumberGuessEnvironment"
+    )
+
     max_turns: int = Field(
         default=6, ge=1, description="Guesses allowed before the episode ends unsolved."
     )
@@ -62,6 +88,10 @@ class NumberGuessEnvConfig(EnvActorConfig):
 
 class CalculatorEnvConfig(EnvActorConfig):
     """``env.calculator``: the model may compute ``<calc>expr</calc>`` before answering."""
+
+    environment_class: ClassVar[str] = (
+        "nemo_rl.environments.calculator_environment:CalculatorEnvironment"
+    )
 
     max_turns: int = Field(
         default=4,
@@ -89,8 +119,58 @@ class CalculatorEnvConfig(EnvActorConfig):
     )
 
 
+REWARD_FN_ENVIRONMENT = "nemo_rl.environments.reward_fn_environment:RewardFnEnvironment"
+
+
+class PluginEnvConfig(EnvActorConfig):
+    """``env.<task>`` for a task without a built-in section: exactly one of ``cls`` and
+    ``reward_fn``. Every key beyond the declared ones is passed to ``cls`` as a keyword
+    argument (``env.my_task: {cls: my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}`` starts
+    ``MyEnv(difficulty=3)``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    cls: Optional[str] = Field(
+        default=None,
+        description="Import path 'package.module:Class' of an EnvironmentInterface subclass; "
+        "started as Class(**the section's other keys).",
+    )
+    reward_fn: Optional[str] = Field(
+        default=None,
+        description="Import path 'package.module:function' of a single-turn reward "
+        "fn(prompt, response, answer, metadata) -> float, run batched in a built-in "
+        "environment's actor (processor 'reward_fn').",
+    )
+
+    def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
+        """The class of ``cls`` with the section's extra keys, or the reward-function
+        environment with ``reward_fn``."""
+        kwargs = dict(self.model_extra or {})
+        if self.cls is not None:
+            return self.cls, "cls", (), kwargs
+        return REWARD_FN_ENVIRONMENT, "reward_fn", (), {"reward_fn": self.reward_fn}
+
+    @model_validator(mode="after")
+    def _one_plugin(self) -> PluginEnvConfig:
+        if (self.cls is None) == (self.reward_fn is None):
+            raise ValueError(
+                "a plug-in environment section needs exactly one of cls "
+                "('package.module:Class') and reward_fn ('package.module:function')"
+            )
+        if self.reward_fn is not None and self.model_extra:
+            raise ValueError(
+                f"reward_fn takes no other keys (got {sorted(self.model_extra)}); bind them in "
+                "your function, or write an environment class (cls) that takes them"
+            )
+        return self
+
+
 class EnvConfigs(ConfigModel):
-    """``env``: the environments of a run, by task name; None leaves a task out."""
+    """``env``: the environments of a run, by task name; None leaves a built-in task out,
+    any other name is a plug-in (:class:`PluginEnvConfig`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    __pydantic_extra__: dict[str, PluginEnvConfig] = Field(init=False)  # type: ignore[assignment]
 
     math: Optional[MathEnvConfig] = Field(
         default_factory=MathEnvConfig, description="Math answers (task_name 'math')."
@@ -102,8 +182,38 @@ class EnvConfigs(ConfigModel):
         default=None, description="Calculator tool use (task_name 'calculator')."
     )
 
+    def sections(self) -> dict[str, EnvActorConfig]:
+        """``{task name: section}`` of every configured environment, built-in then plug-in."""
+        built_in = {name: getattr(self, name) for name in type(self).model_fields}
+        configured = {name: cfg for name, cfg in built_in.items() if cfg is not None}
+        return {**configured, **(self.model_extra or {})}
+
+    def specs(self) -> dict[str, EnvironmentSpec]:
+        """``{task name: resolved environment}`` of every section (see
+        :func:`~nemo_rl.environments.registry.resolve_environment`)."""
+        return {name: resolve_environment(name, cfg) for name, cfg in self.sections().items()}
+
     @property
     def total_cpus(self) -> float:
         """Logical Ray CPUs all configured environment actors reserve together."""
-        sections = (self.math, self.number_guess, self.calculator)
-        return sum(section.num_cpus for section in sections if section is not None)
+        return sum(section.num_cpus for section in self.sections().values())
+
+    def check_task(self, task_name: str, field: str) -> None:
+        """Raise ValueError unless ``task_name`` has a section, naming ``field``, the close
+        match and the configured tasks."""
+        sections = self.sections()
+        if task_name in sections:
+            return
+        close = difflib.get_close_matches(task_name, list(sections), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"{field}={task_name!r} names no environment: {hint}configured tasks are "
+            f"{sorted(sections)}; fix the name or configure env.{task_name} (a built-in "
+            f"section, or a plug-in: cls or reward_fn)"
+        )
+
+    @model_validator(mode="after")
+    def _resolve_plugins(self) -> EnvConfigs:
+        """Every section's class, processor and required fields resolve (imports plug-ins)."""
+        self.specs()
+        return self

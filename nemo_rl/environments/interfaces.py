@@ -7,7 +7,7 @@ matching environment's :meth:`EnvironmentInterface.step` on its samples only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 
@@ -37,7 +37,24 @@ class EnvironmentReturn(NamedTuple):
 
 
 class EnvironmentInterface(ABC):
-    """A task's judge (and, for multi-turn tasks, its other party)."""
+    """A task's judge (and, for multi-turn tasks, its other party).
+
+    Class attributes a subclass may set:
+        default_processor: the data processor of the task's rows when the recipe's section
+            names none (a name registered in :data:`nemo_rl.data.processors.PROCESSORS` or an
+            import path); "prompt" passes every row field to the environment as metadata.
+        required_fields: fields every row of the task must have (after the ``data.prompt_key``
+            / ``answer_key`` mapping, so ``"answer"`` is the ground truth); checked when the
+            data loads, naming the file and row of the first one missing.
+    """
+
+    default_processor: ClassVar[str] = "prompt"
+    required_fields: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
+        """Called when the recipe is validated with the arguments the environment will get;
+        raise ValueError naming ``where`` (the recipe field) for a bad one. Default: no check."""
 
     @abstractmethod
     def step(

@@ -80,6 +80,9 @@ class MathEnvironment(EnvironmentInterface):
     Metadata per sample: ``{"ground_truth": str}``.
     """
 
+    default_processor = "math"
+    required_fields = ("answer",)
+
     def __init__(self, cfg: Optional[MathEnvConfig] = None) -> None:
         self.cfg = cfg or MathEnvConfig()
         self._pool: Optional[ProcessPoolExecutor] = None

@@ -39,6 +39,9 @@ def extract_guess(text: str) -> Optional[int]:
 class NumberGuessEnvironment(EnvironmentInterface):
     """The guessing game's other party; usable in-process or as a Ray actor."""
 
+    default_processor = "prompt"
+    required_fields = ("secret",)
+
     def __init__(self, cfg: Optional[NumberGuessEnvConfig] = None) -> None:
         self.cfg = cfg or NumberGuessEnvConfig()
 

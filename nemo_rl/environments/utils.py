@@ -16,28 +16,21 @@ import ray
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
-from nemo_rl.environments.calculator_environment import CalculatorEnvironment
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.environments.config import EnvActorConfig, EnvConfigs
+from nemo_rl.environments.common import final_step_return
+from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from nemo_rl.environments.math_environment import MathEnvironment
-from nemo_rl.environments.number_guess_environment import NumberGuessEnvironment
 
 logger = logging.getLogger(__name__)
-
-# Environment class of each ``env`` config section (the section name is the task name).
-ENVIRONMENT_CLASSES: dict[str, type[EnvironmentInterface]] = {
-    "math": MathEnvironment,
-    "number_guess": NumberGuessEnvironment,
-    "calculator": CalculatorEnvironment,
-}
 
 # How often Ray restarts an environment actor that died or was killed after a timeout.
 MAX_ACTOR_RESTARTS = 3
 
 
-def remote_environment(cls: type[EnvironmentInterface], cfg: EnvActorConfig) -> Any:
-    """Start ``cls(cfg)`` as a Ray actor reserving ``cfg.num_cpus`` logical CPUs.
+def remote_environment(
+    cls: type[EnvironmentInterface], num_cpus: float, *args: Any, **kwargs: Any
+) -> Any:
+    """Start ``cls(*args, **kwargs)`` as a Ray actor reserving ``num_cpus`` logical CPUs.
 
     The actor is restartable (``MAX_ACTOR_RESTARTS``), so :func:`safe_env_step` can replace a
     hung one. Ray must be initialised (``nemo_rl.distributed.ray_bootstrap.init_ray``).
@@ -45,12 +38,12 @@ def remote_environment(cls: type[EnvironmentInterface], cfg: EnvActorConfig) -> 
     Returns:
         The actor handle; call ``handle.step.remote(message_logs, metadata)``.
     """
-    actor_cls = ray.remote(num_cpus=cfg.num_cpus, max_restarts=MAX_ACTOR_RESTARTS)(cls)
-    return actor_cls.remote(cfg)
+    actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=MAX_ACTOR_RESTARTS)(cls)
+    return actor_cls.remote(*args, **kwargs)
 
 
 def create_environments(env_cfgs: Union[EnvConfigs, dict[str, Any]]) -> dict[str, Any]:
-    """One environment actor per configured section of ``env``.
+    """One environment actor per configured section of ``env``, built-in or plug-in.
 
     Args:
         env_cfgs: the ``env`` section, as :class:`EnvConfigs` or a plain dict of it.
@@ -60,12 +53,10 @@ def create_environments(env_cfgs: Union[EnvConfigs, dict[str, Any]]) -> dict[str
     """
     if not isinstance(env_cfgs, EnvConfigs):
         env_cfgs = EnvConfigs.model_validate(env_cfgs)
-    actors = {}
-    for task_name, cls in ENVIRONMENT_CLASSES.items():
-        cfg = getattr(env_cfgs, task_name)
-        if cfg is not None:
-            actors[task_name] = remote_environment(cls, cfg)
-    return actors
+    return {
+        name: remote_environment(spec.cls, spec.num_cpus, *spec.args, **spec.kwargs)
+        for name, spec in env_cfgs.specs().items()
+    }
 
 
 def shutdown_environments(task_to_env: dict[str, Any]) -> None:
@@ -77,14 +68,7 @@ def shutdown_environments(task_to_env: dict[str, Any]) -> None:
 def failed_step_return(size: int) -> EnvironmentReturn:
     """What a failed environment step gives its ``size`` samples: reward 0, episode over,
     an empty observation, no metadata, stop strings or answer."""
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": ""} for _ in range(size)],
-        metadata=[None] * size,
-        next_stop_strings=[None] * size,
-        rewards=torch.zeros(size, dtype=torch.float32),
-        terminateds=torch.ones(size, dtype=torch.bool),
-        answers=[None] * size,
-    )
+    return final_step_return(torch.zeros(size, dtype=torch.float32))
 
 
 def _check_return(result: Any, size: int) -> EnvironmentReturn:

@@ -56,7 +56,7 @@ def _prompt_batches(cfg: EvalMasterConfig, tokenizer: Any) -> list[Any]:
     from nemo_rl.data.datasets import setup_datasets
     from nemo_rl.data.llm_message_utils import rl_collate_fn
 
-    _, val, _ = setup_datasets(cfg.data, tokenizer)
+    _, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs())
     if val is None or len(val) == 0:
         raise ConfigError(
             "the data has no validation split to evaluate: set data.val_path, or "

@@ -98,3 +98,49 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
             cli.main(argv)
         assert info.value.code == 2
     capsys.readouterr()
+
+
+def test_own_data_errors_exit_2_naming_file_line_or_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Bad own data: a missing file (config time), a malformed line and a row without a field
+    its environment needs (data load, before Ray starts): one message each, exit code 2."""
+    own = ["sft_warmup.enabled=false", "checkpointing.enabled=false"]
+    code = cli.main(["grpo", "--config", TINY, *own, f"data.train_path={tmp_path}/no.jsonl"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"data.train_path: file '{tmp_path}/no.jsonl' does not exist" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "x", answer: 3}\n')
+    code = cli.main(["grpo", "--config", TINY, *own, f"data.train_path={bad}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"nemo-rl grpo: config error: {bad}:2: not valid JSON" in err
+    assert "Traceback" not in err
+    games = tmp_path / "games.jsonl"
+    games.write_text('{"prompt": "Guess a number from 1 to 9", "low": 1}\n')
+    code = cli.main([
+        "grpo", "--config", TINY, *own, f"data.train_path={games}",
+        "data.task_name=number_guess", "env.number_guess={}",
+    ])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{games}: row 0 has no field 'secret'" in err
+
+
+def test_misspelt_task_name_is_refused_at_config_time(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["grpo", "--config", TINY, "data.task_name=maths", "--print-config"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert "data.task_name='maths' names no environment: did you mean 'math'?" in captured.err
+
+
+def test_plugin_environment_added_by_override(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main([
+        "grpo", "--config", TINY, "--print-config", "+env.mine.reward_fn=os.path:join",
+        "+env.mine.num_cpus=0.5", "data.task_name=mine",
+    ])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert code == 0
+    assert printed["env"]["mine"] == {"num_cpus": 0.5, "processor": None, "cls": None,
+                                      "reward_fn": "os.path:join"}
+    code = cli.main(["grpo", "--config", TINY, "+env.mine.reward_fn=os.path:nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and "env.mine.reward_fn='os.path:nope': 'os.path' has no attribute" in err

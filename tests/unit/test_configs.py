@@ -52,7 +52,8 @@ def test_the_multi_node_recipes_exist() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_validates(recipe: Path) -> None:
+def test_recipe_validates(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(CONFIGS.parent)  # recipes' data paths are relative to the repository
     if recipe.name in REFUSED:
         field, _ = REFUSED[recipe.name]
         with pytest.raises(ConfigError, match="1 problem:") as info:

@@ -122,13 +122,15 @@ def test_lr_schedule_overrides_are_validated_by_the_models() -> None:
 # ------------------------------------------------------------------ tasks, checkpoints, features
 
 
-def test_task_needs_a_processor_and_an_environment() -> None:
+def test_task_needs_a_configured_environment() -> None:
+    message = refusal("data.task_name=maths")
+    assert "data.task_name='maths' names no environment: did you mean 'math'?" in message
+    assert "configured tasks are ['math']" in message
     message = refusal("data.task_name=number_guess")
-    assert "data.task_name='number_guess' has no data processor" in message
-    assert "'math'" in message
-    message = refusal("data.task_name=prompt")
-    assert "configure env.prompt" in message
+    assert "configure env.number_guess" in message
     assert "configure env.math" in refusal("env.math=null")
+    cfg = load("data.task_name=number_guess", "env.number_guess={}")
+    assert sorted(cfg.env.sections()) == ["math", "number_guess"]
 
 
 def test_checkpoint_metric_must_be_one_the_loop_records() -> None:
@@ -177,3 +179,11 @@ def test_cpu_override_of_the_distributed_optimizer_says_so_once(
     assert given.use_distributed_optimizer is True  # the config object is not changed
     lines = [r.getMessage() for r in caplog.records if "use_distributed_optimizer" in r.getMessage()]
     assert len(lines) == 1 and "overridden to false on CPU" in lines[0]
+
+
+def test_mixture_task_names_are_checked_at_config_time() -> None:
+    games = TINY.parent / "data" / "number_guess_train.jsonl"
+    mixture = f"data.train_datasets=[{{path: {games}, task_name: number_gues}}]"
+    message = refusal("sft_warmup.enabled=false", mixture, "env.number_guess={}")
+    assert "data.train_datasets[0].task_name='number_gues' names no environment: did you " \
+           "mean 'number_guess'?" in message

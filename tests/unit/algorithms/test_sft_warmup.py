@@ -55,7 +55,8 @@ def test_warmup_has_its_own_schedule_and_batch_default() -> None:
 
 
 def test_warmup_needs_the_synthetic_task() -> None:
-    with pytest.raises(ValueError, match="sft_warmup.enabled needs data.dataset_name"):
+    with pytest.raises(ValueError, match="sft_warmup.enabled needs demonstrations: set "
+                                         "sft_warmup.train_path"):
         GRPOMasterConfig.model_validate(
             {"sft_warmup": {"enabled": True}, "data": {"dataset_name": "my/dataset"}}
         )

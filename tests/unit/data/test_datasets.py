@@ -20,6 +20,7 @@ from nemo_rl.data.datasets import (
     setup_datasets,
     setup_synthetic_sft_dataset,
 )
+from nemo_rl.data.files import DataError
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_logs_to_flat, rl_collate_fn
 
@@ -72,20 +73,23 @@ def test_row_without_prompt_names_row_and_key(
     if from_file:
         source = str(_jsonl(tmp_path / "bad.jsonl", rows))
         rows = load_rows(source)
-    with pytest.raises(KeyError, match=r"row 4 has no field 'question' \(data.prompt_key\)"):
+    with pytest.raises(DataError, match=r"row 4 has no field 'question' \(data.prompt_key\)"):
         PromptDataset(rows, chat_tokenizer, SPEC, 128, prompt_key="question", source=source)
 
 
-def test_unknown_task_in_a_row(chat_tokenizer: Any) -> None:
-    rows = [{"prompt": "p", "answer": "1", "task_name": "chess"}]
-    ds = PromptDataset(rows, chat_tokenizer, SPEC, 64, source="mix.jsonl")
-    with pytest.raises(KeyError, match="mix.jsonl: row 0: unknown task name 'chess'"):
-        ds[0]
+def test_unknown_task_in_a_row_is_refused_when_the_data_loads(chat_tokenizer: Any) -> None:
+    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "1", "task_name": "chess"}]
+    message = (
+        "mix.jsonl: row 1: task 'chess' \\(from its task_name field\\) has no environment "
+        "\\(configured tasks: \\['math', 'prompt', 'reward_fn', 'sft'\\]\\)"
+    )
+    with pytest.raises(DataError, match=message):
+        PromptDataset(rows, chat_tokenizer, SPEC, 64, source="mix.jsonl")
 
 
 def test_check_rows_have_on_lists() -> None:
     check_rows_have([{"a": 1}], "a", "data.answer_key", "x")
-    with pytest.raises(KeyError, match="row 1 has no field 'a' .*fields are \\['b'\\]"):
+    with pytest.raises(DataError, match="row 1 has no field 'a' .*fields are \\['b'\\]"):
         check_rows_have([{"a": 1}, {"b": 2}], "a", "data.answer_key", "x")
 
 
@@ -181,5 +185,111 @@ def test_synthetic_sft_set_masks_exactly_the_reply(chat_tokenizer: Any) -> None:
         reply = chat_tokenizer.decode(flat["input_ids"][row, :n][flat["token_mask"][row, :n] == 1])
         answer = batch["extra_env_info"][row]["ground_truth"]
         assert reply == f"\\boxed{{{answer}}}<|im_end|>"
-    with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' only"):
+    with pytest.raises(ValueError, match="data.dataset_name='synthetic_arithmetic' without"):
         setup_synthetic_sft_dataset(DataConfig(dataset_name="x", max_input_seq_length=8), None, 1)
+
+
+def test_train_path_is_read_whatever_dataset_name_says(chat_tokenizer: Any, tmp_path: Path) -> None:
+    path = str(_jsonl(tmp_path / "own.jsonl", ROWS))
+    cfg = DataConfig(  # dataset_name keeps its default, "synthetic_arithmetic"
+        train_path=path, prompt_key="question", answer_key="solution", max_input_seq_length=64
+    )
+    train, val, spec = setup_datasets(cfg, chat_tokenizer)
+    assert len(train) == 6 and train.source == path and val is None
+    assert spec["prompt"] is None  # no synthetic answer-format instruction on own prompts
+    assert "What is 2 + 1?" in train[2]["message_log"][-1]["content"]
+    assert train[2]["extra_env_info"] == {"ground_truth": "3"}
+
+
+def test_chat_format_rows(chat_tokenizer: Any) -> None:
+    rows = [{"messages": [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Sum 1 1"},
+    ], "answer": "2"}]
+    ds = PromptDataset(rows, chat_tokenizer, SPEC, 128, prompt_key="messages")
+    log = ds[0]["message_log"]
+    assert [m["role"] for m in log] == ["system", "user", "assistant", "user"]
+    assert "".join(m["content"] for m in log) == chat_tokenizer.apply_chat_template(
+        rows[0]["messages"], tokenize=False, add_generation_prompt=True
+    )
+    bad = [{"messages": [{"role": "user"}], "answer": "2"}]
+    with pytest.raises(ValueError, match="message 0 must be"):
+        PromptDataset(bad, chat_tokenizer, SPEC, 128, prompt_key="messages")[0]
+
+
+def test_rows_must_hold_what_their_environment_declares(chat_tokenizer: Any) -> None:
+    from nemo_rl.environments.config import EnvConfigs
+
+    tasks = EnvConfigs.model_validate({"number_guess": {}}).specs()
+    spec = TaskDataSpec(task_name="number_guess", prompt=None, system_prompt=None)
+    rows = [{"prompt": "Guess 1-9", "secret": 3}, {"prompt": "Guess 1-9", "low": 1}]
+    with pytest.raises(DataError) as info:
+        PromptDataset(rows, chat_tokenizer, spec, 64, source="games.jsonl", tasks=tasks)
+    assert str(info.value) == (
+        "games.jsonl: row 1 has no field 'secret', which the environment of task "
+        "'number_guess' needs; its fields are ['low', 'prompt']. Add it to every row of the task"
+    )
+    mixed = [{"prompt": "Guess", "secret": 3}, {"prompt": "1+1", "task_name": "math"}]
+    with pytest.raises(DataError, match="row 1 has no field 'answer' \\(read from the field "
+                                        "'answer', set by data.answer_key\\)"):
+        PromptDataset(mixed, chat_tokenizer, spec, 64, source="mix", tasks=tasks)
+    ok = PromptDataset(mixed[:1], chat_tokenizer, spec, 64, tasks=tasks)
+    assert ok[0]["extra_env_info"] == {"secret": 3} and ok[0]["task_name"] == "number_guess"
+
+
+def test_missing_data_file_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="data.train_path: file 'missing.jsonl' does not exist"):
+        DataConfig(train_path="missing.jsonl")
+
+
+def test_datasets_mixed_by_weight_with_their_own_keys_and_tasks(
+    chat_tokenizer: Any, tmp_path: Path
+) -> None:
+    from nemo_rl.environments.config import EnvConfigs
+
+    sums = _jsonl(tmp_path / "sums.jsonl", ROWS)  # question / solution, task math
+    games = _jsonl(tmp_path / "games.jsonl", [{"prompt": f"Guess {i}", "secret": i} for i in range(4)])
+    cfg = DataConfig(
+        train_datasets=[
+            {"path": str(sums), "weight": 3.0, "prompt_key": "question", "answer_key": "solution"},
+            {"path": str(games), "weight": 1.0, "task_name": "number_guess"},
+        ],
+        max_input_seq_length=64,
+    )
+    assert not cfg.uses_synthetic
+    tasks = EnvConfigs.model_validate({"number_guess": {}}).specs()
+    train, val, _ = setup_datasets(cfg, chat_tokenizer, tasks, seed=5)
+    assert val is None and len(train) == 10 and train.counts == [8, 2]  # 3:1 of 6 + 4 rows
+    items = [train[k] for k in range(len(train))]
+    assert [d["idx"] for d in items] == list(range(10))
+    assert [d["task_name"] for d in items] == ["math"] * 8 + ["number_guess"] * 2
+    truths = sorted(d["extra_env_info"]["ground_truth"] for d in items[:8])
+    assert set(truths) == {str(i + 1) for i in range(6)}  # every row once, two repeated
+    assert all("secret" in d["extra_env_info"] for d in items[8:])
+    assert train.prompt_length(9) == len(items[9]["message_log"][0]["token_ids"]) + sum(
+        len(m["token_ids"]) for m in items[9]["message_log"][1:]
+    )
+    again, _, _ = setup_datasets(cfg, chat_tokenizer, tasks, seed=5)
+    assert again.index == train.index
+    with pytest.raises(ValueError, match="data.train_datasets and data.train_path both"):
+        DataConfig(train_datasets=[{"path": str(sums)}], train_path=str(sums))
+    with pytest.raises(ValueError, match="data.train_datasets\\[\\].path: file 'x.jsonl' does"):
+        DataConfig(train_datasets=[{"path": "x.jsonl"}])
+
+
+def test_demonstrations_file_for_the_warm_start(chat_tokenizer: Any, tmp_path: Path) -> None:
+    from nemo_rl.data.datasets import setup_demonstration_dataset
+
+    demos = _jsonl(tmp_path / "demos.jsonl", [
+        {"question": "What is 2 * 3?", "reply": "<calc>2 * 3</calc>", "task_name": "calculator"},
+    ])
+    cfg = DataConfig(prompt_key="question", task_name="calculator", max_input_seq_length=64)
+    ds = setup_demonstration_dataset(cfg, str(demos), chat_tokenizer, response_key="reply")
+    datum = ds[0]
+    assert datum["task_name"] == "sft"
+    assert datum["message_log"][-1]["role"] == "assistant"
+    assert datum["message_log"][-1]["content"] == "<calc>2 * 3</calc><|im_end|>"
+    with pytest.raises(DataError, match="row 0 has no field 'response' \\(sft_warmup.response_key\\)"):
+        setup_demonstration_dataset(cfg, str(demos), chat_tokenizer)

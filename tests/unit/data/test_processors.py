@@ -6,12 +6,15 @@ from typing import Any
 
 import pytest
 
+from nemo_rl.utils.plugins import PluginError
+
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.processors import (
     get_processor,
     math_data_processor,
     message_log_length,
     prompt_only_processor,
+    reward_fn_processor,
     sft_data_processor,
 )
 
@@ -69,7 +72,21 @@ def test_sft_processor(chat_tokenizer: Any) -> None:
     assert short["loss_multiplier"] == 0.0 and short["length"] == datum["length"] - 1
 
 
-def test_unknown_task_name() -> None:
+def test_processor_by_name_or_import_path() -> None:
     assert get_processor("math") is math_data_processor
-    with pytest.raises(KeyError, match="unknown task name 'chess'.*registered"):
-        get_processor("chess")
+    path = "nemo_rl.data.processors:prompt_only_processor"
+    assert get_processor(path) is prompt_only_processor
+    with pytest.raises(KeyError, match="env.x.processor='chess': no data processor.*registered"):
+        get_processor("chess", "env.x.processor")
+    with pytest.raises(PluginError, match="cannot be called as processor\\(datum_dict"):
+        get_processor("os.path:basename", "env.x.processor")
+
+
+def test_reward_fn_processor_keeps_the_raw_prompt_answer_and_other_fields(
+    chat_tokenizer: Any,
+) -> None:
+    row = {"prompt": "Name a fruit", "answer": None, "task_name": "t", "colour": "red"}
+    datum = reward_fn_processor(row, SPEC, chat_tokenizer, 64, 0)
+    assert datum["extra_env_info"] == {
+        "prompt": "Name a fruit", "answer": None, "metadata": {"colour": "red"}
+    }

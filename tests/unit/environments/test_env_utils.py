@@ -103,7 +103,7 @@ def test_actors_from_config_step_and_shut_down(cluster):
 
 @pytest.mark.slow
 def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(cluster):
-    env = remote_environment(FlakyEnvironment, EnvConfigs().math)
+    env = remote_environment(FlakyEnvironment, 0.25, EnvConfigs().math)
     try:
         logs = [conversation("\\boxed{3}"), conversation("\\boxed{4}")]
         out, errors = safe_env_step(env, logs, [{"ground_truth": "3", "fail": True}] * 2, 60)

@@ -42,11 +42,13 @@ def test_changed_model_is_refused_naming_it(tmp_path):
 
 def test_changed_data_is_refused_naming_every_key(tmp_path):
     save_run_config(tmp_path, config())
-    changed = config(data={"train_path": "mine.jsonl", "synthetic": {"max_operand": 4}})
+    mine = tmp_path / "mine.jsonl"  # data.train_path must exist to validate
+    mine.write_text('{"prompt": "p", "answer": "1"}\n')
+    changed = config(data={"train_path": str(mine), "synthetic": {"max_operand": 4}})
     with pytest.raises(ConfigError) as err:
         check_resume(tmp_path, changed)
     message = str(err.value)
-    assert "data.train_path: None -> 'mine.jsonl'" in message
+    assert f"data.train_path: None -> '{mine}'" in message
     assert "data.synthetic.max_operand: 9 -> 4" in message
     assert "policy.model_name" not in message
 
