@@ -28,6 +28,7 @@ COMMON = [
     "math-verify>=0.7",
     "numpy>=1.26",
     "psutil>=5.9",  # kill_actors waits for killed actors' processes to exit
+    "xxhash>=3",  # checkpoint manifests (xxh3-64 of every file)
 ]
 
 EXTRAS = {

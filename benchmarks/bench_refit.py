@@ -27,7 +27,7 @@ Reported, median of ``--repeats`` refits after one warm-up (which also sends the
 
 Run (about 1.5 minutes and ~6 GB of RAM on 2 cores):
 
-    PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5] [--checksums off]
+    PYTHONPATH=. python benchmarks/bench_refit.py [--bucket-mb 64] [--repeats 5] [--checksums on]
 
 Measured numbers and what bounds them: docs/performance.md (refit section).
 """
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--precision", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--checksums", default="on", choices=["on", "off"])
+    parser.add_argument("--checksums", default="off", choices=["on", "off"])
     args = parser.parse_args()
 
     from nemo_rl.distributed.ray_bootstrap import ray_cluster

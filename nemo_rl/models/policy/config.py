@@ -266,10 +266,12 @@ class PolicyConfig(ConfigModel):
         "broadcast, the engines' load) may take before the refit fails.",
     )
     refit_checksums: bool = Field(
-        default=True,
+        default=False,
         description="Stamp every refit bucket with a 64-bit checksum the engines verify "
-        "before loading: a corrupted bucket is refused instead of loaded. Costs one more read "
-        "of the weights on each side (docs/performance.md, refit).",
+        "before loading, so a corrupted bucket is refused instead of loaded. Off by default: "
+        "one more read of the weights on each side (a quarter of a colocated CPU refit, "
+        "docs/performance.md, refit) for a check of the transport itself; order, version, "
+        "sizes and the tensor manifest are always checked.",
     )
 
     @model_validator(mode="after")

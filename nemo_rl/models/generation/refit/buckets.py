@@ -151,7 +151,7 @@ class BucketHeader:
         bucket_bytes: the stream's bucket size (every bucket but the last is this long).
         nbytes: length of the bucket's payload in bytes.
         checksum: :func:`bucket_checksum` of the payload; None when the sender does not
-            checksum (``policy.refit_checksums: false``).
+            checksum (``policy.refit_checksums: false``, the default).
         manifest: the tensor pieces in the payload, in stream order.
     """
 

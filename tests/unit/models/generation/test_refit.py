@@ -153,6 +153,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
         megatron_cfg={"tensor_model_parallel_size": 2, "optimizer": {"lr": 1e-2, "min_lr": 1e-3}},
         refit_buffer_size_gb=BUCKET_BYTES / 1024**3,
         refit_timeout_s=120,
+        refit_checksums=True,  # step 5 corrupts a bucket
     )
     gen_cfg = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS,

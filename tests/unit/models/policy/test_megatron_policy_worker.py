@@ -289,6 +289,32 @@ def test_resume_from_checkpoint_reproduces_next_step(results, resumed, name):
     assert _close(resumed["step2"]["grad_norm"][0], expected["grad_norm"][0])
 
 
+def _advance_rng(worker: Any) -> None:
+    torch.rand(7)
+
+
+def _rank_and_rng(worker: Any) -> tuple[int, torch.Tensor]:
+    return torch.distributed.get_rank(), torch.get_rng_state()
+
+
+def test_every_rank_restores_its_rng_at_the_same_layout(results, cluster, tiny_llama_path, ckpt_dir):
+    """Loading a TP=2 save at TP=2 gives every rank (not only rank 0) its saved RNG state."""
+    import ray
+
+    saved = saved_checkpoint(ckpt_dir, "tp2")
+    group = start_group(cluster, tiny_llama_path, LAYOUTS["tp2"])
+    try:
+        ray.get([w.__ray_call__.remote(_advance_rng) for w in group.workers])  # off the saved state
+        ray_get_all(group, "load_checkpoint", str(saved))
+        states = ray.get([w.__ray_call__.remote(_rank_and_rng) for w in group.workers])
+    finally:
+        group.shutdown("shutdown")
+    assert sorted(rank for rank, _ in states) == [0, 1]
+    for rank, state in states:
+        want = torch.load(saved / "rng" / f"rank_{rank}.pt", weights_only=False)["cpu"]
+        assert torch.equal(state, want), f"rank {rank}"
+
+
 @pytest.mark.parametrize("name", EXPORTED)
 def test_export_of_a_saved_policy_has_its_logprobs(results, ckpt_dir, tiny_llama_path, tmp_path, name):
     """The export of a checkpoint saved at TP=1, TP=2 or PP=2 is the trained policy in HF form:

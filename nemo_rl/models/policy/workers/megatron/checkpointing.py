@@ -118,7 +118,7 @@ def save_training_checkpoint(
     dist_checkpointing.save(state, str(ckpt))
     if rank == 0:
         (ckpt / RNG_DIR).mkdir()
-        layout = dataclasses.asdict(policy.layout)
+        layout = _layout_record(policy)
         (ckpt / LAYOUT_FILE).write_text(
             json.dumps({**layout, "optimizer_step": step}, indent=2) + "\n"
         )
@@ -132,6 +132,14 @@ def save_training_checkpoint(
         # The shards are fsynced by dist_checkpointing's writer; this covers the small files
         # written on rank 0 (metadata, common state, layout) and the folders' entries.
         fsync_tree(ckpt)
+
+
+def _layout_record(policy: PolicyModel) -> dict[str, int]:
+    """The parallel layout a checkpoint records: the grid sizes, not this rank's place in it
+    (every rank compares its own grid with the saved one to restore its RNG file)."""
+    layout = dataclasses.asdict(policy.layout)
+    layout.pop("rank")
+    return layout
 
 
 def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
@@ -159,9 +167,6 @@ def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
     policy.model.module.load_state_dict(loaded["model"], strict=False)
     policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(loaded["scheduler"])
-    same_layout = all(
-        saved_layout[k] == v for k, v in dataclasses.asdict(policy.layout).items()
-    )
-    if same_layout:
+    if all(saved_layout.get(k) == v for k, v in _layout_record(policy).items()):
         _set_rng_state(torch.load(ckpt / RNG_DIR / f"rank_{dist.get_rank()}.pt", weights_only=False))
     return int(loaded["step"])
