@@ -169,8 +169,7 @@ class Policy(ColocatablePolicyInterface):
             See :func:`aggregate_train_results`.
         """
         check_batch(data, "Policy.train")
-        check_global_batch(data.size, gbs, self.cfg, self.layout.dp)
-        gbs = gbs if gbs is not None else self.cfg.train_global_batch_size
+        gbs = check_global_batch(data.size, gbs, self.cfg, self.layout.dp)
         mbs = mbs if mbs is not None else self.cfg.train_micro_batch_size
         shards = self._shard(data, "train", batch_size=gbs).shards
         results = self._run_sharded(
@@ -340,9 +339,9 @@ def check_batch(data: BatchedDataDict, caller: str) -> None:
         )
 
 
-def check_global_batch(size: int, gbs: Optional[int], cfg: PolicyConfig, dp: int) -> None:
-    """Check that ``size`` samples train as whole global batches of ``gbs`` (None:
-    ``cfg.train_global_batch_size``) split over ``dp`` replicas.
+def check_global_batch(size: int, gbs: Optional[int], cfg: PolicyConfig, dp: int) -> int:
+    """The global batch size ``gbs`` stands for (None: ``cfg.train_global_batch_size``),
+    checked: ``size`` samples train as whole global batches of it, split over ``dp`` replicas.
 
     Raises:
         ValueError: naming the size and where it came from (the argument or the config).
@@ -359,6 +358,7 @@ def check_global_batch(size: int, gbs: Optional[int], cfg: PolicyConfig, dp: int
             f"Policy.train: the global batch size {gbs} ({source}) does not split over the "
             f"{dp} data-parallel replicas: use a multiple of {dp}"
         )
+    return gbs
 
 
 def aggregate_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
