@@ -4,12 +4,16 @@ Each recipe command (see :mod:`nemo_rl.commands` for the registry and the parser
 validates its recipe against its typed schema, prints the resolved config and hands the
 validated model to the command's run function. The commands with their own arguments
 (``nemo-rl export ...``, ``nemo-rl launch ...``: ``TOOL_COMMANDS``) get the rest of the line.
-Exit codes: the run function's integer result (0 when it returns None), 2 for a config or
-usage error (also one the run function finds, raised as ``ConfigError``).
+Exit codes: the run function's integer result (0 when it returns None), 2 for a usage error
+or bad input (:class:`~nemo_rl.utils.errors.InputError`: a config value, a data file, a model
+path, a checkpoint, an environment failing on the run's rows), whether found when the recipe
+loads or while the command runs. Bad input prints one message naming the problem and the fix;
+``--debug`` (or ``NEMO_RL_DEBUG=1``) shows its traceback instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_bridge.fallback_warnings import quiet_fallback_warnings
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_recipe_command,
     )
     from nemo_rl.utils.config import ConfigError, config_to_yaml
+    from nemo_rl.utils.errors import input_error_of
 
     if argv and argv[0] in TOOL_COMMANDS:
         return TOOL_COMMANDS[argv[0]].main()(argv[1:])
@@ -54,8 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = RECIPE_COMMANDS[args.command].run_function()(cfg)
-    except ConfigError as exc:  # found when the run starts (e.g. against its checkpoints)
-        print(f"nemo-rl {args.command}: config error: {exc}", file=sys.stderr)
+    except Exception as exc:  # bad input found while running: one message, exit 2
+        error = input_error_of(exc)
+        if error is None or args.debug or os.environ.get("NEMO_RL_DEBUG") == "1":
+            raise
+        kind = "config error" if isinstance(error, ConfigError) else "error"
+        print(
+            f"nemo-rl {args.command}: {kind}: {error}\n(--debug shows the traceback)",
+            file=sys.stderr,
+        )
         return 2
     return 0 if result is None else int(result)
 

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--print-config", action="store_true", help="print the resolved config and exit"
         )
+        sub.add_argument(
+            "--debug",
+            action="store_true",
+            help="show the traceback of a bad-input error instead of its one-line message "
+            "(also NEMO_RL_DEBUG=1)",
+        )
         sub.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)
     for name, tool in TOOL_COMMANDS.items():
         commands.add_parser(name, help=tool.help)
@@ -107,8 +113,8 @@ def parse_recipe_command(argv: list[str]) -> argparse.Namespace:
 
     Returns:
         ``command`` (a key of :data:`RECIPE_COMMANDS`), ``config`` (the recipe path),
-        ``overrides`` (in command-line order, also those after ``--print-config``) and
-        ``print_config``.
+        ``overrides`` (in command-line order, also those after ``--print-config``),
+        ``print_config`` and ``debug``.
 
     Raises:
         SystemExit: (code 2, usage printed to stderr) for a usage error, an unknown flag or a

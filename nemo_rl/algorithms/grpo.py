@@ -108,7 +108,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         check_resume(latest, cfg)  # before Ray: a changed model or data is refused at once
     if checkpointer is not None:
         checkpointer.start_resume_check()  # hashing overlaps the set-up below
-    model_path = resolve_model_path(cfg.policy.model_name)
+    model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.grpo.seed)

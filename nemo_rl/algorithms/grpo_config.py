@@ -107,6 +107,20 @@ class GRPOConfig(ConfigModel):
         "policy.max_total_sequence_length) out of the loss; they still count in their group's "
         "baseline.",
     )
+    max_env_error_rate: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run (exit 2, naming the environment and its first error) when "
+        "more than this share of a step's samples had a failing environment (raised, timed "
+        "out, wrong answer shape) in env_error_patience consecutive steps; failed samples "
+        "score 0. 1.0 never stops.",
+    )
+    env_error_patience: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive steps over max_env_error_rate that stop the run.",
+    )
     val_period: int = Field(
         default=0, ge=0, description="Validate every this many steps; 0 disables."
     )

@@ -113,7 +113,7 @@ def safe_env_step(
     message_logs: list[LLMMessageLogType],
     metadata: list[Optional[dict[str, Any]]],
     timeout_s: float,
-) -> tuple[EnvironmentReturn, int]:
+) -> tuple[EnvironmentReturn, Optional[str]]:
     """Step an environment, turning its failures into zero-reward, terminated samples.
 
     Args:
@@ -124,14 +124,15 @@ def safe_env_step(
         timeout_s: seconds to wait for a Ray actor's answer.
 
     Returns:
-        ``(env_return, num_errors)``: the environment's answer and 0, or, when it raised, timed
-        out or answered with the wrong shape, :func:`failed_step_return` and B (every sample of
-        the call counts as one error). A timed-out actor is killed so that Ray restarts it;
-        a call that finds the actor restarting resubmits until ``timeout_s`` has passed.
+        ``(env_return, error)``: the environment's answer and None, or, when it raised, timed
+        out or answered with the wrong shape, :func:`failed_step_return` and what went wrong
+        in one line (every sample of the call failed). A timed-out actor is killed so that Ray
+        restarts it; a call that finds the actor restarting resubmits until ``timeout_s`` has
+        passed.
     """
     size = len(message_logs)
     if size == 0:
-        return failed_step_return(0), 0
+        return failed_step_return(0), None
     metadata = [dict(m or {}) for m in metadata]
     is_actor = isinstance(env, ray.actor.ActorHandle)
     try:
@@ -139,13 +140,16 @@ def safe_env_step(
             result = _actor_step(env, message_logs, metadata, timeout_s)
         else:
             result = env.step(message_logs, metadata)
-        return _check_return(result, size), 0
+        return _check_return(result, size), None
     except ray.exceptions.GetTimeoutError:
+        error = f"no answer within {timeout_s:g} s"
         logger.error(
             "environment %r did not answer %d samples within %g s; scoring them 0 and "
             "restarting the actor", env, size, timeout_s,
         )
         ray.kill(env, no_restart=False)
     except Exception as err:  # noqa: BLE001 - any environment failure must not stop the run
-        logger.error("environment %r failed on %d samples: %r; scoring them 0", env, size, err)
-    return failed_step_return(size), size
+        # a Ray actor's exception arrives wrapped, with the remote traceback in its text
+        error = repr(getattr(err, "cause", None) or err)
+        logger.error("environment %r failed on %d samples: %s; scoring them 0", env, size, error)
+    return failed_step_return(size), error

@@ -63,6 +63,9 @@ class RolloutCarry:
         response_truncated: bool, the last response stopped at a token limit.
         response_tokens: int64, the sample's assistant tokens (the loss's ``token_mask``).
         metrics: the rollout metrics of ``run_multi_turn_rollout``.
+        first_env_error: the first ``"environment '<task>': <error>"`` of a sample whose
+            environment failed in the rollout(s) (also when that sample is no longer among the
+            rows); None when none failed.
         sampling_step: the generation's ``sampling_step`` after the rollout (a driver whose
             generation facade is a copy of the roller's must continue from it).
     """
@@ -75,6 +78,7 @@ class RolloutCarry:
     response_tokens: torch.Tensor
     metrics: dict[str, float]
     sampling_step: int
+    first_env_error: str | None = None
 
     @staticmethod
     def from_rollout(
@@ -99,6 +103,7 @@ class RolloutCarry:
             ),
             metrics=metrics,
             sampling_step=sampling_step,
+            first_env_error=next((e for e in rollout["env_error"] if e is not None), None),
         )
 
     @property
@@ -115,13 +120,17 @@ class RolloutCarry:
 
     @staticmethod
     def concat(carries: Sequence[RolloutCarry], metrics: Mapping[str, float]) -> RolloutCarry:
-        """Rows of ``carries`` one after the other, with ``metrics``; the last sampling step."""
+        """Rows of ``carries`` one after the other, with ``metrics``; the last sampling step
+        and the first environment error."""
         if not carries:
             raise ValueError("RolloutCarry.concat needs at least one carry")
         return RolloutCarry(
             **{name: torch.cat([getattr(c, name) for c in carries]) for name in _CARRY_TENSORS},
             metrics=dict(metrics),
             sampling_step=carries[-1].sampling_step,
+            first_env_error=next(
+                (c.first_env_error for c in carries if c.first_env_error is not None), None
+            ),
         )
 
 

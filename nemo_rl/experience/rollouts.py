@@ -104,7 +104,7 @@ def calculate_rewards(
     batch: BatchedDataDict,
     task_to_env: dict[str, EnvironmentInterface],
     metadata: Optional[list[dict[str, Any]]] = None,
-) -> tuple[EnvironmentReturn, int]:
+) -> tuple[EnvironmentReturn, list[Optional[str]]]:
     """Ask each row's environment about its last assistant turn.
 
     Rows are grouped by ``task_name`` and each group goes to its environment in one call; an
@@ -116,7 +116,8 @@ def calculate_rewards(
         metadata: per-row environment state from the previous turn; None: ``extra_env_info``.
 
     Returns:
-        ``(env_return, num_errors)`` with the rows in ``batch`` order.
+        ``(env_return, errors)`` with the rows in ``batch`` order; ``errors[r]`` is None, or
+        ``"environment '<task>': <what went wrong>"`` when row ``r``'s environment failed.
 
     Raises:
         KeyError: a row's ``task_name`` has no environment (names the row and the known tasks).
@@ -138,16 +139,16 @@ def calculate_rewards(
     answers: list[Any] = [None] * size
     rewards = torch.zeros(size, dtype=torch.float32)
     terminateds = torch.zeros(size, dtype=torch.bool)
-    errors = 0
+    errors: list[Optional[str]] = [None] * size
     for task, rows in rows_by_task.items():
-        result, task_errors = safe_env_step(
+        result, error = safe_env_step(
             task_to_env[task],
             [batch["message_log"][r] for r in rows],
             [metadata[r] for r in rows],
             ENV_STEP_TIMEOUT_S,
         )
-        errors += task_errors
         for i, row in enumerate(rows):
+            errors[row] = None if error is None else f"environment {task!r}: {error}"
             observations[row] = result.observations[i]
             new_metadata[row] = result.metadata[i]
             stop_strings[row] = result.next_stop_strings[i]
@@ -194,12 +195,15 @@ def run_multi_turn_rollout(
         ``truncated`` ``[B]`` bool (reached ``max_seq_len``), ``response_truncated`` ``[B]`` bool
         (the last response stopped at a token limit, ``max_new_tokens`` or ``max_seq_len``,
         instead of a stop token), ``terminated`` ``[B]`` bool (the environment ended the
-        episode), ``num_turns`` ``[B]`` int64 and ``answers`` (B strings or None: the answer
-        the environment extracted from each sample's last judged response). Metrics: ``mean_turns_per_sample``,
+        episode), ``num_turns`` ``[B]`` int64, ``answers`` (B strings or None: the answer
+        the environment extracted from each sample's last judged response) and ``env_error``
+        (B strings or None: ``"environment '<task>': <error>"`` where the sample's environment
+        failed, which scores it 0 and ends it). Metrics: ``mean_turns_per_sample``,
         ``total_generated_tokens``, ``mean_generated_tokens_per_sample``, ``truncation_rate``,
         ``max_new_tokens_hit_rate`` (turns that stopped at the per-turn token limit),
-        ``natural_termination_rate``, ``env_time_s``, ``generation_time_s``, ``env_errors``,
-        ``reward_mean``, ``reward_std``.
+        ``natural_termination_rate``, ``env_time_s``, ``generation_time_s``, ``env_errors``
+        (samples whose environment failed), ``env_error_rate`` (their share), ``reward_mean``,
+        ``reward_std``.
 
     Raises:
         ValueError: a prompt already holds ``max_seq_len`` tokens or more (names the row).
@@ -228,6 +232,7 @@ def run_multi_turn_rollout(
     terminated = torch.zeros(size, dtype=torch.bool)
     num_turns = torch.zeros(size, dtype=torch.long)
     answers: list[Optional[str]] = [None] * size
+    env_error: list[Optional[str]] = [None] * size
     generated_tokens = 0
     env_time = gen_time = 0.0
     env_errors = 0
@@ -269,7 +274,10 @@ def run_multi_turn_rollout(
             env_batch, task_to_env, [metadata[r] for r in active]
         )
         env_time += time.perf_counter() - start
-        env_errors += errors
+        for i, row in enumerate(active):
+            if errors[i] is not None and env_error[row] is None:
+                env_error[row] = errors[i]
+                env_errors += 1
 
         still_active = []
         for i, row in enumerate(active):
@@ -300,6 +308,7 @@ def run_multi_turn_rollout(
     batch["terminated"] = terminated
     batch["num_turns"] = num_turns
     batch["answers"] = answers
+    batch["env_error"] = env_error
     metrics = {
         "mean_turns_per_sample": float(num_turns.float().mean()),
         "total_generated_tokens": float(generated_tokens),
@@ -310,6 +319,7 @@ def run_multi_turn_rollout(
         "env_time_s": env_time,
         "generation_time_s": gen_time,
         "env_errors": float(env_errors),
+        "env_error_rate": env_errors / max(size, 1),
         "reward_mean": float(total_reward.mean()),
         "reward_std": float(total_reward.std()) if size > 1 else 0.0,
     }

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
+from nemo_rl.utils.errors import ModelNotFoundError
 
 Family = Literal["llama", "qwen2"]
 Vocab = Literal["bpe", "qwen"]
@@ -381,12 +382,13 @@ def build_tiny_model(
     return final_dir
 
 
-def resolve_model_path(model_name: str) -> str:
+def resolve_model_path(model_name: str, field: str | None = None) -> str:
     """The local checkpoint folder of a model name.
 
     Args:
         model_name: a tiny model name (see :data:`TINY_MODEL_NAMES`), a local checkpoint
             folder, or a Hugging Face Hub name such as "Qwen/Qwen2.5-1.5B".
+        field: the config field ``model_name`` came from, named first in the error message.
 
     Returns:
         The local folder of a tiny model (built on first use), or what
@@ -394,8 +396,9 @@ def resolve_model_path(model_name: str) -> str:
         the hub snapshot in the ``HF_HOME`` cache).
 
     Raises:
-        FileNotFoundError: as :func:`~megatron_bridge.hub.resolve_hf_checkpoint`, the message
-            also naming the tiny models.
+        ModelNotFoundError: (a ``FileNotFoundError``) as
+            :func:`~megatron_bridge.hub.resolve_hf_checkpoint`, the message also naming the tiny
+            models.
     """
     if model_name in TINY_MODEL_NAMES:
         family, vocab = TINY_MODEL_NAMES[model_name]
@@ -403,7 +406,10 @@ def resolve_model_path(model_name: str) -> str:
     try:
         return str(resolve_hf_checkpoint(model_name))
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} (or use one of {sorted(TINY_MODEL_NAMES)})") from err
+        where = f"{field}: " if field else ""
+        raise ModelNotFoundError(
+            f"{where}{err} (or use one of {sorted(TINY_MODEL_NAMES)})"
+        ) from err
 
 
 def local_model_path(model_name: str) -> str | None:

@@ -46,6 +46,7 @@ from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.utils.checkpoint_manifest import VerifyMode, fsync_path, seal_folder, verify_folder
 from nemo_rl.utils.config import ConfigModel
+from nemo_rl.utils.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ _SAVE_BY = re.compile(r"^(\d+):(\d{2}):(\d{2}):(\d{2})$")
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint the run must load (named by ``checkpointing.resume_from``, or the SFT warm
     start's folder) is missing or damaged."""
 

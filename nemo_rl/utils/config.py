@@ -33,12 +33,14 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import to_jsonable_python
 
+from nemo_rl.utils.errors import InputError
+
 DEFAULTS_KEY = "defaults"
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A recipe, an override or a value that does not fit the schema; the message says which."""
 
 

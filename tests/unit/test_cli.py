@@ -10,6 +10,8 @@ import yaml
 from nemo_rl import cli
 from nemo_rl.commands import RECIPE_COMMANDS, RecipeCommand
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.utils.checkpoint import CheckpointError
+from nemo_rl.utils.errors import ModelNotFoundError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/grpo_tiny_cpu.yaml")
@@ -144,3 +146,40 @@ def test_plugin_environment_added_by_override(capsys: pytest.CaptureFixture[str]
     code = cli.main(["grpo", "--config", TINY, "+env.mine.reward_fn=os.path:nope"])
     err = capsys.readouterr().err
     assert code == 2 and "env.mine.reward_fn='os.path:nope': 'os.path' has no attribute" in err
+
+
+def _raise_in_ray_task(cfg: GRPOMasterConfig) -> int:
+    """Stands in for a run whose Ray worker found bad input: the driver sees Ray's wrapper."""
+    from ray.exceptions import RayTaskError
+
+    cause = CheckpointError("checkpointing.resume_from: /x is damaged; restore it")
+    raise RayTaskError("train", "Traceback (remote) ...", cause).as_instanceof_cause()
+
+
+def _raise_a_bug(cfg: GRPOMasterConfig) -> int:
+    raise ZeroDivisionError("a bug, not bad input")
+
+
+def test_bad_input_found_while_running_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run-time bad input (here a model path that does not exist, found when the run sets
+    up) prints one message naming the field, exit 2; ``--debug`` shows the traceback."""
+    argv = ["grpo", "--config", TINY, f"policy.model_name={tmp_path}/no_model",
+            "checkpointing.enabled=false", f"logger.log_dir={tmp_path}/logs"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"nemo-rl grpo: error: policy.model_name: model path {tmp_path}/no_model" in err
+    assert "Traceback" not in err and "--debug shows the traceback" in err
+    with pytest.raises(ModelNotFoundError):
+        cli.main([*argv, "--debug"])
+    ray_task = RecipeCommand(GRPOMasterConfig, __name__, "_raise_in_ray_task")
+    monkeypatch.setitem(RECIPE_COMMANDS, "grpo", ray_task)
+    assert cli.main(["grpo", "--config", TINY]) == 2
+    err = capsys.readouterr().err
+    assert "nemo-rl grpo: error: checkpointing.resume_from: /x is damaged; restore it\n" in err
+    assert "remote" not in err
+    bug = RecipeCommand(GRPOMasterConfig, __name__, "_raise_a_bug")
+    monkeypatch.setitem(RECIPE_COMMANDS, "grpo", bug)
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        cli.main(["grpo", "--config", TINY])

@@ -20,6 +20,8 @@ class GRPOComponents:
     Attributes:
         sft_loader: batches of the SFT warm start (None when ``sft_warmup`` is off).
         generation_stale: the policy changed since the engines' last refit.
+        env_error_streak: consecutive steps whose environments failed on more than
+            ``grpo.max_env_error_rate`` of the samples (:func:`check_env_errors`).
     """
 
     cfg: GRPOMasterConfig
@@ -37,6 +39,7 @@ class GRPOComponents:
     clusters: list[Any]
     sft_loader: Optional[Any] = None
     generation_stale: bool = False
+    env_error_streak: int = 0
 
     def rollout_runner(self) -> RolloutRunner:
         """The run's rollout (its engines, tokenizer, environments and limits)."""

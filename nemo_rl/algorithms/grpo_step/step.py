@@ -6,7 +6,9 @@
    ``num_generations_per_prompt`` times (a group) after the engines took the latest weights;
    the environments score every response during the rollout. With dynamic sampling, groups
    whose responses all scored the same are dropped and further prompts rolled out until
-   ``num_prompts_per_step`` groups remain (:func:`sample_groups_with_variance`).
+   ``num_prompts_per_step`` groups remain (:func:`sample_groups_with_variance`). A run
+   whose environments fail on most samples step after step stops here
+   (:func:`~.env_errors.check_env_errors`).
 2. **advantages**: per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`);
    with overlong filtering, responses cut by a token limit leave the loss.
 3. **logprobs**: the policy's before the update (``prev_logprobs``) and, with a KL penalty, the
@@ -34,6 +36,7 @@ from nemo_rl.algorithms.grpo_step.components import (
     prepare_generation,
     uses_reference_policy,
 )
+from nemo_rl.algorithms.grpo_step.env_errors import check_env_errors
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.metrics import (
     merge_rollout_metrics,
@@ -57,6 +60,9 @@ def grpo_step(
     with store.scope("train", cfg.grpo.num_prompts_per_step * group_size, group_size):
         # generate: rollouts, scored by the environments as they go
         batch, carry, sampling_metrics = generate(components, store, batches)
+        components.env_error_streak = check_env_errors(
+            carry, cfg.grpo, components.env_error_streak
+        )
 
         # advantages (and the loss's sample mask), per sample
         with timer.time("data_processing"):

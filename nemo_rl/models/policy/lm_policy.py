@@ -57,7 +57,7 @@ class Policy(ColocatablePolicyInterface):
         seed: int = 42,
     ) -> None:
         self.cfg = config
-        self.model_path = resolve_model_path(config.model_name)
+        self.model_path = resolve_model_path(config.model_name, field="policy.model_name")
         self.layout: ParallelLayout = plan_parallel_layout(
             config,
             self.model_path,

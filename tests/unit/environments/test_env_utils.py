@@ -52,14 +52,14 @@ def assert_failed(out: EnvironmentReturn, size: int) -> None:
 
 def test_in_process_environment_failures_score_zero():
     logs, meta = [conversation("1"), conversation("2")], [{"ground_truth": "1"}] * 2
-    out, errors = safe_env_step(MathEnvironment(), logs, meta, timeout_s=5)
-    assert errors == 0 and out.rewards.tolist() == [1.0, 0.0]
+    out, error = safe_env_step(MathEnvironment(), logs, meta, timeout_s=5)
+    assert error is None and out.rewards.tolist() == [1.0, 0.0]
     failing = [{"ground_truth": "1", "fail": True}] * 2
-    out, errors = safe_env_step(FlakyEnvironment(), logs, failing, timeout_s=5)
-    assert errors == 2
+    out, error = safe_env_step(FlakyEnvironment(), logs, failing, timeout_s=5)
+    assert error == "RuntimeError('environment bug')"
     assert_failed(out, 2)
-    out, errors = safe_env_step(ShortEnvironment(), logs, meta, timeout_s=5)
-    assert errors == 2
+    out, error = safe_env_step(ShortEnvironment(), logs, meta, timeout_s=5)
+    assert error is not None and "wrong length for 2 samples" in error
     assert_failed(out, 2)
 
 
@@ -86,14 +86,14 @@ def test_actors_from_config_step_and_shut_down(cluster):
     envs = create_environments({"math": {}, "number_guess": {"max_turns": 2}})
     try:
         assert sorted(envs) == ["math", "number_guess"]
-        out, errors = safe_env_step(
+        out, error = safe_env_step(
             envs["math"], [conversation("\\boxed{0.5}")], [{"ground_truth": "1/2"}], timeout_s=60
         )
-        assert errors == 0 and out.rewards.tolist() == [1.0]
-        out, errors = safe_env_step(
+        assert error is None and out.rewards.tolist() == [1.0]
+        out, error = safe_env_step(
             envs["number_guess"], [conversation("<guess>3")], [{"secret": 5}], timeout_s=60
         )
-        assert errors == 0 and out.observations[0]["content"] == "higher"
+        assert error is None and out.observations[0]["content"] == "higher"
         assert out.metadata == [{"secret": 5, "turn": 1}]
     finally:
         shutdown_environments(envs)
@@ -106,16 +106,16 @@ def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(cluster):
     env = remote_environment(FlakyEnvironment, 0.25, EnvConfigs().math)
     try:
         logs = [conversation("\\boxed{3}"), conversation("\\boxed{4}")]
-        out, errors = safe_env_step(env, logs, [{"ground_truth": "3", "fail": True}] * 2, 60)
-        assert errors == 2
+        out, error = safe_env_step(env, logs, [{"ground_truth": "3", "fail": True}] * 2, 60)
+        assert error == "RuntimeError('environment bug')"  # the remote exception, not Ray's wrapper
         assert_failed(out, 2)
 
-        out, errors = safe_env_step(env, logs, [{"ground_truth": "3", "hang": True}] * 2, 3)
-        assert errors == 2
+        out, error = safe_env_step(env, logs, [{"ground_truth": "3", "hang": True}] * 2, 3)
+        assert error == "no answer within 3 s"
         assert_failed(out, 2)
 
         # the hung actor was replaced: the next step is judged normally
-        out, errors = safe_env_step(env, logs, [{"ground_truth": "3"}] * 2, 120)
-        assert errors == 0 and out.rewards.tolist() == [1.0, 0.0]
+        out, error = safe_env_step(env, logs, [{"ground_truth": "3"}] * 2, 120)
+        assert error is None and out.rewards.tolist() == [1.0, 0.0]
     finally:
         shutdown_environments({"flaky": env})

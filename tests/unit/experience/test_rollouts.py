@@ -17,8 +17,11 @@ import pytest
 import ray
 import torch
 
+from nemo_rl.algorithms.grpo_config import GRPOConfig
+from nemo_rl.algorithms.grpo_step.env_errors import EnvironmentFailureError, check_env_errors
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl.experience.grouped_rollouts import RolloutRunner
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
@@ -163,7 +166,25 @@ def test_failing_environment_scores_zero_and_counts_error(setup):
     _, out, metrics, _ = rollout(setup, ["scripted", "failing"])
     assert out["total_reward"][0] == 0.25 * TURNS
     assert out["total_reward"][1] == 0.0
-    assert metrics["env_errors"] >= 1
+    assert out["env_error"] == [None, "environment 'failing': RuntimeError('scripted failure')"]
+    assert metrics["env_errors"] == 1 and metrics["env_error_rate"] == 0.5
+
+
+def test_grpo_stops_when_an_environment_fails_step_after_step(setup):
+    """A grouped rollout on a failing environment carries its error to the driver's check,
+    which stops the run at the patience (one line, exit 2 through the CLI: an InputError)."""
+    runner = RolloutRunner(
+        generation=setup["generation"], tokenizer=setup["tokenizer"], task_to_env=setup["envs"],
+        max_seq_len=128, max_rollout_turns=TURNS, pad_token_id=0,
+    )
+    cfg = GRPOConfig(max_env_error_rate=0.4, env_error_patience=2)
+    _, carry = runner.run(prompts(setup["tokenizer"], ["failing", "scripted"]), 2)
+    assert carry.metrics["env_error_rate"] == 0.5
+    assert carry.first_env_error == "environment 'failing': RuntimeError('scripted failure')"
+    streak = check_env_errors(carry, cfg, 0)
+    assert streak == 1
+    with pytest.raises(EnvironmentFailureError, match="first error: environment 'failing': "):
+        check_env_errors(carry, cfg, streak)
 
 
 def test_prompt_longer_than_max_seq_len_is_refused(setup):

@@ -60,6 +60,7 @@ def rollout_batch(rows=ROWS, seed: int = 1) -> tuple[BatchedDataDict, torch.Tens
         loss_multiplier=torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0][:n]),
         truncated=torch.tensor([False, False, False, False, True, False][:n]),
         response_truncated=torch.tensor([False, True, False, False, True, False][:n]),
+        env_error=[None, None, None, "environment 'math': KeyError('x')", None, None][:n],
     )
     return rollout, torch.arange(n) // 2
 
@@ -155,12 +156,17 @@ def test_in_memory_keep_equals_a_rollout_of_the_kept_rows() -> None:
 def test_carry_select_and_concat_keep_rows_aligned() -> None:
     rollout, group_ids = rollout_batch()
     carry = RolloutCarry.from_rollout(rollout, group_ids, {"reward_mean": 0.5}, sampling_step=3)
+    assert carry.first_env_error == "environment 'math': KeyError('x')"
     picked = carry.select(torch.tensor([5, 0]))
     assert picked.group_ids.tolist() == [2, 0] and picked.rewards.tolist() == [1.0, 1.0]
     assert picked.truncated.tolist() == [False, False] and picked.sampling_step == 3
-    joined = RolloutCarry.concat([picked, carry.select([4])], {"reward_mean": 0.25})
-    assert joined.size == 3 and joined.truncated.tolist() == [False, False, True]
+    clean = RolloutCarry.from_rollout(*rollout_batch(ROWS[:2]), {}, sampling_step=4)
+    assert clean.first_env_error is None
+    joined = RolloutCarry.concat([clean, picked, carry.select([4])], {"reward_mean": 0.25})
+    assert joined.size == 5 and joined.truncated.tolist() == [False, False, False, False, True]
     assert joined.metrics == {"reward_mean": 0.25}
+    # the step's first error, though its sample was not kept
+    assert joined.first_env_error == "environment 'math': KeyError('x')"
 
 
 @pytest.mark.parametrize("minus_baseline", [True, False])

@@ -1,0 +1,34 @@
+"""The one exception family the ``nemo-rl`` command reports without a traceback.
+
+:class:`InputError` marks a failure caused by what the user gave (a config value, a data file,
+a model path, a checkpoint, an environment that fails on the run's rows) rather than by a bug:
+:func:`nemo_rl.cli.main` prints its message, which names the problem and the fix, and exits 2.
+``nemo-rl --debug ...`` (or ``NEMO_RL_DEBUG=1``) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad input found at config or run time; the message names the field or file and the fix."""
+
+
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """A model name that is neither a tiny model, a local checkpoint folder nor a cached or
+    downloadable Hugging Face Hub model."""
+
+
+def input_error_of(exc: BaseException) -> InputError | None:
+    """``exc`` when it is an :class:`InputError`, or the one a Ray task raised (a
+    ``RayTaskError`` keeps the remote exception as ``cause``); None otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        cause = getattr(current, "cause", None)
+        if isinstance(cause, InputError):
+            return cause
+        if isinstance(current, InputError):
+            return current
+        seen.add(id(current))
+        current = cause if isinstance(cause, BaseException) else None
+    return None
