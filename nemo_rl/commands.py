@@ -34,19 +34,35 @@ class RecipeCommand:
         module, function: the run function, called with the validated ``schema`` instance; it
             returns the exit code (None means 0). Imported only when the command runs, so
             ``--print-config`` and config errors stay fast.
+        check_inputs: ``"module:function"`` of the checks that read the run's inputs (data
+            files, the model's tokenizer) and start nothing, called with the validated config;
+            ``nemo-rl launch slurm`` runs them before the job is queued. None: no such checks.
     """
 
     schema: type[BaseModel]
     module: str
     function: str
+    check_inputs: str | None = None
 
     def run_function(self) -> Callable[[Any], int | None]:
         """Import and return the run function."""
         return getattr(importlib.import_module(self.module), self.function)
 
+    def check_inputs_function(self) -> Callable[[Any], None] | None:
+        """Import and return the input checks (None when the command has none)."""
+        if self.check_inputs is None:
+            return None
+        module, function = self.check_inputs.split(":")
+        return getattr(importlib.import_module(module), function)
+
 
 RECIPE_COMMANDS: dict[str, RecipeCommand] = {
-    "grpo": RecipeCommand(GRPOMasterConfig, "nemo_rl.algorithms.grpo", "run"),
+    "grpo": RecipeCommand(
+        GRPOMasterConfig,
+        "nemo_rl.algorithms.grpo",
+        "run",
+        check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
+    ),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_inputs import load_run_inputs
 from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
@@ -82,22 +83,14 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     Colocated generation (``policy.generation.colocated.enabled``) puts the engines on the
     policy's bundles; otherwise they get a cluster of the same shape of their own.
     """
-    from transformers import AutoTokenizer
-
     from nemo_rl.data.dataloader import StatefulPromptLoader
-    from nemo_rl.data.datasets import (
-        check_prompt_lengths,
-        setup_datasets,
-        setup_demonstration_dataset,
-        setup_synthetic_sft_dataset,
-    )
+    from nemo_rl.data.datasets import setup_demonstration_dataset, setup_synthetic_sft_dataset
     from nemo_rl.data.llm_message_utils import rl_collate_fn
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
-    from nemo_rl.models.tiny import resolve_model_path
     from nemo_rl.utils.checkpoint import CheckpointManager
     from nemo_rl.utils.logger import Logger
     from nemo_rl.utils.timer import Timer
@@ -108,11 +101,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         check_resume(latest, cfg)  # before Ray: a changed model or data is refused at once
     if checkpointer is not None:
         checkpointer.start_resume_check()  # hashing overlaps the set-up below
-    model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.grpo.seed)
-    check_prompt_lengths(train, cfg.policy.max_total_sequence_length)
+    inputs = load_run_inputs(cfg)
+    model_path, tokenizer, pad = inputs.model_path, inputs.tokenizer, inputs.pad_token_id
+    train, val = inputs.train, inputs.val
     loader = StatefulPromptLoader(
         train, cfg.grpo.prompts_per_generation_batch, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle
     )

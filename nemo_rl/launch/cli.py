@@ -4,7 +4,8 @@ Options are generated from the fields of :class:`SlurmLaunchConfig` / :class:`Lo
 (``gpus_per_node`` -> ``--gpus-per-node``; list fields take a repeatable singular flag:
 ``env`` -> ``--env``, ``sbatch_args`` -> ``--sbatch-arg``), so the field descriptions are the
 help text. Everything after the first ``--`` is the command. Exit codes: 0 when a job was
-submitted (slurm) or the command's own (local); 2 for bad options; 1 when sbatch fails.
+submitted (slurm) or the command's own (local); 2 for bad options or a driver recipe whose
+config or inputs (data files, model) fail their checks; 1 when sbatch fails.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nemo_rl.launch import exit_codes
 from nemo_rl.launch.config import LocalLaunchConfig, RayLaunchConfig, SlurmLaunchConfig
 from nemo_rl.launch.scripts import LaunchError
 from nemo_rl.utils.config import ConfigError, validate_config
+from nemo_rl.utils.errors import InputError
 
 MODELS: dict[str, type[BaseModel]] = {"slurm": SlurmLaunchConfig, "local": LocalLaunchConfig}
 
@@ -117,12 +119,16 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"{prog}: {_flags_in(str(err), model)}", file=sys.stderr)
         return exit_codes.USAGE
+    except InputError as err:  # the driver's inputs (a model path): same exit as a config error
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return exit_codes.USAGE
     except LaunchError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
 
 
 def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
+    from nemo_rl.launch.recipe import check_recipe_inputs
     from nemo_rl.launch.slurm import render_sbatch, resolve_shape, submit
 
     if cfg.attach and command:
@@ -130,6 +136,7 @@ def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
     if not cfg.attach and not command:
         raise ConfigError("give the driver command after '--' (or use --attach)")
     cfg = resolve_shape(cfg, command)
+    check_recipe_inputs(command)  # bad data is refused now, not after the wait in the queue
     script = render_sbatch(cfg, command)
     if dry_run:
         print(script, end="")

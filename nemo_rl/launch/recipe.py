@@ -1,13 +1,16 @@
 """What machines a ``nemo-rl <algorithm> --config RECIPE [overrides]`` driver command needs.
 
-Lets ``nemo-rl launch slurm`` take the node and GPU counts from the recipe, and refuse a
-mismatch before the job waits in the queue.
+Lets ``nemo-rl launch slurm`` take the node and GPU counts from the recipe, refuse a
+mismatch, and run the recipe's input checks (data files, the model's tokenizer) before the job
+waits in the queue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import BaseModel
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
@@ -42,13 +45,12 @@ def grpo_shape(cfg: GRPOMasterConfig) -> RecipeShape:
     return RecipeShape(nodes=nodes, gpus_per_node=cfg.cluster.gpus_per_node, reason=reason)
 
 
-def recipe_shape(command: list[str]) -> RecipeShape | None:
-    """The machines ``command`` needs when it is ``nemo-rl <algorithm> --config RECIPE ...``;
-    None for any other command.
+def _load_driver_recipe(command: list[str]) -> tuple[str, BaseModel] | None:
+    """``(algorithm, validated config)`` of ``nemo-rl <algorithm> --config RECIPE ...``; None
+    for any other command.
 
     Raises:
-        ConfigError: the recipe or its overrides do not load or validate (the same error the
-            driver would hit on the cluster).
+        ConfigError: the command does not parse, or its recipe does not load or validate.
     """
     is_nemo_rl = len(command) >= 2 and Path(command[0]).name == "nemo-rl"
     if not is_nemo_rl or command[1] not in RECIPE_COMMANDS:
@@ -59,10 +61,41 @@ def recipe_shape(command: list[str]) -> RecipeShape | None:
         raise ConfigError(
             f"cannot parse the driver command {' '.join(command)!r} (see the usage above)"
         ) from None
-    cfg = load_recipe(args)
+    return args.command, load_recipe(args)
+
+
+def check_recipe_inputs(command: list[str]) -> None:
+    """Run the input checks of a driver command's recipe
+    (:attr:`~nemo_rl.commands.RecipeCommand.check_inputs`: data files, the model's tokenizer)
+    on this machine, before a job is queued; nothing for other commands.
+
+    Raises:
+        InputError: what the driver would hit when it loads its inputs on the cluster.
+    """
+    loaded = _load_driver_recipe(command)
+    if loaded is None:
+        return
+    name, cfg = loaded
+    check = RECIPE_COMMANDS[name].check_inputs_function()
+    if check is not None:
+        check(cfg)
+
+
+def recipe_shape(command: list[str]) -> RecipeShape | None:
+    """The machines ``command`` needs when it is ``nemo-rl <algorithm> --config RECIPE ...``;
+    None for any other command.
+
+    Raises:
+        ConfigError: the recipe or its overrides do not load or validate (the same error the
+            driver would hit on the cluster).
+    """
+    loaded = _load_driver_recipe(command)
+    if loaded is None:
+        return None
+    name, cfg = loaded
     if isinstance(cfg, GRPOMasterConfig):
         return grpo_shape(cfg)
     if isinstance(cfg, EvalMasterConfig):  # one cluster of engines
         nodes = cfg.cluster.num_nodes
         return RecipeShape(nodes, cfg.cluster.gpus_per_node, f"cluster.num_nodes={nodes}")
-    raise ConfigError(f"nemo-rl launch does not know the machines of a {args.command!r} recipe")
+    raise ConfigError(f"nemo-rl launch does not know the machines of a {name!r} recipe")

@@ -95,6 +95,33 @@ def test_dry_run_refuses_what_would_fail_after_ray_starts(
     assert "1 problem:" in err and needle in err
 
 
+def test_dry_run_reads_the_recipes_data_before_queueing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The driver's input checks run before the job is queued: a malformed data line (file and
+    line named), a row without a field its environment needs; a hub model that is not here
+    still has its local data files parsed."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "x", answer: 3}\n')
+    games = tmp_path / "games.jsonl"
+    games.write_text('{"prompt": "Guess a number from 1 to 9", "low": 1}\n')
+    own = ["sft_warmup.enabled=false"]
+    cases = [
+        ([f"data.train_path={bad}"], f"{bad}:2: not valid JSON"),
+        ([f"data.train_path={games}", "data.task_name=number_guess", "env.number_guess={}"],
+         f"{games}: row 0 has no field 'secret'"),
+        ([f"data.train_path={bad}", "policy.model_name=some-org/not-cached-here"],
+         f"{bad}:2: not valid JSON"),
+    ]
+    for overrides, needle in cases:
+        code, out, err = launch(
+            ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", TINY, *own, *overrides],
+            capsys,
+        )
+        assert code == 2 and out == "" and needle in err, err
+        assert "Traceback" not in err
+
+
 def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = launch(["slurm", "--nodes", "2"], capsys)
     assert (code, err.strip()) == (
