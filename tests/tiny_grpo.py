@@ -1,10 +1,13 @@
 """The tiny GRPO run the functional tests share: tiny Llama, 4 prompts x 2 generations,
-float32, 64-token sequences, a local 8-CPU Ray. Importable as ``tiny_grpo``."""
+float32, 64-token sequences, a local 8-CPU Ray; and the greedy continuations of a saved policy
+folder, the reference for what an exported checkpoint generates. Importable as ``tiny_grpo``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
@@ -67,3 +70,33 @@ def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
         for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
         if r["prefix"] == "train"
     }
+
+
+def megatron_greedy(
+    policy_dir: Path, prompts: list[torch.Tensor], eos: int, max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations (at most ``max_new_tokens``, through the first ``eos``) of the
+    Megatron model loaded from a saved policy folder, in this process at TP=PP=1."""
+    from megatron_bridge.checkpoint import load_megatron_checkpoint
+    from megatron_bridge.forward import megatron_logits
+    from megatron_bridge.parallel_state import (
+        destroy_megatron_parallel,
+        find_free_port,
+        initialize_megatron_parallel,
+    )
+
+    initialize_megatron_parallel(0, 1, tp=1, pp=1, master_port=find_free_port())
+    try:
+        model, bridge = load_megatron_checkpoint(policy_dir)
+        out = []
+        for ids in prompts:
+            new: list[int] = []
+            while len(new) < max_new_tokens and (not new or new[-1] != eos):
+                seq = torch.cat([ids, torch.tensor(new, dtype=torch.long)])
+                with torch.no_grad():
+                    logits = megatron_logits(model, seq.unsqueeze(0), bridge.vocab_size)[0]
+                new.append(int(logits[-1].argmax()))
+            out.append(new)
+        return out
+    finally:
+        destroy_megatron_parallel()

@@ -20,7 +20,7 @@ from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.evals.eval import run_eval
 from nemo_rl.utils.logger import read_metrics_jsonl
 
-from tiny_grpo import run_grpo, tiny_grpo_config
+from tiny_grpo import megatron_greedy, run_grpo, tiny_grpo_config
 
 pytestmark = pytest.mark.slow
 
@@ -81,34 +81,6 @@ def test_eval_of_the_checkpoint_reproduces_its_last_validation(trained, evaluate
     assert len(lines) == VAL_PROMPTS
 
 
-def megatron_greedy(policy_dir: Path, prompts: list[torch.Tensor], eos: int) -> list[list[int]]:
-    """Greedy continuations (at most MAX_NEW_TOKENS, through the first ``eos``) of the Megatron
-    model loaded from a saved policy folder, one process, TP=PP=1."""
-    from megatron_bridge.checkpoint import load_megatron_checkpoint
-    from megatron_bridge.forward import megatron_logits
-    from megatron_bridge.parallel_state import (
-        destroy_megatron_parallel,
-        find_free_port,
-        initialize_megatron_parallel,
-    )
-
-    initialize_megatron_parallel(0, 1, tp=1, pp=1, master_port=find_free_port())
-    try:
-        model, bridge = load_megatron_checkpoint(policy_dir)
-        out = []
-        for ids in prompts:
-            new: list[int] = []
-            while len(new) < MAX_NEW_TOKENS and (not new or new[-1] != eos):
-                seq = torch.cat([ids, torch.tensor(new, dtype=torch.long)])
-                with torch.no_grad():
-                    logits = megatron_logits(model, seq.unsqueeze(0), bridge.vocab_size)[0]
-                new.append(int(logits[-1].argmax()))
-            out.append(new)
-        return out
-    finally:
-        destroy_megatron_parallel()
-
-
 def test_exported_model_on_vllm_answers_as_the_saved_policy_greedily(trained, evaluated):
     from transformers import AutoTokenizer
 
@@ -119,7 +91,7 @@ def test_exported_model_on_vllm_answers_as_the_saved_policy_greedily(trained, ev
     tokenizer = AutoTokenizer.from_pretrained(policy_dir / "hf_assets")
     _, val, _ = setup_datasets(cfg.data, tokenizer)
     prompts = [torch.cat([m["token_ids"] for m in val[i]["message_log"]]) for i in range(VAL_PROMPTS)]
-    expected = megatron_greedy(policy_dir, prompts, tokenizer.eos_token_id)
+    expected = megatron_greedy(policy_dir, prompts, tokenizer.eos_token_id, MAX_NEW_TOKENS)
     records = [json.loads(line) for line in (trained / "eval" / "samples.jsonl").read_text().splitlines()]
     responses = [r["response"] for r in sorted(records, key=lambda r: r["prompt_index"])]
     assert responses == [tokenizer.decode(ids) for ids in expected]

@@ -1,6 +1,10 @@
 """The README's "Your own data and reward" example, run as written: a JSONL of own prompts and a
 reward function in a module of its own (written here, imported by the Ray actors through
-PYTHONPATH) train through ``nemo-rl grpo`` with recipe keys only, and the reward rises.
+PYTHONPATH) train through ``nemo-rl grpo`` with recipe keys only and the reward rises; then
+``nemo-rl export`` turns the last checkpoint into an HF folder and ``nemo-rl eval`` reports
+pass@1, pass@2 and maj@2 on it with vLLM. A greedy evaluation of the same folder answers every
+prompt as the saved policy does (greedy continuation of the Megatron model loaded from the
+checkpoint's policy folder).
 
 The task (answer in digits, scored by the share of digit characters) is unlike the built-in
 arithmetic: no math-verify, no warm start, a random tiny model. On this machine the sampled
@@ -10,6 +14,7 @@ reward averages 0.0033 over steps 1-5 and 0.020 over steps 16-20 (0.0037, 0.0021
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,8 +22,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
-from tiny_grpo import train_records
+from nemo_rl.data.datasets import setup_datasets
+from nemo_rl.evals.config import EvalMasterConfig
+from nemo_rl.utils.config import load_typed_config
+
+from tiny_grpo import megatron_greedy, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +45,23 @@ def readme_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.DOTALL)
 
 
-def test_readme_example_trains_own_data_with_own_reward(tmp_path: Path) -> None:
+def test_readme_example_trains_exports_and_evaluates_own_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     blocks = readme_blocks()
-    assert [lang for lang, _ in blocks] == ["python", "yaml", "bash"]
-    for lang, code in blocks[:2]:
+    assert [lang for lang, _ in blocks] == ["python", "yaml", "yaml", "bash"]
+    for lang, code in blocks[:3]:
         name = code.splitlines()[0].removeprefix("# ").strip()  # "# my_reward.py"
         (tmp_path / name).write_text(code, encoding="utf-8")
-    (tmp_path / "configs").symlink_to(REPO / "configs")  # the recipe's defaults: path
+    (tmp_path / "configs").symlink_to(REPO / "configs")  # the recipes' defaults: paths
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(REPO),  # this checkout's nemo_rl, below the example's "."
     }
     run = subprocess.run(
-        ["bash", "-e", "-c", blocks[2][1]], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=840,
+        ["bash", "-e", "-c", blocks[3][1]], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=1200,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     records = train_records(tmp_path / "results" / "digits" / "logs")
@@ -57,3 +70,34 @@ def test_readme_example_trains_own_data_with_own_reward(tmp_path: Path) -> None:
     rewards = [records[step]["reward"] for step in range(1, 21)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > 3 * first and last > 0.01, rewards
+
+    # the evaluation of the exported last step: 16 prompts x 4 samples
+    summary = json.loads((tmp_path / "results/digits/eval/summary.json").read_text())
+    assert summary["num_prompts"] == 16 and summary["num_samples"] == 16 * 4
+    assert {"pass@1", "pass@2", "maj@2"} <= set(summary)
+    assert 0.0 <= summary["pass@1"] <= summary["pass@2"] <= 1.0
+    samples = (tmp_path / "results/digits/eval/samples.jsonl").read_text().splitlines()
+    assert len(samples) == 16 * 4
+
+    # greedy, the exported folder on vLLM answers as the checkpoint's policy
+    greedy = ["generation.temperature=0", "eval.num_tests_per_prompt=1", "eval.k_value=1",
+              "eval.max_num_prompts=8", "eval.save_path=results/digits/greedy"]
+    run = subprocess.run(
+        ["nemo-rl", "eval", "--config", "my_eval.yaml", *greedy], cwd=tmp_path,
+        env={**env, "PYTHONPATH": f".{os.pathsep}{REPO}"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)  # the recipe's relative paths
+    monkeypatch.syspath_prepend(str(tmp_path))  # its reward module
+    cfg = load_typed_config("my_eval.yaml", greedy, EvalMasterConfig)
+    policy_dir = tmp_path / "results/digits/checkpoints/step_20/policy"
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir / "hf_assets")
+    _, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs())
+    prompts = [torch.cat([m["token_ids"] for m in val[i]["message_log"]]) for i in range(8)]
+    expected = megatron_greedy(
+        policy_dir, prompts, tokenizer.eos_token_id, cfg.generation.max_new_tokens
+    )
+    lines = (tmp_path / "results/digits/greedy/samples.jsonl").read_text().splitlines()
+    records = sorted((json.loads(line) for line in lines), key=lambda r: r["prompt_index"])
+    assert [r["response"] for r in records] == [tokenizer.decode(ids) for ids in expected]
