@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ CHECKS = ("train_step", "offload", "logprobs", "ipc_refit")
 MFU_TARGET = 0.45
 IPC_TARGET = 0.5
 LOGPROB_ATOL = 1e-4
+TOTAL_BUDGET_S = 570  # the whole check ends within 10 minutes, installation included
 
 # A Llama-3.2-1B-like body (hidden 2048, 16 layers, GQA 32/8, FFN 8192) with the tiny builder's
 # 1,024-token BPE vocabulary: 0.97 B parameters, nearly all in the layers.
@@ -94,7 +96,8 @@ class Mode:
             optimizer step) and micro-batch.
         peak_n: side of the square matrices of the matmul peak.
         ipc: keyword arguments of ``measure_transport``.
-        phase_timeout_s: a phase's subprocess is stopped after this.
+        phase_timeout_s: a phase's subprocess is stopped after this, or when the whole check
+            has run ``TOTAL_BUDGET_S``, whichever comes first.
     """
 
     device: str
@@ -319,18 +322,27 @@ def run_phase(args: list[str], env: dict[str, str], timeout_s: int) -> tuple[lis
     """Run ``python -m benchmarks.gpu_check --phase ...``; (its results, its error or '')."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         cmd = [sys.executable, "-m", "benchmarks.gpu_check", *args, "--result", result.name]
+        # its own process group, so a timeout also stops what it spawned (the IPC receiver)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                                  timeout=timeout_s)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return [], f"did not finish within {timeout_s} s"
         if proc.returncode != 0:
-            tail = "\n      ".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            tail = "\n      ".join((stderr or stdout).strip().splitlines()[-15:])
             return [], f"exit code {proc.returncode}:\n      {tail}"
         return json.loads(Path(result.name).read_text() or "[]"), ""
 
 
-def compare_logprobs(mode: Mode, env: dict[str, str]) -> CheckResult:
+def timeout_s(mode: Mode, deadline: float) -> int:
+    """A phase's time limit: its own, cut to what is left of the whole check's budget."""
+    return max(1, int(min(mode.phase_timeout_s, deadline - time.monotonic())))
+
+
+def compare_logprobs(mode: Mode, env: dict[str, str], deadline: float) -> CheckResult:
     """``logprobs``: the same batch through a CPU worker and a device worker (two processes
     at once: nothing is timed)."""
     import torch
@@ -340,7 +352,7 @@ def compare_logprobs(mode: Mode, env: dict[str, str]) -> CheckResult:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(sides)) as pool:
         outs = [Path(tmp) / f"{i}.pt" for i in range(len(sides))]
         runs = [pool.submit(run_phase, phase_args("logprobs", mode) + ["--logprobs-out", str(out)],
-                            side_env, mode.phase_timeout_s)
+                            side_env, timeout_s(mode, deadline))
                 for out, side_env in zip(outs, sides.values())]
         for side, run in zip(sides, runs):
             if error := run.result()[1]:
@@ -378,6 +390,7 @@ def environment_line(mode: Mode) -> str:
 
 
 def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
+    deadline = time.monotonic() + TOTAL_BUDGET_S
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     results: dict[str, CheckResult] = {}
@@ -386,7 +399,7 @@ def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
             continue
         started = time.perf_counter()
         rows, error = run_phase(phase_args(phase, mode) + ["--steps", str(steps)], env,
-                                mode.phase_timeout_s)
+                                timeout_s(mode, deadline))
         for row in rows:
             results[row["name"]] = CheckResult(**row)
         for name in checks:
@@ -394,7 +407,7 @@ def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
                 results[name] = CheckResult(name, "FAIL", f"the {phase} phase failed: {error}")
         print(f"  ({phase} phase: {time.perf_counter() - started:.0f} s)", flush=True)
     if "logprobs" in only:
-        results["logprobs"] = compare_logprobs(mode, env)
+        results["logprobs"] = compare_logprobs(mode, env, deadline)
     return [results.get(name) or CheckResult(name, "SKIP", "not selected (--only)")
             for name in CHECKS]
 
