@@ -32,6 +32,7 @@ import argparse
 import multiprocessing
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,26 +103,49 @@ def receiver_main(device_name: str, inbox: Any, outbox: Any, packing_done: Any) 
         receiver.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda needs a CUDA GPU, which this machine does not have; "
-            "--device cpu runs the same transport over shared memory"
-        )
+@dataclass(frozen=True)
+class TransportResult:
+    """Medians over the timed streams (seconds; bytes/s for ``baseline``).
 
+    Attributes:
+        nbytes: bytes of one stream (all tensors).
+        num_tensors: tensors in the stream.
+        transfer_s: pack start -> the receiver has checked the last bucket.
+        pack_s: the sender's pack + checksum.
+        load_s: the receiver's engine-style load (one copy of every tensor).
+        baseline: bytes/s of ``copy_`` of the same bytes on the device (best of 3 per stream).
+        ratios: per stream, transfer bytes/s over that stream's baseline.
+    """
+
+    nbytes: int
+    num_tensors: int
+    transfer_s: float
+    pack_s: float
+    load_s: float
+    baseline: float
+    ratios: list[float]
+
+
+def measure_transport(
+    device: torch.device, layers: int, hidden: int, bucket_mb: int, repeats: int,
+    vocab: int = 32768,
+) -> TransportResult:
+    """Run ``repeats`` + 1 streams (the first warms up) sender -> receiver process on ``device``.
+
+    Raises:
+        RuntimeError: ``device`` is CUDA and this machine has none, or the receiver failed (its
+            error, e.g. a checksum mismatch, is in the message).
+    """
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "the CUDA IPC transport needs a CUDA GPU, which this machine does not have; "
+            "device 'cpu' runs the same transport over shared memory"
+        )
     from nemo_rl.models.generation.refit.interfaces import RefitSettings
     from nemo_rl.models.generation.refit.sender import RefitSender
 
-    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    tensors = llama_tensors(args.layers, args.hidden, device)
-    settings = RefitSettings(args.bucket_mb * 1024**2, None, timeout_s=120.0, checksums=True)
+    tensors = llama_tensors(layers, hidden, device, vocab=vocab)
+    settings = RefitSettings(bucket_mb * 1024**2, None, timeout_s=120.0, checksums=True)
     sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, device, settings)
     info = sender.prepare_refit_info()
     nbytes = sum(t.numel() * t.itemsize for t in tensors.values())
@@ -135,7 +159,7 @@ def main() -> None:
         inbox.put(info)
         if (answer := outbox.get(timeout=300)) != "ready":
             raise RuntimeError(f"receiver: {answer}")
-        for repeat in range(args.repeats + 1):  # the first one warms up both sides
+        for repeat in range(repeats + 1):  # the first one warms up both sides
             baseline = memcpy.bandwidth()
             packing_done.clear()
             stream = sender.prepare_weights_for_ipc()
@@ -158,17 +182,38 @@ def main() -> None:
         sender.close()
 
     transfer, pack, load, baseline = (statistics.median(c) for c in zip(*rows))
-    ratios = [nbytes / r[0] / r[3] for r in rows]
+    return TransportResult(
+        nbytes, len(tensors), transfer, pack, load, baseline,
+        [nbytes / r[0] / r[3] for r in rows],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    try:
+        result = measure_transport(device, args.layers, args.hidden, args.bucket_mb, args.repeats)
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
+
+    nbytes, baseline, ratios = result.nbytes, result.baseline, result.ratios
     name = "device-to-device copy" if device.type == "cuda" else "memcpy"
     print(f"command: PYTHONPATH=. python benchmarks/bench_ipc_refit_transport.py --device "
           f"{args.device} --layers {args.layers} --hidden {args.hidden} --bucket-mb "
           f"{args.bucket_mb} --repeats {args.repeats}")
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"{len(tensors)} bf16 tensors, {nbytes / 1e9:.3f} GB, buckets of {args.bucket_mb} MiB")
+          f"{result.num_tensors} bf16 tensors, {nbytes / 1e9:.3f} GB, buckets of "
+          f"{args.bucket_mb} MiB")
     print(f"{name} of the same bytes: {baseline / 1e9:.1f} GB/s (median of the runs' best of 3)")
-    for label, seconds in (("transfer (pack start -> last bucket checked)", transfer),
-                           ("  pack + checksum (sender)", pack),
-                           ("engine-style load (receiver, one copy)", load)):
+    for label, seconds in (("transfer (pack start -> last bucket checked)", result.transfer_s),
+                           ("  pack + checksum (sender)", result.pack_s),
+                           ("engine-style load (receiver, one copy)", result.load_s)):
         print(f"{label:<46} {seconds * 1e3:9.2f} ms {nbytes / seconds / 1e9:8.1f} GB/s "
               f"{nbytes / seconds / baseline:6.2f} x {name}")
     print(f"transfer / {name}, per run: {statistics.median(ratios):.2f} "

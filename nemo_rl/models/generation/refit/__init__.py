@@ -7,10 +7,23 @@ Modules, one concern each:
     collective: the non-colocated transport (a broadcast group of its own).
     sender / receiver: what a policy rank and an engine do (the workers only wire them up).
     orchestrate: the driver's sequence, :func:`refit_policy_generation`.
+
+Only ``orchestrate`` needs Ray; it is imported on first use of its names so that the transport
+(sender, receiver, ipc) imports where Ray is not installed (``scripts/gpu_check.sh``).
 """
+
+from typing import Any
 
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
-from nemo_rl.models.generation.refit.orchestrate import RefitResult, refit_policy_generation
 
 __all__ = ["RefitError", "RefitResult", "RefitSettings", "refit_policy_generation"]
+_ORCHESTRATE_NAMES = ("RefitResult", "refit_policy_generation")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ORCHESTRATE_NAMES:
+        from nemo_rl.models.generation.refit import orchestrate
+
+        return getattr(orchestrate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,458 @@
+"""One-command GPU check: four checks of the CUDA paths on one GPU, each PASS / FAIL / SKIP
+with its number. Run it through ``scripts/gpu_check.sh`` (which installs the wheels the GPU
+machine lacks); ``--dry-run`` runs the same code on CPU at toy sizes (CI runs that).
+
+Checks (each phase runs in its own subprocess, so a crash in one still reports the others):
+
+* ``train_step``: ``MegatronPolicyWorker.train`` (single rank, in-process, local layer spec: no
+  TransformerEngine) on a random Llama of about 1 B parameters in bf16, one warm-up optimizer
+  step and ``--steps`` timed ones. MFU = model FLOPs (``model_flops`` of
+  ``bench_megatron_worker_train``) / median step time / the measured bf16 matmul peak
+  (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
+* ``offload``: right after those steps, in the same worker, ``offload_before_refit`` (optimizer
+  state to the host, gradient buffers freed), ``offload_after_refit`` (parameters to the host)
+  and ``prepare_for_training`` (everything back): seconds and bytes of each, GB/s against a
+  pinned device-to-host copy of 1 GiB, device memory freed. PASS when every parameter comes
+  back bit for bit and one more training step after the restore has a finite loss.
+* ``logprobs``: ``get_logprobs`` of the tiny Llama (fp32, TF32 off) in a CPU process
+  (``CUDA_VISIBLE_DEVICES=``) and in a CUDA process on the same batch; PASS when
+  max |CPU - CUDA| <= 1e-4.
+* ``ipc_refit``: ``measure_transport`` of ``bench_ipc_refit_transport``: the colocated refit
+  transport (CUDA IPC buffer, sender and receiver processes on the same GPU) against a
+  device-to-device copy of the same bytes. Target >= 0.5.
+
+In a dry run every device is the CPU, the models are toy-sized and fp32, and the targets are
+not judged (the numbers mean nothing on CPU): a check passes when its code ran and its
+correctness part holds.
+
+    scripts/gpu_check.sh [--wheels DIR] [--dry-run] [--only CHECK ...]
+    PYTHONPATH=. python -m benchmarks.gpu_check --dry-run     # where everything is installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKS = ("train_step", "offload", "logprobs", "ipc_refit")
+MFU_TARGET = 0.45
+IPC_TARGET = 0.5
+LOGPROB_ATOL = 1e-4
+TOTAL_BUDGET_S = 570  # the whole check ends within 10 minutes, installation included
+
+# A Llama-3.2-1B-like body (hidden 2048, 16 layers, GQA 32/8, FFN 8192) with the tiny builder's
+# 1,024-token BPE vocabulary: 0.97 B parameters, nearly all in the layers.
+LLAMA_1B = dict(
+    hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, intermediate_size=8192, max_position_embeddings=4096,
+)
+TINY = dict(  # the tiny builder's defaults: the dry run's "1 B" model, already cached in CI
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, intermediate_size=256, max_position_embeddings=1024,
+)
+VOCAB_ROWS = 1024  # bpe_vocab_size 1024, already a multiple of 128: no padding rows
+
+# What the GPU machine this check is written for lacks (it has torch, transformers and their
+# dependencies; scripts/gpu_check.sh brings megatron-core, pydantic and omegaconf): a dry run
+# hides these, so an import of one on the checked paths fails in CI rather than on the GPU.
+ABSENT_ON_GPU_MACHINE = (
+    "ray", "vllm", "transformer_engine", "transferqueue", "apex", "wandb", "mlflow",
+    "datasets", "torchdata", "math_verify",
+)
+
+
+def hide_modules(names: tuple[str, ...]) -> None:
+    """Make the packages ``names`` look uninstalled in this process: ``import`` raises
+    ``ModuleNotFoundError`` and ``importlib.util.find_spec`` returns None (a ``None`` entry in
+    ``sys.modules`` does both)."""
+    for name in names:
+        sys.modules[name] = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Sizes and devices of one way to run the check (GPU or dry run).
+
+    Attributes:
+        device: "cuda" or "cpu", of the train, offload and IPC phases and the logprobs'
+            second side.
+        dry_run: targets are not judged, ``ABSENT_ON_GPU_MACHINE`` is hidden.
+        train_sizes: the trained Llama's sizes (keys of ``bench_megatron_worker_train.SIZES``).
+        train_precision: its dtype, also the dtype of the matmul peak.
+        train_rows, train_seq, train_mbs: global batch (rows of ``train_seq`` tokens, one
+            optimizer step) and micro-batch.
+        peak_n: side of the square matrices of the matmul peak.
+        ipc: keyword arguments of ``measure_transport``.
+        phase_timeout_s: a phase's subprocess is stopped after this, or when the whole check
+            has run ``TOTAL_BUDGET_S``, whichever comes first.
+    """
+
+    device: str
+    dry_run: bool
+    train_sizes: dict[str, int]
+    train_precision: str
+    train_rows: int
+    train_seq: int
+    train_mbs: int
+    peak_n: int
+    ipc: dict[str, int]
+    phase_timeout_s: int
+
+
+GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 2, 8192,
+           dict(layers=16, hidden=2048, bucket_mb=256, repeats=5, vocab=32768), 420)
+DRY_RUN = Mode("cpu", True, TINY, "float32", 4, 64, 2, 256,
+               dict(layers=1, hidden=128, bucket_mb=1, repeats=1, vocab=1024), 240)
+
+
+@dataclass
+class CheckResult:
+    """One check's outcome: ``status`` PASS / FAIL / SKIP, a one-line ``summary`` with its
+    number, and the raw ``numbers`` (seconds, bytes, ratios)."""
+
+    name: str
+    status: str
+    summary: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+def judged(ok: bool, meets_target: bool, mode: Mode) -> str:
+    """PASS when the correctness part holds and, on a GPU, the target is met."""
+    return "PASS" if ok and (mode.dry_run or meets_target) else "FAIL"
+
+
+def target_note(mode: Mode, text: str) -> str:
+    return "target not judged in a dry run" if mode.dry_run else text
+
+
+# ------------------------------------------------------------------------------ phases
+# Each runs in a subprocess (``--phase``) and returns its CheckResults.
+
+
+def start_worker(model_path: str, precision: str, rows: int, seq: int, mbs: int) -> Any:
+    """A single-rank ``MegatronPolicyWorker`` (no Ray) on this process's device."""
+    from megatron_bridge.parallel_state import find_free_port
+    from nemo_rl.models.policy.config import PolicyConfig
+    from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(find_free_port()))
+    config = PolicyConfig(
+        model_name=model_path, precision=precision, train_global_batch_size=rows,
+        train_micro_batch_size=mbs, logprob_batch_size=mbs, max_total_sequence_length=seq,
+        megatron_cfg={"optimizer": {"lr": 1e-5, "min_lr": 1e-5, "clip_grad": 1.0}},
+    )
+    return MegatronPolicyWorker(config, model_path, init_reference_model=False)
+
+
+def phase_train(mode: Mode, steps: int) -> list[CheckResult]:
+    """``train_step`` then ``offload`` on one worker (the offload moves a trained optimizer)."""
+    import torch
+
+    from benchmarks.bench_megatron_worker_train import make_batch, matmul_peak_flops, model_flops
+    from nemo_rl.algorithms.loss import NLLLoss
+    from nemo_rl.models.tiny import build_tiny_model
+
+    require_device(mode)
+    peak = matmul_peak_flops(mode.peak_n, 10, mode.device, mode.train_precision)
+    path = str(build_tiny_model("llama", **mode.train_sizes))
+    lengths = (mode.train_seq,) * mode.train_rows
+    batch = make_batch(lengths, mode.train_seq)
+    torch.manual_seed(0)
+    worker = start_worker(path, mode.train_precision, mode.train_rows, mode.train_seq,
+                          mode.train_mbs)
+    try:
+        times, losses = [], []
+        for _ in range(steps + 1):  # the first step warms up (allocations, kernels)
+            start = time.perf_counter()
+            losses += worker.train(batch, NLLLoss())["loss"]
+            times.append(time.perf_counter() - start)
+        step_s = statistics.median(times[1:])
+        mfu = model_flops(lengths, mode.train_sizes, VOCAB_ROWS) / step_s / peak
+        params = sum(p.numel() for p in worker.policy.model.parameters())
+        finite = all(math.isfinite(x) for x in losses)
+        train = CheckResult(
+            "train_step", judged(finite, mfu >= MFU_TARGET, mode),
+            f"MFU {mfu:.1%} of the measured {mode.train_precision} matmul peak "
+            f"{peak / 1e12:.1f} TFLOP/s ({target_note(mode, f'target >= {MFU_TARGET:.0%}')}); "
+            f"{params / 1e6:,.1f} M parameters, step {step_s:.3f} s (median of {steps}), "
+            f"{sum(lengths) / step_s:,.0f} tokens/s, losses {'finite' if finite else losses}",
+            dict(mfu=mfu, peak_flops=peak, step_s=step_s, step_times_s=times, losses=losses,
+                 parameters=params, tokens=sum(lengths)),
+        )
+        return [train, offload_round_trip(worker, batch, mode)]
+    finally:
+        worker.shutdown()
+
+
+def offload_round_trip(worker: Any, batch: Any, mode: Mode) -> CheckResult:
+    """Offload and restore ``worker``'s state, timed; then one more training step."""
+    import torch
+
+    from benchmarks.memcpy_baseline import synchronize
+    from nemo_rl.algorithms.loss import NLLLoss
+
+    device = torch.device(mode.device)
+    before = [p.detach().to("cpu", copy=True) for p in worker.policy.model.parameters()]
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    timings, moved = {}, {}
+    for name, call in (("optimizer_and_grads", worker.offload_before_refit),
+                       ("params", worker.offload_after_refit)):
+        start = time.perf_counter()
+        moved[name] = call()
+        synchronize(device)
+        timings[name] = time.perf_counter() - start
+    freed = allocated - (torch.cuda.memory_allocated() if device.type == "cuda" else 0)
+    start = time.perf_counter()
+    worker.prepare_for_training()
+    synchronize(device)
+    timings["restore"] = time.perf_counter() - start
+    after = [p.detach().to("cpu") for p in worker.policy.model.parameters()]
+    same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    loss = worker.train(batch, NLLLoss())["loss"][-1]
+    ok = same and math.isfinite(loss)
+    total = sum(moved.values())
+    baseline = pinned_copy_bandwidth(device)
+
+    def rate(nbytes: int, seconds: float) -> str:
+        return f"{nbytes / 1e9:.2f} GB in {seconds:.3f} s ({nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)"
+
+    summary = (
+        f"offload {rate(total, timings['optimizer_and_grads'] + timings['params'])} "
+        f"(optimizer+grads {rate(moved['optimizer_and_grads'], timings['optimizer_and_grads'])}, "
+        f"params {rate(moved['params'], timings['params'])}), restore "
+        f"{rate(total, timings['restore'])}; device memory freed {freed / 1e9:.2f} GB; "
+        f"pinned device-to-host copy {baseline / 1e9:.1f} GB/s; parameters after the restore "
+        f"{'bit-identical' if same else 'CHANGED'}, next step's loss {loss:.4f}"
+    )
+    return CheckResult("offload", "PASS" if ok else "FAIL", summary,
+                       dict(seconds=timings, bytes=moved, freed_bytes=freed,
+                            pinned_d2h_bytes_per_s=baseline, restored_equal=same, loss=loss))
+
+
+def pinned_copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of one device-to-host copy of ``nbytes`` into pinned memory, best of 3 (0 on
+    CPU: nothing to copy)."""
+    import torch
+
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def phase_logprobs(mode: Mode, out: Path) -> list[CheckResult]:
+    """The tiny Llama's fp32 logprobs ``[4, 64]`` on this process's device, saved to ``out``
+    with the device's type."""
+    import torch
+
+    from benchmarks.bench_megatron_worker_train import make_batch
+    from nemo_rl.models.tiny import build_tiny_model
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    lengths = (48, 64, 17, 33)
+    worker = start_worker(str(build_tiny_model("llama")), "float32", len(lengths), 64, 2)
+    try:
+        logprobs = worker.get_logprobs(make_batch(lengths, 64, seed=1))["logprobs"]
+    finally:
+        worker.shutdown()
+    torch.save({"logprobs": logprobs.cpu(),
+                "device": "cuda" if torch.cuda.is_available() else "cpu"}, out)
+    return []
+
+
+def phase_ipc(mode: Mode) -> list[CheckResult]:
+    import torch
+
+    from benchmarks.bench_ipc_refit_transport import measure_transport
+
+    require_device(mode)
+    device = torch.device("cuda:0" if mode.device == "cuda" else "cpu")
+    r = measure_transport(device, **mode.ipc)
+    ratio = statistics.median(r.ratios)
+    baseline = "device-to-device copy" if device.type == "cuda" else "memcpy"
+    return [CheckResult(
+        "ipc_refit", judged(True, ratio >= IPC_TARGET, mode),
+        f"transfer / {baseline} {ratio:.2f} ({min(r.ratios):.2f}-{max(r.ratios):.2f}, "
+        f"{target_note(mode, f'target >= {IPC_TARGET}')}); {r.nbytes / 1e9:.3f} GB in "
+        f"{r.transfer_s * 1e3:.2f} ms vs {baseline} {r.baseline / 1e9:.1f} GB/s; pack "
+        f"{r.pack_s * 1e3:.2f} ms, receiver load {r.load_s * 1e3:.2f} ms; every bucket's "
+        "checksum verified",
+        asdict(r),
+    )]
+
+
+def require_device(mode: Mode) -> None:
+    import torch
+
+    if mode.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "this check needs a CUDA GPU and torch.cuda.is_available() is False here; "
+            "`scripts/gpu_check.sh --dry-run` runs the same code on CPU at toy sizes"
+        )
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def run_phase(args: list[str], env: dict[str, str], timeout_s: int) -> tuple[list[dict], str]:
+    """Run ``python -m benchmarks.gpu_check --phase ...``; (its results, its error or '')."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        cmd = [sys.executable, "-m", "benchmarks.gpu_check", *args, "--result", result.name]
+        # its own process group, so a timeout also stops what it spawned (the IPC receiver)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return [], f"did not finish within {timeout_s} s"
+        if proc.returncode != 0:
+            tail = "\n      ".join((stderr or stdout).strip().splitlines()[-15:])
+            return [], f"exit code {proc.returncode}:\n      {tail}"
+        return json.loads(Path(result.name).read_text() or "[]"), ""
+
+
+def timeout_s(mode: Mode, deadline: float) -> int:
+    """A phase's time limit: its own, cut to what is left of the whole check's budget."""
+    return max(1, int(min(mode.phase_timeout_s, deadline - time.monotonic())))
+
+
+def compare_logprobs(mode: Mode, env: dict[str, str], deadline: float) -> CheckResult:
+    """``logprobs``: the same batch through a CPU worker and a device worker (two processes
+    at once: nothing is timed)."""
+    import torch
+
+    base = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    sides = {"cpu": {**base, "CUDA_VISIBLE_DEVICES": ""}, mode.device.upper(): env}
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(sides)) as pool:
+        outs = [Path(tmp) / f"{i}.pt" for i in range(len(sides))]
+        runs = [pool.submit(run_phase, phase_args("logprobs", mode) + ["--logprobs-out", str(out)],
+                            side_env, timeout_s(mode, deadline))
+                for out, side_env in zip(outs, sides.values())]
+        for side, run in zip(sides, runs):
+            if error := run.result()[1]:
+                return CheckResult("logprobs", "FAIL", f"the {side} side failed: {error}")
+        (cpu, cpu_device), (dev, dev_device) = (
+            (saved["logprobs"], saved["device"]) for saved in map(torch.load, outs))
+    if (cpu_device, dev_device) != ("cpu", mode.device):
+        return CheckResult("logprobs", "FAIL", f"the sides ran on {cpu_device} and {dev_device}, "
+                           f"not cpu and {mode.device}")
+    diff = (cpu - dev).abs().max().item() if cpu.shape == dev.shape else math.inf
+    return CheckResult(
+        "logprobs", "PASS" if diff <= LOGPROB_ATOL else "FAIL",
+        f"max |CPU - {mode.device.upper()}| = {diff:.2e} over {tuple(cpu.shape)} fp32 logprobs "
+        f"of the tiny Llama (tolerance {LOGPROB_ATOL:g})",
+        dict(max_abs_diff=diff, shape=list(cpu.shape)),
+    )
+
+
+def phase_args(name: str, mode: Mode) -> list[str]:
+    return ["--phase", name] + (["--dry-run"] if mode.dry_run else [])
+
+
+def environment_line(mode: Mode) -> str:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        megatron = version("megatron-core")
+    except Exception as err:  # reported, not fatal: the phases say what is missing
+        megatron = f"missing ({type(err).__name__})"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return (f"gpu_check{' --dry-run (CPU, toy sizes)' if mode.dry_run else ''}: {device}; "
+            f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron}")
+
+
+def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
+    deadline = time.monotonic() + TOTAL_BUDGET_S
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    results: dict[str, CheckResult] = {}
+    for phase, checks in (("train", ("train_step", "offload")), ("ipc", ("ipc_refit",))):
+        if not only & set(checks):
+            continue
+        started = time.perf_counter()
+        rows, error = run_phase(phase_args(phase, mode) + ["--steps", str(steps)], env,
+                                timeout_s(mode, deadline))
+        for row in rows:
+            results[row["name"]] = CheckResult(**row)
+        for name in checks:
+            if name not in results:
+                results[name] = CheckResult(name, "FAIL", f"the {phase} phase failed: {error}")
+        print(f"  ({phase} phase: {time.perf_counter() - started:.0f} s)", flush=True)
+    if "logprobs" in only:
+        results["logprobs"] = compare_logprobs(mode, env, deadline)
+    return [results.get(name) or CheckResult(name, "SKIP", "not selected (--only)")
+            for name in CHECKS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, toy sizes, targets not judged (what CI runs)")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--phase", choices=["train", "ipc", "logprobs"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--logprobs-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    mode = DRY_RUN if args.dry_run else GPU
+
+    if args.phase:
+        if mode.dry_run:
+            hide_modules(ABSENT_ON_GPU_MACHINE)
+        rows = {"train": lambda: phase_train(mode, args.steps), "ipc": lambda: phase_ipc(mode),
+                "logprobs": lambda: phase_logprobs(mode, args.logprobs_out)}[args.phase]()
+        args.result.write_text(json.dumps([asdict(r) for r in rows]))
+        return
+
+    import torch
+
+    if not mode.dry_run and not torch.cuda.is_available():
+        raise SystemExit(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False), and every "
+            "check needs one; `scripts/gpu_check.sh --dry-run` runs the same code on CPU at "
+            "toy sizes"
+        )
+    print(environment_line(mode), flush=True)
+    started = time.perf_counter()
+    results = run_checks(mode, set(args.only), args.steps)
+    for r in results:
+        print(f"[{r.status}] {r.name}: {r.summary}")
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} "
+          f"skipped in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    sys.exit(1 if counts["FAIL"] else 0)
+
+
+if __name__ == "__main__":
+    main()

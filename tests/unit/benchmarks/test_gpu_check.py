@@ -1,0 +1,100 @@
+"""``scripts/gpu_check.sh --dry-run``: the GPU check's code paths on CPU at toy sizes, with the
+packages the GPU machine lacks hidden, so the script cannot rot before a GPU runs it.
+
+One dry run (module fixture) serves every assertion; it takes about 40 s on 2 quiet cores
+(five processes import torch and megatron-core).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gpu_check") / "results.json"
+    proc = run(["bash", str(SCRIPT), "--dry-run", "--steps", "2", "--json", str(out)], 600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, {r["name"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.slow
+def test_every_check_passes_and_says_so(dry_run):
+    proc, results = dry_run
+    assert sorted(results) == sorted(["train_step", "offload", "logprobs", "ipc_refit"])
+    for name, r in results.items():
+        assert r["status"] == "PASS", r
+        assert f"[PASS] {name}: " in proc.stdout
+    assert "4 passed, 0 failed, 0 skipped" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_step_reports_mfu_of_real_steps(dry_run):
+    numbers = dry_run[1]["train_step"]["numbers"]
+    assert len(numbers["step_times_s"]) == 3  # one warm-up + --steps 2
+    assert len(numbers["losses"]) == 3 and all(math.isfinite(x) for x in numbers["losses"])
+    assert 0 < numbers["mfu"] < 1
+    assert numbers["tokens"] == 4 * 64
+
+
+@pytest.mark.slow
+def test_offload_restores_parameters_and_counts_bytes(dry_run):
+    numbers = dry_run[1]["offload"]["numbers"]
+    assert numbers["restored_equal"] is True
+    # Adam keeps two fp32 moments (and fp32 main params) per parameter: more than the params.
+    assert numbers["bytes"]["optimizer_and_grads"] > numbers["bytes"]["params"] > 0
+    assert math.isfinite(numbers["loss"])
+
+
+@pytest.mark.slow
+def test_logprobs_of_both_sides_are_equal_on_cpu(dry_run):
+    numbers = dry_run[1]["logprobs"]["numbers"]
+    assert numbers["shape"] == [4, 64]
+    assert numbers["max_abs_diff"] == 0.0  # same device, same code: bit for bit
+
+
+@pytest.mark.slow
+def test_ipc_refit_moves_every_tensor_byte(dry_run):
+    import torch
+
+    from benchmarks.bench_ipc_refit_transport import llama_tensors
+
+    numbers = dry_run[1]["ipc_refit"]["numbers"]
+    tensors = llama_tensors(1, 128, torch.device("cpu"), vocab=1024)
+    assert numbers["nbytes"] == sum(t.numel() * t.itemsize for t in tensors.values())
+    assert numbers["num_tensors"] == len(tensors)
+    assert len(numbers["ratios"]) == 1 and numbers["ratios"][0] > 0
+
+
+def test_without_cuda_the_check_stops_with_a_message():
+    proc = run([sys.executable, "-m", "benchmarks.gpu_check"], 300)
+    assert proc.returncode != 0
+    assert "no CUDA device here" in proc.stderr and "--dry-run" in proc.stderr
+
+
+def test_hidden_modules_look_uninstalled():
+    code = (
+        "import importlib.util, sys\n"
+        "from benchmarks.gpu_check import hide_modules\n"
+        "hide_modules(('yaml',))\n"
+        "assert importlib.util.find_spec('yaml') is None\n"
+        "try:\n    import yaml.constructor\nexcept ModuleNotFoundError:\n    print('hidden')\n"
+    )
+    proc = run([sys.executable, "-c", code], 60)
+    assert proc.stdout.strip() == "hidden", proc.stderr
