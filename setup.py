@@ -47,6 +47,10 @@ EXTRAS = {
         "ray[default]>=2.60.0",
         "transferqueue>=0.1.11",
     ],
+    # benchmarks/bench_grpo_vs_trl.py's peer; never imported by the package
+    "bench": [
+        "trl==1.16.0",
+    ],
     "test": [
         "pytest>=8.0",
         "pytest-timeout>=2.3",
