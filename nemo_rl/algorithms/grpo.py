@@ -346,7 +346,8 @@ def _train_loop(components: GRPOComponents, guard: StopGuard | None) -> dict[str
                 last = grpo_step(components, store, batches)
             step += 1
             logger.log_metrics(last, step, "train")
-            logger.log_metrics(timer.summary(), step, "timing/train")
+            timing = {**timer.summary(), "total_step_time": time.monotonic() - started}
+            logger.log_metrics(timing, step, "timing/train")
             timer.reset()
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
                 val_metrics = validate(components, store)
