@@ -395,11 +395,12 @@ class ClippedPGLossFn:
         # Engine/trainer mismatch weights (no gradient: prev and gen are data or detached).
         weight, oob_ratio, dropped = self._mismatch_weights(prev, gen, b, token_mean, seq_mean)
         applied = weight if c.use_importance_sampling_correction else torch.ones_like(weight)
-        actor_loss = aggregate(applied * pg, mask, self.loss_type, seqs, toks)
 
-        kl = self._kl(data, lp, gen, mask, seqs, toks, full, start)
+        # One reduction of surrogate + beta * KL (the KL's reduction is the same as the surrogate's).
+        kl = self._kl_per_token(data, lp, gen, full, start)
+        per_token = applied * pg + c.reference_policy_kl_penalty * kl
         nll = self._positive_nll(data, lp, mask)
-        loss = actor_loss + c.reference_policy_kl_penalty * kl + c.positive_example_nll_weight * nll
+        loss = aggregate(per_token, mask, self.loss_type, seqs, toks) + c.positive_example_nll_weight * nll
 
         with torch.no_grad():
             no_clip = torch.zeros_like(mask, dtype=torch.bool)
@@ -412,7 +413,7 @@ class ClippedPGLossFn:
                 "clip_fraction_low": float(token_mean(clipped_low)),
                 "clip_fraction_high": float(token_mean(clipped_high)),
                 "dual_clip_fraction": float(token_mean(dual_clipped)),
-                "kl_penalty": float(kl.detach()),
+                "kl_penalty": float(aggregate(kl.detach(), mask, self.loss_type, seqs, toks)),
                 "approx_kl": float(token_mean(kl_estimate(prev, lp.detach(), "k3"))),
                 "approx_entropy": float(token_mean(-torch.exp(lp - gen) * lp)),
                 "token_mult_prob_error": float(token_mean(torch.exp((prev - gen).abs()))),
@@ -475,21 +476,14 @@ class ClippedPGLossFn:
             return weight * keep[:, None], seq_mean(1.0 - keep), dropped
         return weight, zero, dropped
 
-    def _kl(
-        self,
-        data: Mapping[str, Any],
-        lp: torch.Tensor,
-        gen: torch.Tensor,
-        mask: torch.Tensor,
-        seqs: torch.Tensor,
-        toks: torch.Tensor,
-        full: tuple[int, int],
-        start: int,
+    def _kl_per_token(
+        self, data: Mapping[str, Any], lp: torch.Tensor, gen: torch.Tensor, full: tuple[int, int], start: int
     ) -> torch.Tensor:
-        """The KL to the reference policy reduced like the loss (without beta); 0 when beta is 0."""
+        """``[B, T]`` weighted, clamped KL estimate to the reference policy (without beta); 0
+        when beta is 0 (no reference logprobs read)."""
         c = self.cfg
         if c.reference_policy_kl_penalty == 0:
-            return torch.zeros((), dtype=lp.dtype)
+            return torch.zeros_like(lp)
         ref = _token_field(data, "reference_policy_logprobs", full, start, floating=True).to(lp.dtype)
         lp_u = lp
         if "curr_logprobs_unfiltered" in data:
@@ -508,7 +502,7 @@ class ClippedPGLossFn:
         kl = weight * kl_estimate(lp_u, ref, c.reference_policy_kl_type, c.kl_input_clamp_value)
         if c.kl_output_clamp_value is not None:
             kl = kl.clamp(-c.kl_output_clamp_value, c.kl_output_clamp_value)
-        return aggregate(kl, mask, self.loss_type, seqs, toks)
+        return kl
 
     def _positive_nll(self, data: Mapping[str, Any], lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """VAPO's NLL: mean of ``-lp`` over this micro-batch's valid tokens of samples with
