@@ -6,6 +6,7 @@ and ``V`` for vocabulary size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -178,3 +179,20 @@ def kl_estimate(
     if kl_type == "k3":
         return torch.exp(-log_ratio) - 1.0 + log_ratio
     raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+def js_divergence_estimate(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of the Jensen-Shannon divergence between p and q from sampled tokens.
+
+    ``logprobs`` = log p(token), ``other_logprobs`` = log q(token), same shape. With the
+    mixture ``log m = log((p + q) / 2)`` and ``f(x) = exp(x) - 1 - x`` (the k3 form):
+    ``0.5 * f(log p - log m) + 0.5 * f(log q - log m)``; 0 where p = q, >= 0 everywhere.
+    """
+    log_ratio = other_logprobs - logprobs
+    # log m - log p, formed relative to p so that p = q gives exactly 0
+    mixture_rel = torch.logaddexp(torch.zeros_like(log_ratio), log_ratio) - math.log(2.0)
+
+    def k3_form(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x) - 1.0 - x
+
+    return 0.5 * k3_form(-mixture_rel) + 0.5 * k3_form(log_ratio - mixture_rel)

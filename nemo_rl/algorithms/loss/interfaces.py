@@ -35,7 +35,8 @@ class LossInputType(enum.Enum):
     LOGIT = "logit"
     """``logits``: [batch, seq, vocab]."""
     LOGPROB = "logprob"
-    """``next_token_logprobs``: [batch, seq]; position 0 is 0 (nothing predicts it)."""
+    """``next_token_logprobs``: [batch, seq]; position 0 is 0 (nothing predicts it).
+    ``ClippedPGLossFn`` also takes NeMo RL's [batch, seq - 1], aligned with ``data[:, 1:]``."""
     DISTILLATION = "distillation"
     """``student_topk_logprobs``, ``teacher_topk_logprobs``: [batch, seq, k]; ``H_all``."""
     DRAFT = "draft"
