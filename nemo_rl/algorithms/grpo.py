@@ -84,7 +84,11 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     policy's bundles; otherwise they get a cluster of the same shape of their own.
     """
     from nemo_rl.data.dataloader import StatefulPromptLoader
-    from nemo_rl.data.datasets import setup_demonstration_dataset, setup_synthetic_sft_dataset
+    from nemo_rl.data.datasets import (
+        check_prompt_lengths,
+        setup_demonstration_dataset,
+        setup_synthetic_sft_dataset,
+    )
     from nemo_rl.data.llm_message_utils import rl_collate_fn
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
