@@ -1,10 +1,10 @@
 """The run of an algorithm that trains the policy on fixed data with one loss: SFT and DPO.
 
-:func:`setup` builds the tokenizer-independent parts of a run (Ray, the policy's cluster, the
-policy, the resumable loader, validation batches, logger, checkpoints) from datasets the
-algorithm made; :func:`train` runs the shared :func:`~nemo_rl.algorithms.training_loop.train_loop`
-with :func:`train_step` and :func:`validate`; :func:`run` is a command's body (set up, train,
-report, shut down).
+:func:`setup` builds a run (tokenizer, the algorithm's datasets, the resumable loader,
+validation batches, Ray, the policy's cluster, the policy, logger, checkpoints);
+:func:`train` runs the shared :func:`~nemo_rl.algorithms.training_loop.train_loop` with
+:func:`train_step` and :func:`validate`; :func:`run_command` is a command's body after set-up
+(train, shut down, report).
 
 A step takes one batch of ``train_global_batch_size`` samples (a sample is
 ``rows_per_sample`` rows: 1 for SFT, a chosen and a rejected row for DPO), flattens its
