@@ -5,7 +5,7 @@ Each step trains :class:`~nemo_rl.algorithms.loss.DPOLossFn` on a batch of prefe
 before its rejected row) against the frozen reference policy (the model's initial weights,
 kept by the policy workers), in the shared supervised run (:mod:`nemo_rl.algorithms.supervised`).
 Validation reports the same metrics (``loss``, ``accuracy``, ``rewards_chosen_mean``,
-``rewards_rejected_mean``...) on held-out pairs without updates.
+``rewards_rejected_mean``...) on the validation pairs without updates.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def setup(
 
     loop: SupervisedLoopConfig = getattr(cfg, algorithm.section)
     checkpointer = training_loop.open_checkpointer(cfg)
-    model_path = resolve_model_path(cfg.policy.model_name)
+    model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if cfg.policy.tokenizer.chat_template is not None:
         tokenizer.chat_template = cfg.policy.tokenizer.chat_template

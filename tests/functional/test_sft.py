@@ -1,5 +1,5 @@
 """SFT end to end on CPU (``nemo-rl sft``'s run on configs/sft_tiny_cpu.yaml): real Ray and a
-Megatron worker, the synthetic task's conversations. One run, several checks: the held-out
+Megatron worker, the synthetic task's conversations. One run, several checks: the
 validation loss falls at every validation, the checkpoints hold what a resume needs, every
 logged metric is in the glossary."""
 
