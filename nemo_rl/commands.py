@@ -20,7 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.sft_config import SFTMasterConfig
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
 
@@ -63,6 +65,8 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         "run",
         check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
     ),
+    "sft": RecipeCommand(SFTMasterConfig, "nemo_rl.algorithms.sft", "run"),
+    "dpo": RecipeCommand(DPOMasterConfig, "nemo_rl.algorithms.dpo", "run"),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }
 

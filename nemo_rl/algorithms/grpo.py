@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from nemo_rl.algorithms import training_loop
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_inputs import load_run_inputs
 from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
@@ -31,9 +29,9 @@ from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.algorithms.sft import run_sft_steps
+from nemo_rl.algorithms.training_loop import LoopParts
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.utils.run_config import check_resume, save_run_config
-from nemo_rl.utils.run_stop import RunStopped, StopGuard
+from nemo_rl.utils.run_stop import RunStopped
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
 # of a warm-started run, reloaded on resume.
@@ -95,16 +93,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
-    from nemo_rl.utils.checkpoint import CheckpointManager
     from nemo_rl.utils.logger import Logger
     from nemo_rl.utils.timer import Timer
 
-    checkpointer = CheckpointManager(cfg.checkpointing) if cfg.checkpointing.enabled else None
-    latest = checkpointer.get_latest_checkpoint_path() if checkpointer is not None else None
-    if latest is not None:
-        check_resume(latest, cfg)  # before Ray: a changed model or data is refused at once
-    if checkpointer is not None:
-        checkpointer.start_resume_check()  # hashing overlaps the set-up below
+    checkpointer = training_loop.open_checkpointer(cfg)
     inputs = load_run_inputs(cfg)
     model_path, tokenizer, pad = inputs.model_path, inputs.tokenizer, inputs.pad_token_id
     train, val = inputs.train, inputs.val
@@ -178,64 +170,40 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     )
 
 
-def save_checkpoint(
-    components: GRPOComponents,
-    step: int,
-    val_metrics: dict[str, float],
-    train_metrics: dict[str, float],
-) -> Path:
-    """Policy (model, optimizer, scheduler, RNG), data loader position, driver RNG and the
-    resolved recipe (``config.yaml``) of ``step`` into a new checkpoint folder; the manager keeps the top-k and the latest, ranked
-    by ``checkpointing.metric_name`` among the last validation's metrics (``val_`` prefixed)
-    and the step's train metrics (``train_`` prefixed)."""
-    from nemo_rl.utils.checkpoint import (
-        DATALOADER_STATE_FILE,
-        POLICY_DIR,
-        RNG_STATE_FILE,
-        save_rng_state,
+def loop_parts(components: GRPOComponents) -> LoopParts:
+    """What the shared training loop reads of a GRPO run."""
+    return training_loop.loop_parts(
+        components, components.cfg.grpo, components.cfg.grpo.max_num_steps
     )
 
-    manager = components.checkpointer
-    info = {
-        "step": step,
-        # the engines' sampling seeds follow their call count: resume must continue it
-        "generation_sampling_step": components.generation.sampling_step,
-        **{f"val_{k}": v for k, v in val_metrics.items()},
-        **{f"train_{k}": v for k, v in train_metrics.items()},
-    }
-    if "val_accuracy" in info:
-        info.setdefault("val_reward", info["val_accuracy"])
-    path = manager.init_tmp_checkpoint(step, info)
-    save_run_config(path, components.cfg)
-    components.policy.save_checkpoint(str(path / POLICY_DIR))
-    torch.save(components.train_loader.state_dict(), path / DATALOADER_STATE_FILE)
-    save_rng_state(path / RNG_STATE_FILE)
-    return manager.finalize_checkpoint(path)
+
+def checkpoint_info(components: GRPOComponents, metrics: dict[str, float]) -> dict[str, Any]:
+    """GRPO's entries of a checkpoint's training info: the engines' sampling step (their
+    sampling seeds follow their call count: resume must continue it) and ``val_reward`` (the
+    validation accuracy) when validation reports no reward of its own."""
+    info: dict[str, Any] = {"generation_sampling_step": components.generation.sampling_step}
+    if "val_accuracy" in metrics and "val_reward" not in metrics:
+        info["val_reward"] = metrics["val_accuracy"]
+    return info
 
 
 def restore_checkpoint(components: GRPOComponents) -> int:
-    """Load the checkpoint :meth:`~nemo_rl.utils.checkpoint.CheckpointManager.resume_checkpoint`
-    picks (verified against its manifest); returns its step (0 without one).
+    """Resume from the checkpoint the manager picks
+    (:func:`~nemo_rl.algorithms.training_loop.restore_checkpoint`), first rebuilding the reference
+    policy of a warm-started run from its SFT warm start's weights; returns the step (0
+    without a checkpoint).
 
     Raises:
         CheckpointError: ``checkpointing.resume_from`` names a missing or damaged checkpoint,
             or the SFT warm start's folder of a warm-started run is damaged.
     """
-    from nemo_rl.utils.checkpoint import (
-        DATALOADER_STATE_FILE,
-        POLICY_DIR,
-        RNG_STATE_FILE,
-        CheckpointError,
-        CheckpointManager,
-        load_rng_state,
-    )
-    from nemo_rl.utils.checkpoint_manifest import verify_folder
 
-    manager = components.checkpointer
-    latest = manager.resume_checkpoint() if manager is not None else None
-    if latest is None:
-        return 0
-    if components.sft_loader is not None and uses_reference_policy(components.cfg):
+    def reload_warm_reference(latest: Path) -> None:
+        from nemo_rl.utils.checkpoint import CheckpointError
+        from nemo_rl.utils.checkpoint_manifest import verify_folder
+
+        if components.sft_loader is None or not uses_reference_policy(components.cfg):
+            return
         warm = Path(components.cfg.checkpointing.checkpoint_dir) / SFT_WARMUP_DIR
         if not warm.is_dir():
             raise FileNotFoundError(
@@ -252,14 +220,12 @@ def restore_checkpoint(components: GRPOComponents) -> int:
             )
         components.policy.load_checkpoint(str(warm))
         components.policy.snapshot_reference_policy()
-    components.policy.load_checkpoint(str(latest / POLICY_DIR))
-    components.train_loader.load_state_dict(torch.load(latest / DATALOADER_STATE_FILE))
-    load_rng_state(latest / RNG_STATE_FILE)
-    components.generation_stale = True
-    info = CheckpointManager.load_training_info(latest)
-    components.generation.sampling_step = int(info["generation_sampling_step"])
-    print(f"resumed from {latest} (step {info['step']})")
-    return int(info["step"])
+
+    step, info = training_loop.restore_checkpoint(loop_parts(components), reload_warm_reference)
+    if info:
+        components.generation_stale = True
+        components.generation.sampling_step = int(info["generation_sampling_step"])
+    return step
 
 
 def sft_warm_start(components: GRPOComponents) -> None:
@@ -311,8 +277,9 @@ def open_batch_store(components: GRPOComponents) -> BatchStore[Any]:
 
 
 def grpo_train(components: GRPOComponents) -> dict[str, float]:
-    """Run GRPO from the resumed checkpoint (or step 0) to ``grpo.max_num_steps``, through the
-    batch store of :func:`open_batch_store`.
+    """Run GRPO from the resumed checkpoint (or step 0, after the optional SFT warm start) to
+    ``grpo.max_num_steps`` in the shared :func:`~nemo_rl.algorithms.training_loop.train_loop`,
+    through the batch store of :func:`open_batch_store`.
 
     With checkpointing, a stop signal or ``checkpointing.checkpoint_must_save_by`` ends the
     loop early by the rule of :mod:`nemo_rl.utils.run_stop`: the finished step is saved, then
@@ -321,77 +288,23 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
     """
-    if components.checkpointer is None:  # nothing to save: signals keep their default effect
-        return _train_loop(components, None)
-    ckpt = components.cfg.checkpointing
-    with StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds()) as guard:
-        return _train_loop(components, guard)
-
-
-def _train_loop(components: GRPOComponents, guard: StopGuard | None) -> dict[str, float]:
-    """:func:`grpo_train`'s body; ``guard`` is None without checkpointing."""
-    cfg, logger, timer = components.cfg, components.logger, components.timer
-    step = restore_checkpoint(components)
-    if step == 0 and components.sft_loader is not None:
-        sft_warm_start(components)
-    store = open_batch_store(components)
-    try:
-        last: dict[str, float] = {}
-        val_metrics: dict[str, float] = {}
-        if cfg.grpo.val_at_start and step == 0 and components.val_batches:
-            val_metrics = validate(components, store)
-            logger.log_metrics(val_metrics, step, "validation")
-        if guard is not None and (reason := guard.stop_reason()) is not None:
-            raise RunStopped(reason, step)  # signalled before the first step: nothing new
-        batches = iter(components.train_loader)
-        while step < cfg.grpo.max_num_steps:
-            started = time.monotonic()
-            with logger.step_progress(step + 1, cfg.grpo.max_num_steps, timer):
-                last = grpo_step(components, store, batches)
-            step += 1
-            logger.log_metrics(last, step, "train")
-            timing = {**timer.summary(), "total_step_time": time.monotonic() - started}
-            logger.log_metrics(timing, step, "timing/train")
-            timer.reset()
-            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0 and components.val_batches:
-                val_metrics = validate(components, store)
-                logger.log_metrics(val_metrics, step, "validation")
-            if guard is not None:
-                guard.step_finished(time.monotonic() - started)
-                _save_or_stop(components, guard, step, val_metrics, last)
-    finally:
-        store.close()
-    return {**last, **{f"val_{k}": v for k, v in val_metrics.items()}}
-
-
-def _save_or_stop(
-    components: GRPOComponents,
-    guard: StopGuard,
-    step: int,
-    val_metrics: dict[str, float],
-    train_metrics: dict[str, float],
-) -> None:
-    """After ``step``: save on ``save_period`` and at the last step; then, when a stop signal
-    came or ``checkpoint_must_save_by`` is near, save the step (if not just saved) and raise
-    :class:`~nemo_rl.utils.run_stop.RunStopped`.
-    """
-    cfg = components.cfg
-
-    def save() -> None:
-        started = time.monotonic()
-        save_checkpoint(components, step, val_metrics, train_metrics)
-        guard.save_finished(time.monotonic() - started)
-
-    final_step = step == cfg.grpo.max_num_steps
-    due = step % cfg.checkpointing.save_period == 0 or final_step
-    if due:
-        save()
-    reason = guard.stop_reason()
-    if reason is None or final_step:
-        return
-    if not due:
-        save()
-    raise RunStopped(reason, step)
+    parts = loop_parts(components)
+    with training_loop.stop_guard(parts) as guard:
+        step = restore_checkpoint(components)
+        if step == 0 and components.sft_loader is not None:
+            sft_warm_start(components)
+        store = open_batch_store(components)
+        try:
+            return training_loop.train_loop(
+                parts,
+                guard,
+                step,
+                step_fn=lambda batches: grpo_step(components, store, batches),
+                validate_fn=(lambda: validate(components, store)) if components.val_batches else None,
+                extra_info=lambda metrics: checkpoint_info(components, metrics),
+            )
+        finally:
+            store.close()
 
 
 def shutdown(components: GRPOComponents) -> None:
@@ -414,7 +327,6 @@ def run(cfg: GRPOMasterConfig) -> int | None:
         when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
     """
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
-    from nemo_rl.utils.plot import plot_training_curves
 
     components = setup(cfg)
     try:
@@ -425,9 +337,10 @@ def run(cfg: GRPOMasterConfig) -> int | None:
     finally:
         shutdown(components)
         shutdown_ray()
-    log_dir = Path(cfg.logger.log_dir)
-    plot = plot_training_curves(components.logger.metrics_path, log_dir / "reward_curve.png")
-    print(f"final metrics: { {k: round(v, 4) for k, v in final.items()} }")
-    print(f"logs: {log_dir}  plot: {plot}")
-    if components.checkpointer is not None:
-        print(f"checkpoints: {cfg.checkpointing.checkpoint_dir}")
+    training_loop.report_finished(
+        loop_parts(components),
+        final,
+        "reward_curve.png",
+        (("train", "reward"), ("validation", "accuracy")),
+    )
+    return None

@@ -11,6 +11,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from nemo_rl.algorithms.loop_config import (
+    ClusterConfig,
+    check_checkpoint_metric,
+    check_parallel_layout,
+    derive_lr_decay_iters,
+)
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.config import SyntheticArithmeticConfig
@@ -19,8 +25,6 @@ from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
-from nemo_rl.models.tiny import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
 from nemo_rl.utils.logger import LoggerConfig
@@ -177,27 +181,6 @@ class GRPOConfig(ConfigModel):
                 f"(got {self.num_generations_per_prompt}); set one of them differently"
             )
         return self
-
-
-class ClusterConfig(ConfigModel):
-    """Machines of the run (``cluster``)."""
-
-    num_nodes: int = Field(default=1, ge=1, description="Machines in the Ray cluster.")
-    gpus_per_node: int = Field(
-        default=0, ge=0, description="GPUs used on each machine; 0 runs everything on CPU."
-    )
-    cpus_per_node: int = Field(
-        default=8,
-        ge=1,
-        description="Logical CPUs each machine offers Ray for scheduling actors (may exceed "
-        "the physical cores; actors take fractions of them).",
-    )
-    cpu_bundles_per_node: int = Field(
-        default=1,
-        ge=1,
-        description="CPU runs (gpus_per_node 0): worker slots per machine; each policy rank "
-        "and each generation engine takes one. Ignored when gpus_per_node > 0 (one per GPU).",
-    )
 
 
 class DatasetSourceConfig(ConfigModel):
@@ -376,25 +359,14 @@ class GRPOMasterConfig(ConfigModel):
                 f"data.max_input_seq_length ({self.data.max_input_seq_length}) must be <= "
                 f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
             )
-        self._check_parallel_layout()
+        check_parallel_layout(self.policy, self.cluster)
         self._check_task()
-        ckpt = self.checkpointing
-        validates = self.grpo.val_period > 0 or self.grpo.val_at_start
-        if ckpt.enabled and ckpt.keep_top_k is not None:
-            if not ckpt.metric_name.startswith(("val_", "train_")):
-                raise ValueError(
-                    f"checkpointing.metric_name={ckpt.metric_name!r} is not a metric the GRPO "
-                    "loop records: checkpoints are ranked by val_<validation metric> (e.g. "
-                    "val_reward) or train_<training metric> (e.g. train_reward); use one, or "
-                    "set checkpointing.keep_top_k=null"
-                )
-            if ckpt.metric_name.startswith("val_") and not validates:
-                raise ValueError(
-                    f"checkpointing.metric_name={ckpt.metric_name!r} ranks checkpoints by a "
-                    "validation metric but validation is off (grpo.val_period=0, "
-                    "grpo.val_at_start=false); rank by a train metric (e.g. train_reward), "
-                    "turn validation on, or set checkpointing.keep_top_k=null"
-                )
+        check_checkpoint_metric(
+            self.checkpointing,
+            self.grpo.val_period > 0 or self.grpo.val_at_start,
+            "grpo",
+            ("val_reward", "train_reward"),
+        )
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
         warmup = self.sft_warmup
@@ -406,25 +378,12 @@ class GRPOMasterConfig(ConfigModel):
                 f"with built-in replies); got dataset_name={self.data.dataset_name!r}, "
                 f"train_path={self.data.train_path!r}"
             )
-        self._derive_lr_decay_iters(samples // self.policy.train_global_batch_size)
-        return self
-
-    def _check_parallel_layout(self) -> None:
-        """TP x PP x CP x DP against the ranks the cluster section gives (GPUs, or CPU worker
-        slots), and against the model's heads, KV heads and layers when its config.json is
-        here without a download (a hub model not yet cached is checked when the run starts)."""
-        c = self.cluster
-        slots, name = (
-            (c.gpus_per_node, "gpus_per_node")
-            if c.gpus_per_node
-            else (c.cpu_bundles_per_node, "cpu_bundles_per_node")
-        )
-        plan_parallel_layout(
+        derive_lr_decay_iters(
             self.policy,
-            local_model_path(self.policy.model_name),
-            c.num_nodes * slots,
-            world_source=f"cluster.num_nodes x cluster.{name} = {c.num_nodes} x {slots}",
+            self.grpo.max_num_steps * (samples // self.policy.train_global_batch_size),
+            "grpo.max_num_steps",
         )
+        return self
 
     def _check_task(self) -> None:
         """The rows' default task names a configured environment (whose processor resolved
@@ -433,23 +392,3 @@ class GRPOMasterConfig(ConfigModel):
         for i, source in enumerate(self.data.train_datasets):
             if source.task_name is not None:
                 self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")
-
-    def _derive_lr_decay_iters(self, optimizer_steps_per_step: int) -> None:
-        """Fill ``lr_decay_iters`` with the run's optimizer steps; a 'constant' schedule whose
-        run ends inside the warm-up gets ``lr_warmup_iters + 1`` (the horizon of a constant
-        schedule only has to exceed the warm-up); a decaying one is refused."""
-        scheduler = self.policy.megatron_cfg.scheduler
-        if scheduler.lr_decay_iters is not None:
-            return
-        run = self.grpo.max_num_steps * optimizer_steps_per_step
-        if run <= scheduler.lr_warmup_iters:
-            if scheduler.lr_decay_style != "constant":
-                raise ValueError(
-                    f"the run has {run} optimizer steps (grpo.max_num_steps x optimizer steps "
-                    f"per GRPO step), not more than policy.megatron_cfg.scheduler."
-                    f"lr_warmup_iters ({scheduler.lr_warmup_iters}), so the "
-                    f"{scheduler.lr_decay_style!r} decay never starts; raise "
-                    "grpo.max_num_steps, lower lr_warmup_iters, or set lr_decay_iters"
-                )
-            run = scheduler.lr_warmup_iters + 1
-        scheduler.lr_decay_iters = run

@@ -1,6 +1,10 @@
-"""Supervised fine-tuning steps on prompt + reference-reply conversations.
+"""Supervised fine-tuning: the ``nemo-rl sft`` command and GRPO's SFT warm start.
 
-Used by GRPO as an optional warm start (``sft_warmup`` in the GRPO config): a randomly
+``nemo-rl sft`` (:func:`run`) trains NLL on the assistant tokens of chat data
+(:class:`~nemo_rl.data.conversations.ChatDataset`) in the shared supervised run
+(:mod:`nemo_rl.algorithms.supervised`).
+
+GRPO uses :func:`run_sft_steps` as an optional warm start (``sft_warmup`` in the GRPO config): a randomly
 initialised or weak model rarely produces a correct answer, so every GRPO group has reward 0
 and there is nothing to learn from. A few hundred NLL steps on correct replies get the model
 to a partial success rate, from which GRPO's improvement is visible.
@@ -12,10 +16,15 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from nemo_rl.algorithms import supervised
 from nemo_rl.algorithms.loss import NLLLoss
+from nemo_rl.algorithms.sft_config import SFTMasterConfig
+from nemo_rl.algorithms.supervised import SupervisedAlgorithm, sft_train_data
+from nemo_rl.data.conversations import ChatDataset
+from nemo_rl.data.datasets import Rows, load_rows
 from nemo_rl.data.files import check_data_file
-from nemo_rl.data.llm_message_utils import message_logs_to_flat
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.data.llm_message_utils import rl_collate_fn
+from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, synthetic_chat_rows
 from nemo_rl.utils.config import ConfigModel
 
 
@@ -85,27 +94,6 @@ class SFTWarmupConfig(ConfigModel):
         }
 
 
-def sft_train_data(batch: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:
-    """Training data of NLL on the assistant tokens of a collated batch of conversations.
-
-    Args:
-        batch: :func:`~nemo_rl.data.llm_message_utils.rl_collate_fn` output (``message_log``,
-            ``loss_multiplier`` ``[B]``).
-        pad_token_id: fills ``input_ids`` past each row's length.
-
-    Returns:
-        ``input_ids`` ``[B, S]``, ``input_lengths`` ``[B]``, ``token_mask`` ``[B, S]`` (1 on
-        assistant tokens) and ``sample_mask`` ``[B]`` (0 for truncated rows).
-    """
-    flat = message_logs_to_flat(batch["message_log"], pad_token_id)
-    return BatchedDataDict(
-        input_ids=flat["input_ids"],
-        input_lengths=flat["input_lengths"],
-        token_mask=flat["token_mask"].float(),
-        sample_mask=batch["loss_multiplier"].float(),
-    )
-
-
 def run_sft_steps(
     policy: Any,
     loader: Any,
@@ -141,3 +129,49 @@ def run_sft_steps(
             print(f"sft warm-up step {step}/{num_steps}: loss {losses[-1]:.4f}", flush=True)
     policy.finish_training()
     return losses
+
+
+def load_chat_datasets(cfg: SFTMasterConfig, tokenizer: Any) -> tuple[ChatDataset, ChatDataset | None]:
+    """(training set, validation set or None) of an SFT run: ``data.train_path`` /
+    ``data.val_path``, or the synthetic task's conversations (training rows from
+    ``data.synthetic.seed``, validation rows from ``seed + 1``).
+
+    Raises:
+        nemo_rl.data.files.DataError: a line that does not parse, or a row without its
+            messages (naming the file, row and ``data.chat_key``).
+    """
+    data, max_len = cfg.data, cfg.policy.max_total_sequence_length
+
+    def dataset(rows: Rows, source: str) -> ChatDataset:
+        return ChatDataset(rows, tokenizer, max_len, data.chat_key, "data.chat_key", source)
+
+    if data.train_path is None:
+        syn = data.synthetic
+        return (
+            dataset(synthetic_chat_rows(syn, syn.num_train, syn.seed, data.chat_key), SYNTHETIC_ARITHMETIC),
+            dataset(synthetic_chat_rows(syn, syn.num_val, syn.seed + 1, data.chat_key), SYNTHETIC_ARITHMETIC),
+        )
+    train = dataset(load_rows(data.train_path), data.train_path)
+    val = dataset(load_rows(data.val_path), data.val_path) if data.val_path is not None else None
+    return train, val
+
+
+SFT = SupervisedAlgorithm(
+    section="sft",
+    loss_fn=NLLLoss(),
+    rows_per_sample=1,
+    needs_reference=False,
+    plot_curves=(("train", "loss"), ("validation", "loss")),
+)
+
+
+def run(cfg: SFTMasterConfig) -> int | None:
+    """``nemo-rl sft``: supervised fine-tuning on chat data (loss on assistant tokens), in the
+    shared training loop.
+
+    Returns:
+        None when the run finished; 75 when it saved and stopped early.
+    """
+    return supervised.run_command(
+        supervised.setup(cfg, SFT, lambda tok: load_chat_datasets(cfg, tok), rl_collate_fn)
+    )

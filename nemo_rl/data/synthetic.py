@@ -83,3 +83,39 @@ def default_prompt_template(answer_format: str) -> str:
     if answer_format == "boxed":
         return "{} Give the answer as \\boxed{{N}}."
     return "{} Give only the number."
+
+
+def synthetic_chat_rows(
+    cfg: SyntheticArithmeticConfig, num: int, seed: int, chat_key: str = "messages"
+) -> list[dict[str, list[dict[str, str]]]]:
+    """``num`` conversations (SFT rows): a question and its correct answer as a user and an
+    assistant message under ``chat_key``, drawn like :func:`generate_arithmetic_rows`."""
+    return [
+        {
+            chat_key: [
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["response"]},
+            ]
+        }
+        for row in generate_arithmetic_rows(num, cfg, seed, with_response=True)
+    ]
+
+
+def synthetic_preference_rows(
+    cfg: SyntheticArithmeticConfig, num: int, seed: int
+) -> list[dict[str, str]]:
+    """``num`` preference rows (DPO) ``{"prompt", "chosen", "rejected"}``: a question, its
+    correct answer and a wrong one (the value off by 1 or 2 either way), both in
+    ``cfg.answer_format``."""
+    rng = random.Random(seed)
+    rows = []
+    for row in generate_arithmetic_rows(num, cfg, seed, with_response=True):
+        wrong = int(row["answer"]) + rng.choice((-2, -1, 1, 2))
+        rows.append(
+            {
+                "prompt": row["prompt"],
+                "chosen": row["response"],
+                "rejected": format_answer(str(wrong), cfg.answer_format),
+            }
+        )
+    return rows

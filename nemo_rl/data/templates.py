@@ -116,14 +116,50 @@ def render_prompt_texts(
         ]
         texts[0] = (texts[0][0], bos + texts[0][1])
         return texts
-    full = _render(tokenizer, chat, generation_prompt=True)
+    texts = _render_by_message(tokenizer, chat, [False] * (len(chat) - 1) + [True])
+    return texts if texts is not None else [("user", _render(tokenizer, chat, True))]
+
+
+def _render_by_message(
+    tokenizer: Any, chat: ChatMessages, generation_prompts: list[bool]
+) -> list[tuple[str, str]] | None:
+    """(role, added text) per message of ``chat``: the conversation rendered one message longer
+    each time, ``chat[:i + 1]`` with the generation prompt when ``generation_prompts[i]``; None
+    when a rendering does not start with the previous one (the template does not render
+    prefixes consistently)."""
     texts, previous = [], ""
-    for end in range(1, len(chat) + 1):
-        rendered = full if end == len(chat) else _render(tokenizer, chat[:end], False)
+    for end, generation_prompt in enumerate(generation_prompts, start=1):
+        rendered = _render(tokenizer, chat[:end], generation_prompt)
         if not rendered.startswith(previous):
-            return [("user", full)]
+            return None
         texts.append((chat[end - 1]["role"], rendered[len(previous):]))
         previous = rendered
+    return texts
+
+
+def render_conversation_texts(tokenizer: Any, messages: ChatMessages) -> list[tuple[str, str]]:
+    """(role, rendered text) per message of a whole conversation (for training on it).
+
+    Each message before an assistant message also carries the template's generation prompt
+    (e.g. ``<|im_start|>assistant\\n``), so an assistant message's text is only what the model
+    writes: its content and the end-of-turn tokens.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or its template does not render the
+            conversation's prefixes consistently (assistant tokens cannot be told apart).
+    """
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            "chat data needs a tokenizer with a chat template (to mark the assistant tokens); "
+            "set policy.tokenizer.chat_template or use a chat model"
+        )
+    flags = [messages[i + 1]["role"] == "assistant" for i in range(len(messages) - 1)] + [False]
+    texts = _render_by_message(tokenizer, messages, flags)
+    if texts is None:
+        raise ValueError(
+            "the chat template does not render the conversation message by message (a prefix "
+            "renders differently inside the whole); use a template without such rewrites"
+        )
     return texts
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.loop_config import SupervisedMasterConfig
 from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import ConfigError
@@ -95,7 +96,7 @@ def recipe_shape(command: list[str]) -> RecipeShape | None:
     name, cfg = loaded
     if isinstance(cfg, GRPOMasterConfig):
         return grpo_shape(cfg)
-    if isinstance(cfg, EvalMasterConfig):  # one cluster of engines
+    if isinstance(cfg, (EvalMasterConfig, SupervisedMasterConfig)):  # one cluster
         nodes = cfg.cluster.num_nodes
         return RecipeShape(nodes, cfg.cluster.gpus_per_node, f"cluster.num_nodes={nodes}")
     raise ConfigError(f"nemo-rl launch does not know the machines of a {name!r} recipe")

@@ -26,7 +26,8 @@ def plot_training_curves(
     reward: tuple[str, str] = ("train", "reward"),
     accuracy: tuple[str, str] = ("validation", "accuracy"),
 ) -> Path:
-    """Write a PNG of the train reward and the validation accuracy against the step.
+    """Write a PNG of two metric curves against the step (by default the train reward and the
+    validation accuracy), titled by their ``prefix/name``.
 
     Args:
         metrics_path: the ``metrics.jsonl`` written by :class:`nemo_rl.utils.logger.Logger`.
@@ -52,7 +53,7 @@ def plot_training_curves(
             axes.plot(steps, values, marker=marker, markersize=3, label=label)
     axes.set_xlabel("step")
     axes.set_ylabel("value")
-    axes.set_title("GRPO training reward and validation accuracy")
+    axes.set_title(" and ".join(curves))
     axes.grid(alpha=0.3)
     axes.legend()
     output_path = Path(output_path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.sft import sft_train_data
+from nemo_rl.algorithms.supervised import sft_train_data
 from nemo_rl.data.datasets import setup_synthetic_sft_dataset
 from nemo_rl.data.llm_message_utils import rl_collate_fn
 

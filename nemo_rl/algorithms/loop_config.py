@@ -1,0 +1,220 @@
+"""Config pieces every training algorithm shares: the cluster section, the checks of the parallel
+layout, the learning-rate horizon and the checkpoint metric, and the loop and data sections of the
+supervised algorithms (SFT, DPO) with NeMo RL's key names.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field, model_validator
+
+from nemo_rl.data.config import SyntheticArithmeticConfig
+from nemo_rl.data.files import check_data_file
+from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
+from nemo_rl.models.tiny import local_model_path
+from nemo_rl.utils.checkpoint import CheckpointingConfig
+from nemo_rl.utils.config import ConfigModel
+from nemo_rl.utils.logger import LoggerConfig
+
+
+class ClusterConfig(ConfigModel):
+    """Machines of the run (``cluster``)."""
+
+    num_nodes: int = Field(default=1, ge=1, description="Machines in the Ray cluster.")
+    gpus_per_node: int = Field(
+        default=0, ge=0, description="GPUs used on each machine; 0 runs everything on CPU."
+    )
+    cpus_per_node: int = Field(
+        default=8,
+        ge=1,
+        description="Logical CPUs each machine offers Ray for scheduling actors (may exceed "
+        "the physical cores; actors take fractions of them).",
+    )
+    cpu_bundles_per_node: int = Field(
+        default=1,
+        ge=1,
+        description="CPU runs (gpus_per_node 0): worker slots per machine; each policy rank "
+        "and each generation engine takes one. Ignored when gpus_per_node > 0 (one per GPU).",
+    )
+
+    @property
+    def ranks(self) -> tuple[int, str]:
+        """(policy ranks the cluster holds, where that number comes from)."""
+        slots, name = (
+            (self.gpus_per_node, "gpus_per_node")
+            if self.gpus_per_node
+            else (self.cpu_bundles_per_node, "cpu_bundles_per_node")
+        )
+        return self.num_nodes * slots, f"cluster.num_nodes x cluster.{name} = {self.num_nodes} x {slots}"
+
+
+def check_parallel_layout(policy: PolicyConfig, cluster: ClusterConfig) -> ParallelLayout:
+    """TP x PP x CP x DP against the ranks the cluster section gives (GPUs, or CPU worker
+    slots), and against the model's heads, KV heads and layers when its config.json is here
+    without a download (a hub model not yet cached is checked when the run starts); returns
+    the layout."""
+    world, source = cluster.ranks
+    return plan_parallel_layout(
+        policy, local_model_path(policy.model_name), world, world_source=source
+    )
+
+
+def derive_lr_decay_iters(policy: PolicyConfig, optimizer_steps: int, steps_key: str) -> None:
+    """Fill ``policy.megatron_cfg.scheduler.lr_decay_iters`` (when unset) with the run's
+    ``optimizer_steps``; a 'constant' schedule whose run ends inside the warm-up gets
+    ``lr_warmup_iters + 1`` (the horizon of a constant schedule only has to exceed the
+    warm-up); a decaying one is refused, naming ``steps_key`` (the key setting the run length).
+
+    Raises:
+        ValueError: a decaying schedule whose warm-up outlasts the run.
+    """
+    scheduler = policy.megatron_cfg.scheduler
+    if scheduler.lr_decay_iters is not None:
+        return
+    run = optimizer_steps
+    if run <= scheduler.lr_warmup_iters:
+        if scheduler.lr_decay_style != "constant":
+            raise ValueError(
+                f"the run has {run} optimizer steps ({steps_key} x optimizer steps per step), "
+                f"not more than policy.megatron_cfg.scheduler.lr_warmup_iters "
+                f"({scheduler.lr_warmup_iters}), so the {scheduler.lr_decay_style!r} decay never "
+                f"starts; raise {steps_key}, lower lr_warmup_iters, or set lr_decay_iters"
+            )
+        run = scheduler.lr_warmup_iters + 1
+    scheduler.lr_decay_iters = run
+
+
+def check_checkpoint_metric(
+    ckpt: CheckpointingConfig, validates: bool, section: str, examples: tuple[str, str]
+) -> None:
+    """With ``keep_top_k``, ``checkpointing.metric_name`` must be a metric the loop records:
+    ``val_<validation metric>`` (only when the run validates) or ``train_<train metric>``.
+
+    Args:
+        validates: whether the run validates (``<section>.val_period`` or ``val_at_start``).
+        section: the algorithm's config section (``grpo``, ``sft``, ``dpo``), for the message.
+        examples: a validation and a train metric of the algorithm for the message (e.g.
+            ``("val_reward", "train_reward")``).
+
+    Raises:
+        ValueError: naming the metric and the ways out.
+    """
+    if not ckpt.enabled or ckpt.keep_top_k is None:
+        return
+    val_example, train_example = examples
+    if not ckpt.metric_name.startswith(("val_", "train_")):
+        raise ValueError(
+            f"checkpointing.metric_name={ckpt.metric_name!r} is not a metric the "
+            f"{section.upper()} loop records: checkpoints are ranked by val_<validation "
+            f"metric> (e.g. {val_example}) or train_<training metric> (e.g. {train_example}); use "
+            "one, or set checkpointing.keep_top_k=null"
+        )
+    if ckpt.metric_name.startswith("val_") and not validates:
+        raise ValueError(
+            f"checkpointing.metric_name={ckpt.metric_name!r} ranks checkpoints by a validation "
+            f"metric but validation is off ({section}.val_period=0, {section}.val_at_start="
+            f"false); rank by a train metric (e.g. {train_example}), turn validation on, or set "
+            "checkpointing.keep_top_k=null"
+        )
+
+
+class SupervisedLoopConfig(ConfigModel):
+    """Loop keys of the supervised algorithms (``sft``, ``dpo``; NeMo RL's names).
+
+    The run trains ``min(max_num_steps, max_num_epochs x batches per epoch)`` steps.
+    """
+
+    max_num_epochs: int = Field(
+        default=1, ge=1, description="Passes over the training data at most."
+    )
+    max_num_steps: int = Field(default=60, ge=1, description="Training steps at most.")
+    val_period: int = Field(
+        default=10, ge=0, description="Validate every this many steps; 0 disables."
+    )
+    val_batches: int = Field(
+        default=8,
+        ge=0,
+        description="Validation batches of val_global_batch_size per validation; 0: the whole "
+        "validation set.",
+    )
+    val_global_batch_size: int = Field(
+        default=32, ge=1, description="Samples per validation batch."
+    )
+    val_micro_batch_size: int = Field(
+        default=1, ge=1, description="Samples per validation micro-batch."
+    )
+    val_at_start: bool = Field(default=True, description="Validate once before the first step.")
+    seed: int = Field(default=42, description="Seed of the data order and initialisation.")
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all."""
+        return self.val_period > 0 or self.val_at_start
+
+
+class SupervisedDataConfig(ConfigModel):
+    """Data files of a supervised run, or the built-in synthetic arithmetic task (``data``)."""
+
+    train_path: str | None = Field(
+        default=None,
+        description="Training file (.jsonl, .json or .parquet). None: rows of the synthetic "
+        "task (data.synthetic).",
+    )
+    val_path: str | None = Field(
+        default=None,
+        description="Validation file (.jsonl, .json or .parquet). None: the synthetic task's "
+        "validation rows without train_path, else no validation.",
+    )
+    shuffle: bool = Field(default=True, description="Shuffle the training rows every epoch.")
+    synthetic: SyntheticArithmeticConfig = Field(
+        default_factory=SyntheticArithmeticConfig,
+        description="The synthetic arithmetic task, used without train_path.",
+    )
+
+    @model_validator(mode="after")
+    def _check_files(self) -> SupervisedDataConfig:
+        for name in ("train_path", "val_path"):
+            path = getattr(self, name)
+            if path is not None:
+                check_data_file(path, f"data.{name}")
+        if self.val_path is not None and self.train_path is None:
+            raise ValueError(
+                "data.val_path is set without data.train_path: the synthetic task has its own "
+                "validation rows; set train_path too, or remove val_path"
+            )
+        return self
+
+
+class SupervisedMasterConfig(ConfigModel):
+    """Sections every supervised recipe has (the policy, its machines, logging, checkpoints)
+    and the checks spanning them; a subclass adds its loop section, named by ``LOOP_SECTION``,
+    and ``data``."""
+
+    LOOP_SECTION: ClassVar[str] = ""
+
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Metric logging.")
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=CheckpointingConfig, description="Checkpointing."
+    )
+
+    @model_validator(mode="after")
+    def _check_run(self) -> SupervisedMasterConfig:
+        """The parallel layout against the cluster and the batch sizes, the validation batch
+        against DP, the checkpoint metric; then fill the learning-rate horizon."""
+        section = self.LOOP_SECTION
+        loop: SupervisedLoopConfig = getattr(self, section)
+        dp = check_parallel_layout(self.policy, self.cluster).dp
+        val = loop.val_global_batch_size
+        if loop.validates and (val % dp or (val // dp) % loop.val_micro_batch_size):
+            raise ValueError(
+                f"{section}.val_global_batch_size ({val}) must split over the {dp} data-parallel "
+                f"replicas into whole micro-batches of {section}.val_micro_batch_size "
+                f"({loop.val_micro_batch_size}); change one of them"
+            )
+        check_checkpoint_metric(self.checkpointing, loop.validates, section, ("val_loss", "train_loss"))
+        derive_lr_decay_iters(self.policy, loop.max_num_steps, f"{section}.max_num_steps")
+        return self

@@ -1,0 +1,108 @@
+"""The shared training loop on a fake policy: validation cadence, save period, the stop rule and
+exact resume (loader position, driver RNG and policy state continue where the saved run was)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_rl.algorithms import training_loop
+from nemo_rl.algorithms.sft_config import SFTMasterConfig
+from nemo_rl.algorithms.training_loop import LoopParts
+from nemo_rl.data.dataloader import StatefulPromptLoader
+from nemo_rl.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from nemo_rl.utils.logger import LoggerConfig
+from nemo_rl.utils.run_stop import RunStopped
+from nemo_rl.utils.timer import Timer
+
+
+class FakePolicy:
+    """One float of state; a checkpoint is a file holding it."""
+
+    def __init__(self) -> None:
+        self.weight = 0.0
+
+    def save_checkpoint(self, path: str) -> None:
+        Path(path).mkdir(parents=True)
+        torch.save(self.weight, Path(path) / "weight.pt")
+
+    def load_checkpoint(self, path: str) -> None:
+        self.weight = torch.load(Path(path) / "weight.pt")
+
+
+class FakeLogger:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
+        self.records.append((prefix, step, dict(metrics)))
+
+    @contextmanager
+    def step_progress(self, step: int, max_steps: int, timer: Timer) -> Iterator[None]:
+        yield
+
+
+def make_parts(tmp: Path, steps: int, save_period: int = 2) -> LoopParts:
+    ckpt = CheckpointingConfig(
+        enabled=True, checkpoint_dir=str(tmp / "ckpt"), save_period=save_period, keep_top_k=None
+    )
+    cfg = SFTMasterConfig(checkpointing=ckpt, logger=LoggerConfig(log_dir=str(tmp / "logs")))
+    loader = StatefulPromptLoader(list(range(10)), 3, seed=1, collate_fn=lambda rows: rows)
+    return LoopParts(
+        cfg=cfg, policy=FakePolicy(), train_loader=loader, logger=FakeLogger(), timer=Timer(),
+        checkpointer=CheckpointManager(ckpt), max_num_steps=steps, val_period=3, val_at_start=True,
+    )
+
+
+def run(parts: LoopParts, stop_after: int | None = None) -> dict[str, float]:
+    """Train with a step that mixes the batch and a driver random draw into the weight."""
+
+    def step_fn(batches: Iterator[list[int]]) -> dict[str, float]:
+        parts.policy.weight = parts.policy.weight * 0.5 + sum(next(batches)) + float(torch.rand(()))
+        if stop_after is not None and len(parts.logger.records) >= stop_after:
+            os.kill(os.getpid(), signal.SIGUSR1)  # a stop signal during this step
+        return {"weight": parts.policy.weight}
+
+    with training_loop.stop_guard(parts) as guard:
+        step, _ = training_loop.restore_checkpoint(parts)
+        return training_loop.train_loop(
+            parts, guard, step, step_fn, lambda: {"weight": parts.policy.weight}
+        )
+
+
+def test_validation_and_saves_follow_their_periods(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    parts = make_parts(tmp_path, steps=7)
+    final = run(parts)
+    logged = parts.logger.records
+    assert [s for p, s, _ in logged if p == "validation"] == [0, 3, 6]
+    assert [s for p, s, _ in logged if p == "train"] == list(range(1, 8))
+    saved = sorted(int(p.name.removeprefix("step_")) for p in parts.checkpointer.checkpoints())
+    assert saved == [2, 4, 6, 7]  # every save_period and the last step
+    assert final["weight"] == parts.policy.weight and final["val_weight"] == logged[-3][2]["weight"]
+
+
+def test_resumed_run_continues_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    whole = make_parts(tmp_path / "whole", steps=7)
+    run(whole)
+    expected = [m["weight"] for p, _, m in whole.logger.records if p == "train"]
+
+    torch.manual_seed(0)
+    first = make_parts(tmp_path / "split", steps=7)
+    with pytest.raises(RunStopped) as stop:
+        run(first, stop_after=5)  # a stop request during step 3: that step is saved, then exit
+    assert stop.value.step == 3 and stop.value.code == 75
+    torch.manual_seed(123)  # the resumed process starts from other RNG state
+    second = make_parts(tmp_path / "split", steps=7)
+    run(second)
+    resumed = [(s, m["weight"]) for p, s, m in second.logger.records if p == "train"]
+    assert [s for s, _ in resumed] == [4, 5, 6, 7]
+    assert [w for _, w in resumed] == expected[3:]
