@@ -73,6 +73,6 @@ def test_nemo_rl_grpo_refuses_to_resume_on_other_data_before_starting(tmp_path, 
     assert main([*args, "data.synthetic.max_operand=6"]) == 2
     # (after the one-line note on megatron-core's fallbacks, where TransformerEngine is absent)
     lines = [line for line in capsys.readouterr().err.splitlines() if "TransformerEngine" not in line]
-    assert len(lines) == 1
+    assert len(lines) == 2 and lines[1] == "(--debug shows the traceback)"
     assert lines[0].startswith("nemo-rl grpo: config error: cannot resume from ")
     assert "data.synthetic.max_operand: 4 -> 6" in lines[0]
