@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -219,10 +219,11 @@ PHASES = {"trl": run_trl, "ours": run_ours}
 def training_flops(case: Case, prompt_tokens: float, response_tokens: float) -> float:
     """Forward + backward FLOPs of one step's training pass over the 128 samples."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_megatron_worker_train import SIZES, model_flops
+    from bench_megatron_worker_train import model_flops
 
-    sizes = case.sizes or dict(SIZES, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=32, intermediate_size=256)
+    from nemo_rl.models.tiny import DEFAULT_SIZES
+
+    sizes = case.sizes or DEFAULT_SIZES  # None: the tiny-llama model, built at the defaults
     length = round(prompt_tokens + response_tokens)
     return model_flops((length,) * SAMPLES_PER_STEP, sizes)
 
@@ -279,8 +280,9 @@ def main() -> None:
     summaries = {name: [summarise(r) for r in rs] for name, rs in runs.items()}
     for name, items in summaries.items():
         for i, s in enumerate(items):
-            print(f"{name:<5} round {i}: step {s.step_s:6.2f} s  generated {s.generated_tokens_per_s:7.0f} tok/s  "
-                  f"reward {s.reward_first:.3f} -> {s.reward_last:.3f}  {asdict(s)}"[:160])
+            print(f"{name:<5} round {i}: step {s.step_s:6.2f} s  generated "
+                  f"{s.generated_tokens_per_s:7.0f} tok/s  reward {s.reward_first:.3f} -> "
+                  f"{s.reward_last:.3f}")
     ours = runs["ours"][-1]
     phases = {k: statistics.median(p[k] for p in ours["phases"][1:]) for k in ours["phases"][0]}
     print("ours, median phase s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))

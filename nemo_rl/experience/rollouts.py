@@ -235,7 +235,6 @@ def run_multi_turn_rollout(
     env_error: list[Optional[str]] = [None] * size
     generated_tokens = 0
     env_time = gen_time = 0.0
-    env_errors = 0
     turns_at_token_limit = total_turns = 0
     active = list(range(size))
 
@@ -277,7 +276,6 @@ def run_multi_turn_rollout(
         for i, row in enumerate(active):
             if errors[i] is not None and env_error[row] is None:
                 env_error[row] = errors[i]
-                env_errors += 1
 
         still_active = []
         for i, row in enumerate(active):
@@ -309,6 +307,7 @@ def run_multi_turn_rollout(
     batch["num_turns"] = num_turns
     batch["answers"] = answers
     batch["env_error"] = env_error
+    env_errors = sum(error is not None for error in env_error)
     metrics = {
         "mean_turns_per_sample": float(num_turns.float().mean()),
         "total_generated_tokens": float(generated_tokens),
