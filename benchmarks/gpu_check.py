@@ -9,11 +9,12 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
   step and ``--steps`` timed ones. MFU = model FLOPs (``model_flops`` of
   ``bench_megatron_worker_train``) / median step time / the measured bf16 matmul peak
   (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
-* ``offload``: right after those steps, in the same worker, ``offload_before_refit`` (optimizer
-  state to the host, gradient buffers freed), ``offload_after_refit`` (parameters to the host)
-  and ``prepare_for_training`` (everything back): seconds and bytes of each, GB/s against a
+* ``offload``: right after those steps, in the same worker, twice: ``offload_before_refit``
+  (optimizer state to the host, gradient buffers freed), ``offload_after_refit`` (parameters to
+  the host) and ``prepare_for_training`` (everything back): seconds and bytes of each in the
+  second cycle (the first also pins the host buffers every later refit reuses), GB/s against a
   pinned device-to-host copy of 1 GiB, device memory freed. PASS when every parameter comes
-  back bit for bit and one more training step after the restore has a finite loss.
+  back bit for bit and one more training step after the restores has a finite loss.
 * ``logprobs``: ``get_logprobs`` of the tiny Llama (fp32, TF32 off) in a CPU process
   (``CUDA_VISIBLE_DEVICES=``) and in a CUDA process on the same batch; PASS when
   max |CPU - CUDA| <= 1e-4.
@@ -199,48 +200,65 @@ def phase_train(mode: Mode, steps: int) -> list[CheckResult]:
 
 
 def offload_round_trip(worker: Any, batch: Any, mode: Mode) -> CheckResult:
-    """Offload and restore ``worker``'s state, timed; then one more training step."""
+    """Offload and restore ``worker``'s state twice, timed (the first cycle also pins the host
+    buffers that every later one reuses); then one more training step."""
     import torch
 
-    from benchmarks.memcpy_baseline import synchronize
     from nemo_rl.algorithms.loss import NLLLoss
 
     device = torch.device(mode.device)
     before = [p.detach().to("cpu", copy=True) for p in worker.policy.model.parameters()]
-    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    timings, moved = {}, {}
-    for name, call in (("optimizer_and_grads", worker.offload_before_refit),
-                       ("params", worker.offload_after_refit)):
-        start = time.perf_counter()
-        moved[name] = call()
-        synchronize(device)
-        timings[name] = time.perf_counter() - start
-    freed = allocated - (torch.cuda.memory_allocated() if device.type == "cuda" else 0)
-    start = time.perf_counter()
-    worker.prepare_for_training()
-    synchronize(device)
-    timings["restore"] = time.perf_counter() - start
+    cycles = [offload_cycle(worker, device) for _ in range(2)]
     after = [p.detach().to("cpu") for p in worker.policy.model.parameters()]
     same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
     loss = worker.train(batch, NLLLoss())["loss"][-1]
     ok = same and math.isfinite(loss)
+    first, steady = cycles
+    timings, moved = steady["seconds"], steady["bytes"]
     total = sum(moved.values())
     baseline = pinned_copy_bandwidth(device)
 
     def rate(nbytes: int, seconds: float) -> str:
         return f"{nbytes / 1e9:.2f} GB in {seconds:.3f} s ({nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)"
 
+    offload_s = timings["optimizer_and_grads"] + timings["params"]
     summary = (
-        f"offload {rate(total, timings['optimizer_and_grads'] + timings['params'])} "
+        f"offload {rate(total, offload_s)} "
         f"(optimizer+grads {rate(moved['optimizer_and_grads'], timings['optimizer_and_grads'])}, "
         f"params {rate(moved['params'], timings['params'])}), restore "
-        f"{rate(total, timings['restore'])}; device memory freed {freed / 1e9:.2f} GB; "
-        f"pinned device-to-host copy {baseline / 1e9:.1f} GB/s; parameters after the restore "
+        f"{rate(total, timings['restore'])}; first cycle (pins the host buffers) offload "
+        f"{first['seconds']['optimizer_and_grads'] + first['seconds']['params']:.3f} s; device "
+        f"memory freed {steady['freed_bytes'] / 1e9:.2f} GB; pinned device-to-host copy "
+        f"{baseline / 1e9:.1f} GB/s; parameters after the restores "
         f"{'bit-identical' if same else 'CHANGED'}, next step's loss {loss:.4f}"
     )
     return CheckResult("offload", "PASS" if ok else "FAIL", summary,
-                       dict(seconds=timings, bytes=moved, freed_bytes=freed,
-                            pinned_d2h_bytes_per_s=baseline, restored_equal=same, loss=loss))
+                       dict(seconds=timings, bytes=moved, freed_bytes=steady["freed_bytes"],
+                            first_cycle=first, pinned_d2h_bytes_per_s=baseline,
+                            restored_equal=same, loss=loss))
+
+
+def offload_cycle(worker: Any, device: Any) -> dict[str, Any]:
+    """One ``offload_before_refit`` + ``offload_after_refit`` + ``prepare_for_training``:
+    seconds and bytes of each step, device memory freed by the offloads."""
+    import torch
+
+    from benchmarks.memcpy_baseline import synchronize
+
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    seconds, moved = {}, {}
+    for name, call in (("optimizer_and_grads", worker.offload_before_refit),
+                       ("params", worker.offload_after_refit)):
+        start = time.perf_counter()
+        moved[name] = call()
+        synchronize(device)
+        seconds[name] = time.perf_counter() - start
+    freed = allocated - (torch.cuda.memory_allocated() if device.type == "cuda" else 0)
+    start = time.perf_counter()
+    worker.prepare_for_training()
+    synchronize(device)
+    seconds["restore"] = time.perf_counter() - start
+    return dict(seconds=seconds, bytes=moved, freed_bytes=freed)
 
 
 def pinned_copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:
@@ -291,17 +309,18 @@ def phase_ipc(mode: Mode) -> list[CheckResult]:
 
     require_device(mode)
     device = torch.device("cuda:0" if mode.device == "cuda" else "cpu")
-    r = measure_transport(device, **mode.ipc)
-    ratio = statistics.median(r.ratios)
+    # judged at the default (policy.refit_checksums: false); the checksummed stream beside it
+    r, summed = (measure_transport(device, **mode.ipc, checksums=c) for c in (False, True))
+    ratio, summed_ratio = statistics.median(r.ratios), statistics.median(summed.ratios)
     baseline = "device-to-device copy" if device.type == "cuda" else "memcpy"
     return [CheckResult(
         "ipc_refit", judged(True, ratio >= IPC_TARGET, mode),
         f"transfer / {baseline} {ratio:.2f} ({min(r.ratios):.2f}-{max(r.ratios):.2f}, "
         f"{target_note(mode, f'target >= {IPC_TARGET}')}); {r.nbytes / 1e9:.3f} GB in "
         f"{r.transfer_s * 1e3:.2f} ms vs {baseline} {r.baseline / 1e9:.1f} GB/s; pack "
-        f"{r.pack_s * 1e3:.2f} ms, receiver load {r.load_s * 1e3:.2f} ms; every bucket's "
-        "checksum verified",
-        asdict(r),
+        f"{r.pack_s * 1e3:.2f} ms, receiver load {r.load_s * 1e3:.2f} ms; with checksums "
+        f"(every bucket verified) {summed_ratio:.2f}, pack {summed.pack_s * 1e3:.2f} ms",
+        {**asdict(r), "checksummed": asdict(summed)},
     )]
 
 
@@ -405,11 +424,19 @@ def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
         for name in checks:
             if name not in results:
                 results[name] = CheckResult(name, "FAIL", f"the {phase} phase failed: {error}")
+            report(results[name])
         print(f"  ({phase} phase: {time.perf_counter() - started:.0f} s)", flush=True)
     if "logprobs" in only:
         results["logprobs"] = compare_logprobs(mode, env, deadline)
+        report(results["logprobs"])
     return [results.get(name) or CheckResult(name, "SKIP", "not selected (--only)")
             for name in CHECKS]
+
+
+def report(result: CheckResult) -> None:
+    """Print one check's line as soon as its phase ends (a run stopped from outside still
+    shows what finished)."""
+    print(f"[{result.status}] {result.name}: {result.summary}", flush=True)
 
 
 def main() -> None:
@@ -445,7 +472,8 @@ def main() -> None:
     started = time.perf_counter()
     results = run_checks(mode, set(args.only), args.steps)
     for r in results:
-        print(f"[{r.status}] {r.name}: {r.summary}")
+        if r.status == "SKIP":
+            report(r)
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} "
           f"skipped in {time.perf_counter() - started:.0f} s")

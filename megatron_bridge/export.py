@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
 from megatron_bridge.load import stage_mappings
+from megatron_bridge.parallel_state import collective_device
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,8 @@ def _broadcast_from_stage(
     out = []
     for i, (shape, dtype) in enumerate(meta[0]):
         buf = _as_bytes(tensors[i]) if tensors else torch.empty(
-            torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8
+            torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8,
+            device=collective_device(),
         )
         dist.broadcast(buf, group=group, group_src=owner)
         out.append(buf.view(dtype).view(shape))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.parallel_state import collective_device
+
 
 def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     """All TP ranks' vocabulary slices ``[b, s, V/tp]`` -> ``[b, s, V]`` (padded V)."""
@@ -64,8 +66,10 @@ def megatron_logits(model: torch.nn.Module, input_ids: torch.Tensor, vocab_size:
             forward_only=True,
             collect_non_loss_data=True,
         )
+        device = collective_device()
         shape = torch.tensor(
-            list(outputs[0].shape) if parallel_state.is_pipeline_last_stage() else [0, 0, 0]
+            list(outputs[0].shape) if parallel_state.is_pipeline_last_stage() else [0, 0, 0],
+            device=device,
         )
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
@@ -73,6 +77,6 @@ def megatron_logits(model: torch.nn.Module, input_ids: torch.Tensor, vocab_size:
         if parallel_state.is_pipeline_last_stage():
             logits = outputs[0].contiguous().float()
         else:
-            logits = torch.empty(*shape.tolist(), dtype=torch.float32)
+            logits = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
         dist.broadcast(logits, src=last, group=group)
     return logits[..., :vocab_size].float()

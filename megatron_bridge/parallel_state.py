@@ -114,6 +114,14 @@ def initialize_megatron_parallel(
     model_parallel_manual_seed(seed)
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for a collective on the default backend: the current CUDA
+    device under nccl, the CPU under gloo (also when no process group is up)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def destroy_megatron_parallel() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state

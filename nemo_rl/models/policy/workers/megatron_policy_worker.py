@@ -51,7 +51,7 @@ class MegatronPolicyWorker:
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
         self._packing = config.sequence_packing.enabled
-        self._host_params: dict[int, torch.Tensor] = {}
+        self._host_stash = offload.HostStash()  # pinned buffers, reused by every offload
         self._refit: RefitSender | None = None
         self._data_plane: DataPlaneClient | None = None
 
@@ -144,7 +144,7 @@ class MegatronPolicyWorker:
 
     def prepare_for_training(self) -> None:
         """Bring parameters, gradient buffers and optimizer state back to the device."""
-        offload.reload_all(self.policy, self._host_params)
+        offload.reload_all(self.policy, self._host_stash)
 
     def finish_training(self) -> None:
         """Nothing to release between training and scoring: buffers are reused in place."""
@@ -200,11 +200,11 @@ class MegatronPolicyWorker:
 
     def offload_before_refit(self) -> int:
         """Optimizer state to the CPU, gradient buffers freed; returns the bytes."""
-        return offload.offload_optimizer_and_grads(self.policy)
+        return offload.offload_optimizer_and_grads(self.policy, self._host_stash)
 
     def offload_after_refit(self) -> int:
         """Parameters to the CPU; returns the bytes."""
-        return offload.offload_params(self.policy, self._host_params)
+        return offload.offload_params(self.policy, self._host_stash)
 
     # ---------------------------------------------------------------- weight refit
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_bridge.parallel_state import collective_device
+
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.workers.megatron.forward import (
@@ -106,6 +108,7 @@ def global_valid_counts(batch: BatchedDataDict, dp_group: Any) -> tuple[Tensor, 
     counts = torch.stack(
         [sample_mask.sum(), (batch["token_mask"].double().cpu() * sample_mask[:, None]).sum()]
     )
+    counts = counts.to(collective_device())
     dist.all_reduce(counts, group=dp_group)
     return counts[0].float(), counts[1].float()
 
@@ -129,7 +132,9 @@ def _sum_over_dp(values: dict[str, float], dp_group: Any) -> dict[str, float]:
     keys = sorted(values)
     if not keys:
         return {}
-    totals = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    totals = torch.tensor(
+        [values[k] for k in keys], dtype=torch.float64, device=collective_device()
+    )
     dist.all_reduce(totals, group=dp_group)
     return dict(zip(keys, totals.tolist()))
 
@@ -161,6 +166,8 @@ def train_global_batch(
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
     mbs_data, packed = micro_batches(batch, mbs, packing_enabled)
+    device = next(policy.model.parameters()).device  # the loss meets the logits there
+    mbs_data = [mb.to(device) for mb in mbs_data]
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
