@@ -23,7 +23,7 @@ Run (GPU: the CUDA IPC path; ``--device cpu`` runs the same harness on shared me
     PYTHONPATH=. python benchmarks/bench_ipc_refit_transport.py --device cuda --layers 16
     PYTHONPATH=. python benchmarks/bench_ipc_refit_transport.py --device cpu --layers 2
 
-Not yet run on a GPU (none lent so far); docs/performance.md records each run's output.
+docs/performance.md ("GPU check") records the GPU runs.
 """
 
 from __future__ import annotations
