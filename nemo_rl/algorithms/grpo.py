@@ -90,6 +90,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.data.llm_message_utils import rl_collate_fn
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+    from nemo_rl.distributed.worker_groups import start_together
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
@@ -140,16 +141,27 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         from nemo_rl.models.policy.tq_policy import TQPolicy
 
         policy_cls, extra = TQPolicy, {"dp_cfg": cfg.data_plane}
-    policy = policy_cls(
-        train_cluster,
-        cfg.policy,
-        init_reference_model=uses_reference_policy(cfg),
-        seed=cfg.grpo.seed,
-        **extra,
-    )
-    generation = VllmGeneration(
-        clusters[-1], cfg.policy.generation, model_path, pad_token_id=pad, seed=cfg.grpo.seed
-    )
+
+    def start_policy() -> Any:
+        return policy_cls(
+            train_cluster,
+            cfg.policy,
+            init_reference_model=uses_reference_policy(cfg),
+            seed=cfg.grpo.seed,
+            **extra,
+        )
+
+    def start_generation() -> VllmGeneration:
+        return VllmGeneration(
+            clusters[-1], cfg.policy.generation, model_path, pad_token_id=pad, seed=cfg.grpo.seed
+        )
+
+    # Engines colocated on GPUs size their KV cache from the memory free when they start: the
+    # policy must be loaded by then. Otherwise both start at once.
+    if colocated and use_gpus:
+        policy, generation = start_policy(), start_generation()
+    else:
+        policy, generation = start_together(start_policy, start_generation)
     logger = Logger(cfg.logger)
     logger.log_hyperparams(cfg.model_dump())
     return GRPOComponents(

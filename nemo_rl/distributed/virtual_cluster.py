@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +111,10 @@ class RayVirtualCluster:
         self.name = name
         self._placement_groups: list[PlacementGroup] = []
         self._locations: list[BundleLocation] | None = None
-        # Worker groups currently placed on each bundle (see claim_bundles).
+        # Worker groups currently placed on each bundle (see claim_bundles); worker groups may
+        # start from several threads at once (start_worker_groups_together).
         self._groups_per_bundle = [0] * sum(counts)
+        self._claims = threading.Lock()
         self._create_placement_groups(placement_timeout_s)
 
     def _bundle(self) -> dict[str, float]:
@@ -185,21 +188,23 @@ class RayVirtualCluster:
             raise ValueError(
                 f"a worker group needs 1 to {self.world_size()} bundles of this cluster, got {count}"
             )
-        if max(self._groups_per_bundle[:count]) >= self.max_colocated_worker_groups:
-            limit = self.max_colocated_worker_groups
-            raise ValueError(
-                f"{self!r} has no room for another worker group on bundles 0..{count - 1}: "
-                f"they already hold max_colocated_worker_groups={limit} group(s). Shut one "
-                f"down first, or build the cluster with max_colocated_worker_groups={limit + 1} "
-                "(each worker then asks for that fraction of a bundle)"
-            )
-        for index in range(count):
-            self._groups_per_bundle[index] += 1
+        with self._claims:
+            if max(self._groups_per_bundle[:count]) >= self.max_colocated_worker_groups:
+                limit = self.max_colocated_worker_groups
+                raise ValueError(
+                    f"{self!r} has no room for another worker group on bundles 0..{count - 1}: "
+                    f"they already hold max_colocated_worker_groups={limit} group(s). Shut one "
+                    f"down first, or build the cluster with max_colocated_worker_groups={limit + 1} "
+                    "(each worker then asks for that fraction of a bundle)"
+                )
+            for index in range(count):
+                self._groups_per_bundle[index] += 1
 
     def release_bundles(self, count: int) -> None:
         """Undo one :meth:`claim_bundles` of ``count`` bundles (the group was shut down)."""
-        for index in range(count):
-            self._groups_per_bundle[index] = max(0, self._groups_per_bundle[index] - 1)
+        with self._claims:
+            for index in range(count):
+                self._groups_per_bundle[index] = max(0, self._groups_per_bundle[index] - 1)
 
     def worker_resources(self) -> dict[str, float]:
         """Ray resources of one worker: its share of a bundle (``num_cpus``, ``num_gpus``)."""

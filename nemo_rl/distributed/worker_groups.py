@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import ray
@@ -417,3 +418,24 @@ class RayWorkerGroup:
         self.workers = []
         self._side_results = []
         return clean
+
+
+def start_together(*factories: Callable[[], Any]) -> list[Any]:
+    """Call each factory (e.g. the constructor of a policy or of generation engines, which
+    start their worker groups and wait for them) in its own thread, so the groups' actors
+    import, build and load at the same time; their results in order.
+
+    Raises:
+        The first factory's error (in argument order); what the others built is shut down
+        first (``shutdown()``), so no actor outlives a failed start.
+    """
+    with ThreadPoolExecutor(len(factories), thread_name_prefix="start-workers") as pool:
+        futures = [pool.submit(factory) for factory in factories]
+        wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for future in futures:
+            if future.exception() is None:
+                future.result().shutdown()
+        raise errors[0]
+    return [f.result() for f in futures]

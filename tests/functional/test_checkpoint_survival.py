@@ -5,6 +5,11 @@ the previous checkpoint with the uninterrupted run's numbers; SIGTERM during a s
 step and stops with exit code 75, and the rerun continues with the uninterrupted run's numbers;
 ``checkpoint_must_save_by`` of one second saves after the first step and stops; the
 ``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind.
+
+The runs compared with the uninterrupted one start with a short SFT warm start: the KL penalty
+then anchors to the warm-started weights, so a resumed run must rebuild that reference policy
+(from the warm start's folder) or its losses differ. The uninterrupted run keeps a checkpoint
+of every step, which the truncation test starts from.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,22 +38,33 @@ from tiny_grpo import run_grpo, tiny_grpo_config, train_records
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+WARMUP = {"enabled": True, "num_steps": 3}
 
 
-def config(root: Path, model: Path, steps: int, **checkpointing: Any) -> GRPOMasterConfig:
-    """The tiny run under ``root`` (logs, checkpoints), keeping every checkpoint."""
+def config(
+    root: Path, model: Path, steps: int, *, warmup: bool = True, **checkpointing: Any
+) -> GRPOMasterConfig:
+    """The tiny run under ``root`` (logs, checkpoints), keeping every checkpoint, after the SFT
+    warm start unless ``warmup`` is False."""
     ckpt = {"enabled": True, "keep_top_k": None, "checkpoint_dir": str(root / "ckpt")}
     return tiny_grpo_config(
-        root / "logs", model, grpo={"max_num_steps": steps}, checkpointing={**ckpt, **checkpointing}
+        root / "logs", model, grpo={"max_num_steps": steps},
+        checkpointing={**ckpt, **checkpointing}, **({"sft_warmup": WARMUP} if warmup else {}),
     )
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_llama_path) -> dict[int, dict[str, float]]:
-    """Train metrics by step of a run of STEPS steps that nothing interrupts."""
+def uninterrupted_root(tmp_path_factory, tiny_llama_path) -> Path:
+    """A warm-started run of STEPS steps that nothing interrupts, saving every step."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    run_grpo(tiny_grpo_config(root / "logs", tiny_llama_path, grpo={"max_num_steps": STEPS}))
-    return train_records(root / "logs")
+    run_grpo(config(root, tiny_llama_path, STEPS, save_period=1))
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_root) -> dict[int, dict[str, float]]:
+    """Train metrics by step of the uninterrupted run."""
+    return train_records(uninterrupted_root / "logs")
 
 
 def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
@@ -59,9 +76,12 @@ def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
 
 
 def test_truncated_newest_checkpoint_resumes_from_previous(
-    tmp_path, tiny_llama_path, uninterrupted, caplog
+    tmp_path, tiny_llama_path, uninterrupted_root, uninterrupted, caplog
 ):
-    run_grpo(config(tmp_path, tiny_llama_path, 2, save_period=1))
+    # the uninterrupted run's checkpoints as a run stopped after step 2 would have left them
+    shutil.copytree(
+        uninterrupted_root / "ckpt", tmp_path / "ckpt", ignore=shutil.ignore_patterns("step_3")
+    )
     newest = tmp_path / "ckpt" / "step_2"
     shard = max((newest / "policy").glob("__0_*.distcp"), key=lambda p: p.stat().st_size)
     data = shard.read_bytes()
@@ -74,8 +94,10 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
         warning
     )
     assert (tmp_path / "ckpt" / "damaged_step_2").is_dir()
-    # the rerun logged step 2 again (its first run's record comes first) and step 3
-    assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(2, STEPS + 1))
+    # the rerun resumed from step 1: it logged steps 2 and 3 only
+    resumed = train_records(tmp_path / "logs")
+    assert sorted(resumed) == [2, 3]
+    assert_same_steps(resumed, uninterrupted, range(2, STEPS + 1))
 
 
 def test_sigterm_saves_the_finished_step_and_rerun_continues(
@@ -101,7 +123,8 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     assert stopped.value.reason == "received SIGTERM"
     k = stopped.value.step
     assert 1 <= k < STEPS  # the step under way when the signal came (or the one before it)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step_{k}"]
+    # the stop's own checkpoint, and the warm start's weights (the reference policy)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["sft_warmup", f"step_{k}"]
 
     run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=10))
     assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(k + 1, STEPS + 1))
@@ -110,7 +133,7 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
 def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path):
     with pytest.raises(RunStopped) as stopped:
         run_grpo(
-            config(tmp_path, tiny_llama_path, STEPS, save_period=10,
+            config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,
                    checkpoint_must_save_by="00:00:00:01")
         )
     assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
@@ -122,7 +145,9 @@ def test_sigterm_to_the_driver_process_exits_75_and_leaves_no_process(tmp_path, 
     # the real `nemo-rl grpo` driver: its exit code, and every process it started (the local
     # Ray cluster, the actors' workers) gone once it exits
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(config_to_yaml(config(tmp_path, tiny_llama_path, 50, save_period=10)))
+    recipe.write_text(
+        config_to_yaml(config(tmp_path, tiny_llama_path, 50, warmup=False, save_period=10))
+    )
     metrics, log = tmp_path / "logs" / "metrics.jsonl", tmp_path / "driver.log"
     with open(log, "w") as out:
         driver = subprocess.Popen(

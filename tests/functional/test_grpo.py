@@ -3,8 +3,8 @@
 Tiny Llama on the synthetic arithmetic task, 4 prompts x 2 generations per step. Checks: the
 loop runs (colocated, after a short SFT warm start that lowers the NLL) with finite metrics;
 the first step is on-policy (the
-importance ratio is 1 and vLLM's logprobs agree with the policy's: token_mult_prob_error ~ 1);
-a run stopped after a checkpoint and resumed gives the uninterrupted run's later steps.
+importance ratio is 1 and vLLM's logprobs agree with the policy's: token_mult_prob_error ~ 1).
+Resume (also after a warm start) is tested in test_checkpoint_survival.py.
 """
 
 from __future__ import annotations
@@ -57,24 +57,3 @@ def test_grpo_runs_and_first_step_is_on_policy(tmp_path, tiny_llama_path, coloca
         name for r in read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl") for name in r["metrics"]
     }
     assert not {name for name in logged if f"`{name}`" not in glossary}
-
-
-def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_llama_path):
-    # After an SFT warm start the KL penalty anchors to the warm-started weights: the resumed
-    # run must rebuild that reference policy, or its losses differ.
-    ckpt = {"checkpointing": {"enabled": True, "save_period": 1, "keep_top_k": None}}
-    warmup = {"enabled": True, "num_steps": 3}
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    run_grpo(config(whole, tiny_llama_path, colocated=True, steps=3, sft_warmup=warmup))
-    part_cfg = lambda steps: config(  # noqa: E731
-        part, tiny_llama_path, colocated=True, steps=steps, sft_warmup=warmup,
-        checkpointing={**ckpt["checkpointing"], "checkpoint_dir": str(part / "ckpt")},
-    )
-    run_grpo(part_cfg(1))
-    run_grpo(part_cfg(3))  # resumes from step 1
-    expected, resumed = train_records(whole / "logs"), train_records(part / "logs")
-    for step in (2, 3):
-        for name in ("loss", "grad_norm", "reward"):
-            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
-                step, name
-            )

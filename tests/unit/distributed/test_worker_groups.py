@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import LOOPBACK, ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env, start_together
 
 pytestmark = pytest.mark.slow
 
@@ -325,3 +325,42 @@ def test_shutdown_returns_once_its_actors_are_dead(cluster: RayVirtualCluster) -
         for worker in workers:
             with pytest.raises(ray.exceptions.ActorDiedError):
                 ray.get(worker.last_seen.remote(), timeout=30)
+
+
+class BrokenWorker(EchoWorker):
+    """Fails while starting (a model that does not load, say)."""
+
+    def __init__(self, tag: str) -> None:
+        raise RuntimeError(f"{tag} cannot start")
+
+
+def test_groups_started_together_come_up_and_a_failed_start_takes_no_actor_with_it(
+    ray_env: None,
+) -> None:
+    together = RayVirtualCluster(
+        [1], use_gpus=False, num_cpus_per_bundle=0.5, max_colocated_worker_groups=2, name="both"
+    )
+    try:
+        def group(cls: type, tag: str) -> Callable[[], RayWorkerGroup]:
+            return lambda: RayWorkerGroup(together, ray.remote(cls), {"dp": 1}, {"tag": tag})
+
+        groups = start_together(group(EchoWorker, "a"), group(EchoWorker, "b"))
+        assert [ray.get(g.workers[0].env.remote(["RANK"])) for g in groups] == [{"RANK": "0"}] * 2
+        assert [ray.get(g.workers[0].echo.remote("x"))[2] for g in groups] == ["x", "x"]
+        for g in groups:
+            g.shutdown()
+
+        survivor: list[RayWorkerGroup] = []
+
+        def kept(make: Callable[[], RayWorkerGroup]) -> Callable[[], RayWorkerGroup]:
+            return lambda: survivor.append(make()) or survivor[-1]
+
+        with pytest.raises(ray.exceptions.RayActorError, match="broken cannot start"):
+            start_together(kept(group(EchoWorker, "ok")), group(BrokenWorker, "broken"))
+        (started,) = survivor
+        assert started.workers == []  # shut down by start_together
+        # neither group still holds the bundle: two groups fit on it again
+        together.claim_bundles(1)
+        together.claim_bundles(1)
+    finally:
+        together.shutdown()
