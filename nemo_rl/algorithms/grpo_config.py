@@ -352,6 +352,14 @@ class GRPOMasterConfig(ConfigModel):
                 f"be a multiple of policy.train_global_batch_size "
                 f"({self.policy.train_global_batch_size})"
             )
+        if self.loss_fn.force_on_policy_ratio and samples != self.policy.train_global_batch_size:
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio needs exactly one optimizer step per rollout "
+                f"(the step then skips the logprob pass: the weights that generated are the "
+                f"ones trained): set policy.train_global_batch_size to grpo.num_prompts_per_step"
+                f" * grpo.num_generations_per_prompt ({samples}), got "
+                f"{self.policy.train_global_batch_size}"
+            )
         if self.data.max_input_seq_length is None:
             self.data.max_input_seq_length = self.policy.max_total_sequence_length
         elif self.data.max_input_seq_length > self.policy.max_total_sequence_length:

@@ -12,7 +12,9 @@
 2. **advantages**: per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`);
    with overlong filtering, responses cut by a token limit leave the loss.
 3. **logprobs**: the policy's before the update (``prev_logprobs``) and, with a KL penalty, the
-   reference policy's.
+   reference policy's. With ``loss_fn.force_on_policy_ratio`` (one optimizer step per
+   rollout: the weights that generated are the ones trained) the loss takes the ratio from
+   the training forward itself and the policy's pass is skipped.
 4. **train**: ``policy.train`` with the run's loss.
 5. **refit**: the engines are marked stale; they take the new weights before their next
    generation (a step's rollout, or a validation).
@@ -72,8 +74,9 @@ def grpo_step(
 
         # logprobs: the policy's before the update, the reference policy's for the KL penalty
         policy.prepare_for_training()
-        with timer.time("policy_logprobs"):
-            batch = store.logprobs(batch)
+        if not cfg.loss_fn.force_on_policy_ratio:
+            with timer.time("policy_logprobs"):
+                batch = store.logprobs(batch)
         if uses_reference_policy(cfg):
             with timer.time("reference_logprobs"):
                 batch = store.logprobs(batch, reference=True)

@@ -187,3 +187,15 @@ def test_mixture_task_names_are_checked_at_config_time() -> None:
     message = refusal("sft_warmup.enabled=false", mixture, "env.number_guess={}")
     assert "data.train_datasets[0].task_name='number_gues' names no environment: did you " \
            "mean 'number_guess'?" in message
+
+
+def test_on_policy_ratio_needs_one_optimizer_step_per_rollout() -> None:
+    cfg = load()
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    assert load("loss_fn.force_on_policy_ratio=true").loss_fn.force_on_policy_ratio
+    message = refusal(
+        "loss_fn.force_on_policy_ratio=true", f"policy.train_global_batch_size={samples // 2}"
+    )
+    assert "loss_fn.force_on_policy_ratio needs exactly one optimizer step per rollout" in message
+    assert "set policy.train_global_batch_size to grpo.num_prompts_per_step" in message
+    assert f"({samples}), got {samples // 2}" in message
