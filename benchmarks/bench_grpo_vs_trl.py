@@ -17,10 +17,13 @@ Cases (``--case``):
 * ``tiny``: the tiny recipe's model (2 layers, hidden 128), 16 new tokens;
 * ``40m``: the worker benchmark's 37 M Llama (hidden 640, 8 layers), 64 new tokens.
 
-Each framework runs in its own process, the two one after the other, ``--rounds`` times
-alternating; a step's time is its wall-clock time (TRL: ``on_step_begin`` to ``on_step_end``;
+Ours runs twice: by default (a separate logprob pass before training, which the loss's
+vLLM-vs-trainer correction reads) and with ``loss_fn.force_on_policy_ratio`` (no pass: the
+ratio comes from the training forward, as TRL does with one optimizer step per generation
+round). Each run is its own process, one after the other, ``--rounds`` times in alternating
+order; a step's time is its wall-clock time (TRL: ``on_step_begin`` to ``on_step_end``;
 ours: the ``total_step_time`` the loop logs), the first step (start-up, warm-up) left out, the
-median of the rest reported. Printed per case: both step times and their ratio, our phase
+median of the rest reported. Printed per case: the step times and our ratios to TRL, our phase
 breakdown, generated tokens per second, and the machine's limit for the step: its training
 FLOPs (forward + backward over prompt + response tokens of the 128 samples) at the measured
 fp32 matmul peak, plus our generation time.
@@ -34,6 +37,7 @@ Run (tiny: about 5 minutes on 2 cores; 40m: about an hour):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -162,8 +166,12 @@ def run_trl(case: Case, path: str, steps: int, kl: bool, workdir: Path) -> dict[
 # ------------------------------------------------------------------------------ ours
 
 
-def run_ours(case: Case, path: str, steps: int, kl: bool, workdir: Path) -> dict[str, Any]:
-    """``nemo-rl grpo`` for ``steps`` steps (its own Ray); step times, phases and rewards."""
+def run_ours(
+    case: Case, path: str, steps: int, kl: bool, workdir: Path, on_policy: bool = False
+) -> dict[str, Any]:
+    """``nemo-rl grpo`` for ``steps`` steps (its own Ray); step times, phases and rewards.
+    ``on_policy``: ``loss_fn.force_on_policy_ratio`` (no separate logprob pass, as TRL with one
+    optimizer step per generation round)."""
     from nemo_rl.utils.logger import read_metrics_jsonl
 
     data = workdir / "prompts.jsonl"
@@ -191,6 +199,7 @@ def run_ours(case: Case, path: str, steps: int, kl: bool, workdir: Path) -> dict
         f"loss_fn.reference_policy_kl_penalty={KL_COEF if kl else 0.0}",
         f"loss_fn.ratio_clip_min={CLIP_EPS}", f"loss_fn.ratio_clip_max={CLIP_EPS}",
         f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
+        f"loss_fn.force_on_policy_ratio={str(on_policy).lower()}",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
     subprocess.run(
@@ -210,7 +219,9 @@ def run_ours(case: Case, path: str, steps: int, kl: bool, workdir: Path) -> dict
     }
 
 
-PHASES = {"trl": run_trl, "ours": run_ours}
+PHASES = {
+    "trl": run_trl, "ours": run_ours, "ours_on_policy": functools.partial(run_ours, on_policy=True)
+}
 
 
 # ------------------------------------------------------------------------------ report
@@ -265,10 +276,10 @@ def main() -> None:
 
     path = model_path(case)  # built once, before the timed runs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    runs: dict[str, list[dict[str, Any]]] = {"trl": [], "ours": []}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            for name in (("trl", "ours") if i % 2 == 0 else ("ours", "trl")):
+            for name in (list(PHASES) if i % 2 == 0 else list(PHASES)[::-1]):
                 out = Path(tmp) / f"{name}{i}.json"
                 command = [sys.executable, __file__, "--phase", name, "--case", args.case,
                            "--steps", str(args.steps), "--out", str(out)] + (["--kl"] * args.kl)
@@ -294,10 +305,12 @@ def main() -> None:
         [{"role": "user", "content": prompt_texts(1)[0]}], add_generation_prompt=True, tokenize=True
     ))
     limit = training_flops(case, prompt, gen_tokens) / peak + phases["generation"]
-    ours_s = statistics.median(s.step_s for s in summaries["ours"])
     trl_s = statistics.median(s.step_s for s in summaries["trl"])
     print(f"limit (training FLOPs at peak + our generation): {limit:.2f} s")
-    print(f"ours / TRL step time: {ours_s / trl_s:.2f}  (ours {ours_s:.2f} s, TRL {trl_s:.2f} s)")
+    for name in ("ours", "ours_on_policy"):
+        ours_s = statistics.median(s.step_s for s in summaries[name])
+        print(f"{name} / TRL step time: {ours_s / trl_s:.2f}  ({name} {ours_s:.2f} s, TRL "
+              f"{trl_s:.2f} s)")
     learned = all(s.reward_last > s.reward_first for items in summaries.values() for s in items)
     print(f"both learned (last third of steps above the first): {learned}")
 
