@@ -65,8 +65,18 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         "run",
         check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
     ),
-    "sft": RecipeCommand(SFTMasterConfig, "nemo_rl.algorithms.sft", "run"),
-    "dpo": RecipeCommand(DPOMasterConfig, "nemo_rl.algorithms.dpo", "run"),
+    "sft": RecipeCommand(
+        SFTMasterConfig,
+        "nemo_rl.algorithms.sft",
+        "run",
+        check_inputs="nemo_rl.algorithms.sft:check_run_inputs",
+    ),
+    "dpo": RecipeCommand(
+        DPOMasterConfig,
+        "nemo_rl.algorithms.dpo",
+        "run",
+        check_inputs="nemo_rl.algorithms.dpo:check_run_inputs",
+    ),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }
 

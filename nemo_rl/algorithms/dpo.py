@@ -60,6 +60,11 @@ def dpo_algorithm(cfg: DPOMasterConfig) -> SupervisedAlgorithm:
     )
 
 
+def check_run_inputs(cfg: DPOMasterConfig) -> None:
+    """``nemo-rl launch slurm``'s checks of the run's data (:func:`supervised.check_inputs`)."""
+    supervised.check_inputs(cfg, lambda tok: load_preference_datasets(cfg, tok))
+
+
 def run(cfg: DPOMasterConfig) -> int | None:
     """``nemo-rl dpo``: DPO on preference pairs against the frozen initial policy.
 

@@ -165,6 +165,11 @@ SFT = SupervisedAlgorithm(
 )
 
 
+def check_run_inputs(cfg: SFTMasterConfig) -> None:
+    """``nemo-rl launch slurm``'s checks of the run's data (:func:`supervised.check_inputs`)."""
+    supervised.check_inputs(cfg, lambda tok: load_chat_datasets(cfg, tok))
+
+
 def run(cfg: SFTMasterConfig) -> int | None:
     """``nemo-rl sft``: supervised fine-tuning on chat data (loss on assistant tokens), in the
     shared training loop.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from nemo_rl.algorithms import training_loop
@@ -101,6 +102,48 @@ def validation_batches(
     ]
 
 
+def load_tokenizer(cfg: SupervisedMasterConfig) -> tuple[Any, int]:
+    """The tokenizer of ``policy.model_name`` (with ``policy.tokenizer.chat_template`` when set)
+    and its pad token id (else EOS).
+
+    Raises:
+        ModelNotFoundError: ``policy.model_name`` names no model here or on the hub.
+    """
+    from transformers import AutoTokenizer
+
+    from nemo_rl.models.tiny import resolve_model_path
+
+    model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.policy.tokenizer.chat_template is not None:
+        tokenizer.chat_template = cfg.policy.tokenizer.chat_template
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad
+
+
+def check_inputs(
+    cfg: SupervisedMasterConfig,
+    load_datasets: Callable[[Any], tuple[Sequence[Any], Sequence[Any] | None]],
+) -> None:
+    """The reads of :func:`setup` before Ray starts, for ``nemo-rl launch slurm``: the
+    tokenizer and every row when the model is here (a local folder, a tiny model, a cached hub
+    snapshot); otherwise the local data files are parsed (their rows are checked on the cluster,
+    with the tokenizer).
+
+    Raises:
+        DataError: a line that does not parse, a row without a field the algorithm reads.
+    """
+    from nemo_rl.data.files import read_data_file
+    from nemo_rl.models.tiny import local_model_path
+
+    if local_model_path(cfg.policy.model_name) is not None:
+        load_datasets(load_tokenizer(cfg)[0])
+        return
+    for source in (cfg.data.train_path, cfg.data.val_path):
+        if source is not None and Path(source).is_file():
+            read_data_file(Path(source))
+
+
 def setup(
     cfg: SupervisedMasterConfig,
     algorithm: SupervisedAlgorithm,
@@ -117,23 +160,16 @@ def setup(
         ConfigError: before Ray starts, when the latest checkpoint was trained on another model
             or data than ``cfg`` names.
     """
-    from transformers import AutoTokenizer
-
     from nemo_rl.data.dataloader import StatefulPromptLoader
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.models.policy.lm_policy import Policy
-    from nemo_rl.models.tiny import resolve_model_path
     from nemo_rl.utils.logger import Logger
     from nemo_rl.utils.timer import Timer
 
     loop: SupervisedLoopConfig = getattr(cfg, algorithm.section)
     checkpointer = training_loop.open_checkpointer(cfg)
-    model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.policy.tokenizer.chat_template is not None:
-        tokenizer.chat_template = cfg.policy.tokenizer.chat_template
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokenizer, pad = load_tokenizer(cfg)
     train_set, val_set = load_datasets(tokenizer)
     gbs = cfg.policy.train_global_batch_size
     loader = StatefulPromptLoader(

@@ -133,3 +133,28 @@ def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[s
     assert code == 0 and "NRL_ATTACH=1\n" in out and "\nset --\n" in out
     code, _, err = launch(["local"], capsys)
     assert (code, err.strip()) == (2, "nemo-rl launch local: give the command to run after '--'")
+
+
+@pytest.mark.parametrize(
+    ("command", "row", "needle"),
+    [
+        ("sft", '{"conversation": []}', "row 0 has no field 'messages'"),
+        ("dpo", '{"prompt": "What is 1 + 1?", "chosen": "2"}', "row 0: no field 'rejected'"),
+    ],
+)
+def test_dry_run_reads_sft_and_dpo_data_before_queueing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, row: str, needle: str
+) -> None:
+    recipe = str(REPO / f"configs/{command}_tiny_cpu.yaml")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"x": 1}\n{"x": 2,\n')
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(row + "\n")
+    for path, expected in ((broken, f"{broken}:2: not valid JSON"), (missing, needle)):
+        code, out, err = launch(
+            ["slurm", "--dry-run", "--", "nemo-rl", command, "--config", recipe,
+             f"data.train_path={path}"],
+            capsys,
+        )
+        assert code == 2 and out == "" and expected in err, err
+        assert "Traceback" not in err
