@@ -85,7 +85,9 @@ def _variants() -> dict:
     }
 
 
-def _save(config, out_dir: Path, tokenizer_src: Path, router_scale: float = 1.0) -> Path:
+def _save(
+    config, out_dir: Path, tokenizer_src: Path | None, router_scale: float = 1.0
+) -> Path:
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
@@ -97,6 +99,8 @@ def _save(config, out_dir: Path, tokenizer_src: Path, router_scale: float = 1.0)
             if name.endswith(".gate.weight"):  # MoE routers
                 param.mul_(router_scale)
     model.save_pretrained(out_dir)
+    if tokenizer_src is None:
+        return out_dir
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).is_file():
             shutil.copy2(tokenizer_src / name, out_dir / name)
@@ -158,14 +162,14 @@ def _moe_variants() -> dict:
 
 def build_moe_checkpoints(root: Path) -> dict[str, Path]:
     """name -> HF checkpoint folder of each mixture-of-experts model of :func:`_moe_variants`
-    (built once per ``root``), router weights scaled by :data:`ROUTER_SCALE`."""
-    llama = build_tiny_model("llama", cache_dir=root / "tiny")
+    (built once per ``root``), router weights scaled by :data:`ROUTER_SCALE`; no tokenizer
+    (the tiny models' tokenizer has more ids than these vocabularies)."""
     paths = {}
     for name, config in _moe_variants().items():
         out = root / name
         if not (out / "config.json").is_file():
             out.mkdir(parents=True, exist_ok=True)
-            _save(config, out, llama, router_scale=ROUTER_SCALE)
+            _save(config, out, None, router_scale=ROUTER_SCALE)
         paths[name] = out
     return paths
 
