@@ -14,9 +14,10 @@ cache (``HF_HOME``), downloaded on first use (config, tokenizer and safetensors 
 without building a model or starting process groups (the dist checkpoint is laid out as a
 ``--tp`` x ``--pp`` model would save it; it loads at any layout; dense models only). ``verify``
 builds the model on ``tp * pp * ep`` ranks it spawns itself (``--ep``: expert parallelism of a
-mixture-of-experts model, over ``ep`` data-parallel ranks) (gloo on CPU, nccl with one GPU per rank; a single rank runs
-in the command's own process). Every argument is checked before any work starts; the output is
-written to a temporary sibling folder and renamed into place only on success.
+mixture-of-experts model, over ``ep`` data-parallel ranks; gloo on CPU, nccl with one GPU per
+rank; a single rank runs in the command's own process). Every argument is checked before any
+work starts; the output is written to a temporary sibling folder and renamed into place only
+on success.
 """
 
 from __future__ import annotations
@@ -416,7 +417,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             "experts_per_token": int(bridge.resolved["num_experts_per_tok"]),
             "expert_ffn": bridge.moe_ffn,
             "sparse_layers": [i for i, s in enumerate(bridge.features.sparse_layers) if s],
-            "valid_ep": [e for e in range(1, bridge.num_experts + 1) if bridge.num_experts % e == 0],
+            "valid_ep": [e for e in range(1, bridge.num_experts + 1)
+                         if bridge.num_experts % e == 0],
         })
     if kind == "hf":
         try:

@@ -1,10 +1,11 @@
 """What a model family is (rename tables + fusions) and the conversion plan built from it.
 
 A :class:`Family` is declarative: which HF tensors map 1:1 onto which Megatron tensors, which
-HF tensors are fused into one Megatron tensor, the names of its mixture-of-experts block when it
-has one (:class:`SparseMlp`), and which config fields it implements (with the :class:`Features`
-they select: biases, QK-norm, sliding windows, which layers are sparse). :meth:`Family.plan` expands
-it, for a given number of layers and features, into :class:`ParamMapping` s; each mapping knows how to build one
+HF tensors are fused into one Megatron tensor, the names of its mixture-of-experts block when
+it has one (:class:`SparseMlp`), and which config fields it implements (with the
+:class:`Features` they select: biases, QK-norm, sliding windows, which layers are sparse).
+:meth:`Family.plan` expands it, for a given number of layers, features and experts, into
+:class:`ParamMapping` s; each mapping knows how to build one
 tensor-parallel rank's Megatron tensor from HF tensors (:meth:`ParamMapping.shard`) and how
 to turn all ranks' tensors back into HF tensors (:meth:`ParamMapping.unshard`).
 """

@@ -38,7 +38,10 @@ def _worker(rank: int, paths: dict, port: int, out_dir: str) -> None:
         megatron_logits,
         save_megatron_checkpoint,
     )
-    from megatron_bridge.parallel_state import destroy_megatron_parallel, initialize_megatron_parallel
+    from megatron_bridge.parallel_state import (
+        destroy_megatron_parallel,
+        initialize_megatron_parallel,
+    )
 
     results: dict = {}
     for tp, pp, ep in LAYOUTS:
@@ -173,7 +176,8 @@ def test_router_matches_each_familys_top_k_normalisation():
     "bridge_fields, tp, ep, message",
     [
         ({}, 1, 3, "num_local_experts (4) must be divisible by expert_model_parallel_size (ep=3)"),
-        ({"moe_intermediate_size": 7}, 2, 1, "moe_intermediate_size (7) must be divisible by tp (2)"),
+        ({"moe_intermediate_size": 7}, 2, 1,
+         "moe_intermediate_size (7) must be divisible by tp (2)"),
         ({}, 1, 0, "tp, pp and ep must be >= 1"),
     ],
 )
