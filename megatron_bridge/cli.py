@@ -2,7 +2,7 @@
 
     megatron-bridge convert --from hf --to megatron --tp 2 --pp 1 SRC DST
     megatron-bridge convert --from megatron --to hf --dtype bfloat16 SRC DST
-    megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1
+    megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1 [--ep 2]
     megatron-bridge info PATH
 
 An HF checkpoint may be given as a local folder or as a Hugging Face Hub name
@@ -12,10 +12,12 @@ cache (``HF_HOME``), downloaded on first use (config, tokenizer and safetensors 
 
 ``convert`` streams tensors from one format into the other in the command's own process,
 without building a model or starting process groups (the dist checkpoint is laid out as a
-``--tp`` x ``--pp`` model would save it; it loads at any layout). ``verify`` builds the model on
-``tp * pp`` ranks it spawns itself (gloo on CPU, nccl with one GPU per rank; a single rank runs
-in the command's own process). Every argument is checked before any work starts; the output is
-written to a temporary sibling folder and renamed into place only on success.
+``--tp`` x ``--pp`` model would save it; it loads at any layout; dense models only). ``verify``
+builds the model on ``tp * pp * ep`` ranks it spawns itself (``--ep``: expert parallelism of a
+mixture-of-experts model, over ``ep`` data-parallel ranks; gloo on CPU, nccl with one GPU per
+rank; a single rank runs in the command's own process). Every argument is checked before any
+work starts; the output is written to a temporary sibling folder and renamed into place only
+on success.
 """
 
 from __future__ import annotations
@@ -118,11 +120,11 @@ def _check_source(path: Path, kind: str) -> BridgeConfig:
     return bridge
 
 
-def _check_parallel(bridge: BridgeConfig, tp: int, pp: int) -> None:
+def _check_parallel(bridge: BridgeConfig, tp: int, pp: int, ep: int = 1) -> None:
     try:
-        bridge.validate_parallelism(tp, pp)
+        bridge.validate_parallelism(tp, pp, ep)
     except ValueError as err:
-        raise CliError(f"--tp {tp} --pp {pp}: {err}") from err
+        raise CliError(f"--tp {tp} --pp {pp}{f' --ep {ep}' if ep > 1 else ''}: {err}") from err
 
 
 def _prepare_output(dst: Path, overwrite: bool) -> Path:
@@ -213,7 +215,9 @@ def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None
     from megatron_bridge.load import load_hf_into_megatron
     from megatron_bridge.parallel_state import destroy_megatron_parallel, initialize_megatron_parallel
 
-    initialize_megatron_parallel(rank, world, tp=opts["tp"], pp=opts["pp"], master_port=port)
+    initialize_megatron_parallel(
+        rank, world, tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], master_port=port
+    )
     try:
         if opts["megatron"]:
             model, bridge = load_megatron_checkpoint(opts["megatron"])
@@ -340,7 +344,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if mg_bridge.hf_config.get("architectures") != bridge.hf_config.get("architectures"):
             raise CliError(f"{args.megatron} and {hf_dir} hold different architectures")
         bridge = mg_bridge
-    _check_parallel(bridge, args.tp, args.pp)
+    _check_parallel(bridge, args.tp, args.pp, args.ep)
     if args.megatron and args.dtype:
         saved = read_bridge_metadata(args.megatron)["dtype"]
         try:
@@ -356,8 +360,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.pt"
         opts = {"hf": str(hf_dir), "megatron": args.megatron, "tp": args.tp, "pp": args.pp,
-                "ids": [ids for _, ids in inputs], "out": str(out)}
-        _run_ranks(_logits_rank, args.tp * args.pp, opts)
+                "ep": args.ep, "ids": [ids for _, ids in inputs], "out": str(out)}
+        _run_ranks(_logits_rank, args.tp * args.pp * args.ep, opts)
         megatron = torch.load(out)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     worst = 0.0
@@ -402,10 +406,20 @@ def cmd_info(args: argparse.Namespace) -> int:
         "head_dim": bridge.head_dim,
         "vocab_size": bridge.vocab_size,
         "tied_embeddings": bridge.tie_word_embeddings,
-        "features": {k: v for k, v in dataclasses.asdict(bridge.features).items() if v},
+        "features": {k: v for k, v in dataclasses.asdict(bridge.features).items()
+                     if v and k != "sparse_layers"},
         "valid_tp": [t for t in range(1, bridge.num_kv_heads + 1) if _fits(bridge, t, 1)],
         "valid_pp": [p for p in range(1, bridge.num_layers + 1) if bridge.num_layers % p == 0],
     }
+    if bridge.is_moe:
+        info.update({
+            "experts": bridge.num_experts,
+            "experts_per_token": int(bridge.resolved["num_experts_per_tok"]),
+            "expert_ffn": bridge.moe_ffn,
+            "sparse_layers": [i for i, s in enumerate(bridge.features.sparse_layers) if s],
+            "valid_ep": [e for e in range(1, bridge.num_experts + 1)
+                         if bridge.num_experts % e == 0],
+        })
     if kind == "hf":
         try:
             summary = _hf_summary(path)
@@ -471,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Megatron checkpoint; default: load the HF folder through the bridge")
     verify.add_argument("--tp", type=int, default=1)
     verify.add_argument("--pp", type=int, default=1)
+    verify.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (expert_model_parallel_size) of a "
+                             "mixture-of-experts model; spawns tp*pp*ep ranks")
     verify.add_argument("--prompt", action="append",
                         help="prompt to compare on instead of the default ones (repeatable; "
                              "needs the checkpoint's tokenizer)")

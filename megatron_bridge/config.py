@@ -149,6 +149,24 @@ class BridgeConfig:
         return int(self.resolved["vocab_size"])
 
     @property
+    def num_experts(self) -> int:
+        """Experts per sparse layer; 0 for a dense model."""
+        if self.family.sparse_mlp is None:
+            return 0
+        return int(self._get("num_local_experts") or self._get("num_experts") or 0)
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some decoder layer has experts instead of a dense MLP."""
+        return any(self.features.sparse_layers)
+
+    @property
+    def moe_ffn(self) -> int:
+        """An expert's intermediate size; 0 for a dense model."""
+        sparse = self.family.sparse_mlp
+        return int(self.resolved[sparse.ffn_field]) if sparse and self.is_moe else 0
+
+    @property
     def tie_word_embeddings(self) -> bool:
         return bool(self._get("tie_word_embeddings", False))
 
@@ -183,21 +201,27 @@ class BridgeConfig:
             ffn=int(self.resolved["intermediate_size"]),
             vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab(tp),
+            moe_ffn=self.moe_ffn,
+            num_experts=self.num_experts,
         )
 
     def plan(self) -> list[ParamMapping]:
-        return self.family.plan(self.num_layers, self.tie_word_embeddings, self.features)
+        return self.family.plan(
+            self.num_layers, self.tie_word_embeddings, self.features, self.num_experts
+        )
 
     # ---- validation ----------------------------------------------------------------------
 
-    def validate_parallelism(self, tp: int, pp: int) -> None:
-        """Check that TP and PP fit this model, before anything is built.
+    def validate_parallelism(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Check that TP, PP and expert parallelism EP fit this model, before anything is
+        built (how many ranks they need: :func:`megatron_bridge.parallel_state.
+        check_parallel_sizes`).
 
         Raises:
             ValueError: naming the config field and the constraint it breaks.
         """
-        if tp < 1 or pp < 1:
-            raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+        if tp < 1 or pp < 1 or ep < 1:
+            raise ValueError(f"tp, pp and ep must be >= 1, got tp={tp}, pp={pp}, ep={ep}")
         if self.num_heads % tp:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be divisible by tp ({tp}); "
@@ -221,19 +245,43 @@ class BridgeConfig:
             raise ValueError(
                 f"num_hidden_layers ({self.num_layers}) must be divisible by pp ({pp})"
             )
+        self._validate_experts(tp, ep)
         self.padded_vocab(tp)
+
+    def _validate_experts(self, tp: int, ep: int) -> None:
+        """Experts split whole across EP ranks; each expert's MLP split across TP ranks
+        (megatron's expert tensor parallelism, whose size here is TP's)."""
+        if not self.is_moe:
+            if ep > 1:
+                raise ValueError(
+                    f"expert_model_parallel_size (ep={ep}) > 1 needs a mixture-of-experts "
+                    f"model; {self.family.architecture} here has no experts: use ep=1"
+                )
+            return
+        experts = self.num_experts
+        if experts % ep:
+            raise ValueError(
+                f"num_local_experts ({experts}) must be divisible by expert_model_parallel_size "
+                f"(ep={ep}); choose an ep that divides it"
+            )
+        field = self.family.sparse_mlp.ffn_field
+        if self.moe_ffn % tp:
+            raise ValueError(f"{field} ({self.moe_ffn}) must be divisible by tp ({tp})")
 
     # ---- Megatron objects ----------------------------------------------------------------
 
-    def transformer_config(self, tp: int, pp: int, dtype: torch.dtype = torch.float32) -> Any:
+    def transformer_config(
+        self, tp: int, pp: int, dtype: torch.dtype = torch.float32, ep: int = 1
+    ) -> Any:
         """A Megatron ``TransformerConfig`` for this model at the given parallel sizes.
 
         Args:
             dtype: parameter dtype (fp32 on CPU for exact comparisons; bf16 for large models).
+            ep: expert-parallel size (``expert_model_parallel_size``).
         """
         from megatron.core.transformer import TransformerConfig
 
-        self.validate_parallelism(tp, pp)
+        self.validate_parallelism(tp, pp, ep)
         features = self.features
         window = features.window
         dropout = {k: self._get(k) for k in ("attention_dropout", "hidden_dropout") if self._get(k)}
@@ -282,6 +330,39 @@ class BridgeConfig:
             persist_layer_norm=False,
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
+            **self.moe_config(tp, ep),
+        )
+
+    def moe_config(self, tp: int, ep: int) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields of the experts and router; none for a dense model.
+
+        The router matches transformers': softmax scores in fp32, top-k, renormalised or not
+        (``norm_topk_prob``), no capacity limit (no token dropped). The auxiliary
+        load-balancing loss is a training choice and stays off here (it never changes the
+        logits).
+        """
+        if not self.is_moe:
+            return {}
+        features = self.features
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_ffn,
+            moe_router_topk=int(self.resolved["num_experts_per_tok"]),
+            # Megatron's layer pattern (1 = experts), per layer; an integer would count
+            # from layer 0 where transformers' decoder_sparse_step counts from layer 1.
+            moe_layer_freq=[int(s) for s in features.sparse_layers],
+            moe_router_score_function="softmax",
+            # Top-k of the logits then softmax over those k = renormalised top-k
+            # probabilities; softmax first then top-k = the probabilities as they are.
+            moe_router_pre_softmax=not features.norm_topk_prob,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+            # Each expert's MLP is split like the dense MLP, across the TP ranks.
+            expert_tensor_parallel_size=tp,
         )
 
     def gpt_model_kwargs(self, tp: int) -> dict[str, Any]:

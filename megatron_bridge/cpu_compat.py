@@ -42,6 +42,19 @@ Accommodations (each one and why):
    fused kernels (fusions are off): about 2.5 s and 70 MB less per process (measured on
    2 cores, megatron-core 0.16.1, torch 2.13).
 
+8. Without TransformerEngine (on any machine, so :func:`define_missing_te_names` is applied
+   apart from the CPU ones), ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is
+   defined as None: the module imports it only when TransformerEngine is installed, but its
+   router GEMM (``RouterGatingLinearFunction``) tests ``te_general_gemm is not None`` and so
+   raises NameError; with None it takes its own ``torch.mm`` branch.
+
+9. The all-to-all token dispatcher of mixture-of-experts layers gets its split sizes as NumPy
+   arrays: megatron-core makes them with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``,
+   which converts CUDA tensors only, and ``all_to_all_single`` takes a sequence of ints, not a
+   tensor. ``token_dispatcher.maybe_move_tensor_to_cpu`` is replaced by one that also turns a
+   CPU tensor into NumPy when asked (megatron-core itself imports the dispatcher with its
+   tensor-parallel package, so the patch costs no import).
+
 Not accommodated (fail loudly instead): context parallelism and sequence parallelism need
 TransformerEngine modules; FP8 and CUDA graphs need a GPU.
 """
@@ -148,6 +161,16 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _tensor_to_numpy_on_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    """``maybe_move_tensor_to_cpu`` for CPU tensors (accommodation 9): already on the CPU;
+    converted to NumPy when ``as_numpy``."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _deferred_compile(real_compile: Callable) -> Callable:
     """A stand-in for ``torch.compile`` that compiles on the decorated function's first call."""
 
@@ -225,14 +248,26 @@ def apply_cpu_compat() -> bool:
 
     with _compile_deferred_during_import():  # 7
         from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.transformer.moe import token_dispatcher
 
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state  # 2
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    token_dispatcher.maybe_move_tensor_to_cpu = _tensor_to_numpy_on_cpu  # 9
 
     _MODE = _CudaToCpuMode()  # 4
     _MODE.__enter__()
     _APPLIED = True
     return True
+
+
+def define_missing_te_names() -> None:
+    """Accommodation 8: the TransformerEngine names megatron-core's MoE router tests for None
+    but leaves undefined without TransformerEngine. Idempotent; a no-op with it installed."""
+    with _compile_deferred_during_import():
+        from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def model_parallel_manual_seed(seed: int) -> None:

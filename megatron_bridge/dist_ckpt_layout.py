@@ -84,6 +84,21 @@ class ExtraStateObject:
     unique_key: str
 
 
+def refuse_experts(bridge: BridgeConfig) -> None:
+    """The layout here is that of dense GPTModels; megatron-core saves experts otherwise.
+
+    Raises:
+        ValueError: ``bridge`` is a mixture-of-experts model; says what works instead.
+    """
+    if bridge.is_moe:
+        raise ValueError(
+            f"streamed dist-checkpoint conversion does not support mixture-of-experts models "
+            f"({bridge.family.architecture}) yet; load the HF checkpoint into the model "
+            f"(load_hf_into_megatron) and save it with save_megatron_checkpoint, or export a "
+            f"loaded model with export_hf_weights"
+        )
+
+
 def checkpoint_key(mapping: ParamMapping) -> str:
     """The checkpoint key of ``mapping``'s Megatron tensor (layer index dropped)."""
     if mapping.layer is None:
@@ -135,8 +150,9 @@ def rank_layout(
     """Everything rank ``(tp_rank, pp_rank)`` of a TP x PP GPTModel writes to a checkpoint.
 
     Raises:
-        ValueError: TP/PP sizes that do not fit the model.
+        ValueError: TP/PP sizes that do not fit the model, or a mixture-of-experts model.
     """
+    refuse_experts(bridge)
     bridge.validate_parallelism(tp, pp)
     layers = stage_layers(bridge, pp, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from megatron_bridge.config import BridgeConfig
-from megatron_bridge.dist_ckpt_layout import global_region
+from megatron_bridge.dist_ckpt_layout import global_region, refuse_experts
 
 # Prefix of the keys megatron-core's optimizers give their sharded state (Adam moments, fp32
 # master copies) in a dist checkpoint saved with the model.
@@ -197,10 +197,11 @@ def checkpoint_hf_weights(
         where the HF tensor is a contiguous piece of it).
 
     Raises:
-        ValueError: a stored tensor's shape differs from the one ``bridge`` implies, or the
-            checkpoint holds tensors ``bridge`` does not produce.
+        ValueError: a stored tensor's shape differs from the one ``bridge`` implies, the
+            checkpoint holds tensors ``bridge`` does not produce, or a mixture-of-experts model.
         KeyError: a tensor missing from the checkpoint.
     """
+    refuse_experts(bridge)
     reader = DistCheckpointReader(ckpt_dir)
     dims = bridge.dims(1)
     plan = bridge.plan()

@@ -2,7 +2,9 @@
 
 :func:`export_hf_weights` walks the conversion plan one Megatron tensor at a time: the
 pipeline stage that owns it all-gathers the TP shards, converts them to HF tensors, and
-broadcasts them to the other stages. Every rank yields the same ``(name, tensor)`` stream and
+broadcasts them to the other stages. An expert's tensors are gathered over the expert
+tensor-parallel group by the expert-parallel rank that holds the expert, which broadcasts them
+to the other EP ranks of its stage first. Every rank yields the same ``(name, tensor)`` stream and
 holds at most one full HF tensor group at a time, so memory stays bounded by the largest
 tensor (the embedding), not the model.
 """
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
-from megatron_bridge.load import stage_mappings
+from megatron_bridge.load import expert_range, stage_mappings
 from megatron_bridge.parallel_state import collective_device
 
 
@@ -80,6 +82,11 @@ def export_hf_weights(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    experts = expert_range(bridge)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = parallel_state.get_pipeline_model_parallel_world_size()
@@ -96,22 +103,28 @@ def export_hf_weights(
     for mapping in bridge.plan():
         owner = _owner_stage(mapping, ranges)
         tensors: list[torch.Tensor] = []
-        if owner == pp_rank:
-            name = local_names[mapping.megatron_name]
-            param = params[name]
-            shards = _gather_tp(param.detach().cpu(), tp_group, tp)
+        expert = mapping.expert
+        if owner == pp_rank and (expert is None or expert in experts):
+            param = params[local_names[mapping.megatron_name]]
+            if expert is None:
+                shards = _gather_tp(param.detach().cpu(), tp_group, tp)
+            else:
+                shards = _gather_tp(param.detach().cpu(), etp_group, etp)
             tensors = mapping.unshard(shards, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]
+        if owner == pp_rank and expert is not None and ep > 1:
+            tensors = _broadcast_from(tensors, expert // len(experts), ep_group)
         if pp_ranks > 1:
-            tensors = _broadcast_from_stage(tensors, owner, pp_group)
+            tensors = _broadcast_from(tensors, owner, pp_group)
         yield from zip(mapping.hf_names, tensors)
 
 
-def _broadcast_from_stage(
+def _broadcast_from(
     tensors: list[torch.Tensor], owner: int, group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
-    """Send the owner stage's tensors to every stage of the pipeline group."""
+    """Send group rank ``owner``'s tensors to every rank of ``group`` (the pipeline stage
+    that holds them, or the expert-parallel rank that holds an expert)."""
     meta = [[(t.shape, t.dtype) for t in tensors]]
     dist.broadcast_object_list(meta, group=group, group_src=owner)
     out = []

@@ -1,7 +1,8 @@
 """Build a Megatron ``GPTModel`` for this rank and stream HF safetensors weights into it.
 
 Each rank builds only its pipeline stage (its layers, the embedding on the first stage, the
-head on the last) and reads only its tensor-parallel slice of each HF tensor through
+head on the last) with only its expert-parallel share of the experts, and reads only its
+tensor-parallel slice of each HF tensor through
 ``safe_open(...).get_slice``, one tensor at a time: peak memory is this rank's model plus
 one tensor slice, never the full model twice.
 """
@@ -193,8 +194,21 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
+def expert_range(bridge: BridgeConfig) -> range:
+    """Global indices of the experts this expert-parallel rank holds (its contiguous share)."""
+    from megatron.core import parallel_state
+
+    if not bridge.is_moe:
+        return range(0)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = bridge.num_experts // ep
+    start = parallel_state.get_expert_model_parallel_rank() * per_rank
+    return range(start, start + per_rank)
+
+
 def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, ParamMapping]:
-    """This stage's parameter name -> the mapping that fills it (and that exports it).
+    """This stage's parameter name -> the mapping that fills it (and that exports it); of the
+    experts, only this expert-parallel rank's.
 
     With tied embeddings on a multi-stage pipeline, the last stage has its own copy of the
     output matrix; it is filled from the HF embedding.
@@ -205,8 +219,9 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
     """
     offset = layer_offset(model)
     num_local = len(model.decoder.layers)
-    te = _have_transformer_engine()
+    experts = expert_range(bridge)
     plan = bridge.plan()
+    params = {name for name, _ in model.named_parameters()}
     result: dict[str, ParamMapping] = {}
     for mapping in plan:
         if mapping.layer is not None and not offset <= mapping.layer < offset + num_local:
@@ -215,15 +230,19 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
             model.pre_process if mapping.megatron_name.startswith("embedding.") else model.post_process
         ):
             continue
-        name = mapping.local_name(offset)
-        if te:
-            for local, te_name in TE_NORM_NAMES.items():
-                name = name.replace(local, te_name) if name.endswith(local) else name
+        if mapping.expert is not None and mapping.expert not in experts:
+            continue
+        name = mapping.local_name(offset, experts.start)
+        for local, te_name in TE_NORM_NAMES.items():
+            # TransformerEngine's name where it fuses the norm (a sparse layer keeps its own
+            # pre-MLP norm, not fused into the experts).
+            te_local = name[: -len(local)] + te_name
+            if name.endswith(local) and te_local in params:
+                name = te_local
         result[name] = mapping
     if bridge.tie_word_embeddings and model.post_process and not model.pre_process:
         embedding = next(m for m in plan if m.kind == "vocab")
         result["output_layer.weight"] = embedding
-    params = {name for name, _ in model.named_parameters()}
     unmapped, unbuilt = sorted(params - set(result)), sorted(set(result) - params)
     if unmapped or unbuilt:
         raise ValueError(
@@ -265,21 +284,29 @@ def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
 
 
 def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An empty (uninitialised) GPTModel for this rank's (TP, PP) position.
+    """An empty (uninitialised) GPTModel for this rank's (TP, PP, EP) position.
 
     megatron-core's parallel state must be initialised (:func:`megatron_bridge.parallel_state.
-    initialize_megatron_parallel`, which also applies the CPU accommodations); TP/PP sizes are
-    read from it.
+    initialize_megatron_parallel`, which also applies the CPU accommodations); TP/PP/EP sizes
+    are read from it.
 
     Raises:
-        ValueError: TP/PP sizes that do not fit the model (from validation, before building).
+        ValueError: TP/PP/EP sizes that do not fit the model (from validation, before building).
     """
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = bridge.transformer_config(tp, pp, dtype)
-    if _have_transformer_engine():
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    config = bridge.transformer_config(tp, pp, dtype, ep=ep)
+    if bridge.is_moe:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        # Per-layer specs (dense or experts, from config.moe_layer_freq) of this stage.
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=_have_transformer_engine(), normalization="RMSNorm"
+        )
+    elif _have_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -328,15 +355,22 @@ def load_hf_weights(model: torch.nn.Module, bridge: BridgeConfig, hf_path: str |
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    # Experts are split over the expert tensor-parallel group (of TP's size, its own ranks).
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     reader = SafetensorsReader(hf_path)
     check_hf_tensors(reader, bridge)
     mappings = stage_mappings(model, bridge)
     dims = bridge.dims(tp)
     for name, param in model.named_parameters():
-        tensor = mappings[name].shard(reader, dims, tp_rank, tp)
+        mapping = mappings[name]
+        if mapping.expert is None:
+            tensor = mapping.shard(reader, dims, tp_rank, tp)
+        else:
+            tensor = mapping.shard(reader, dims, etp_rank, etp)
         if tensor.shape != param.shape:
             raise ValueError(
-                f"{name}: HF tensor(s) {mappings[name].hf_names} give shape "
+                f"{name}: HF tensor(s) {mapping.hf_names} give shape "
                 f"{tuple(tensor.shape)}, the Megatron parameter has {tuple(param.shape)}"
             )
         param.copy_(tensor)

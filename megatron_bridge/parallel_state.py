@@ -1,7 +1,7 @@
 """Start and stop torch.distributed plus megatron-core's model-parallel groups.
 
 Used by tests, the ``megatron-bridge`` CLI and nemo_rl's policy workers: one call sets up the
-process group (gloo on CPU, nccl on GPU), megatron's TP/PP/CP groups and the model-parallel RNG
+process group (gloo on CPU, nccl on GPU), megatron's TP/PP/CP/EP groups and the model-parallel RNG
 tracker, and on a machine without CUDA applies :mod:`megatron_bridge.cpu_compat` (the one place
 it is applied: every process that builds a Megatron model initialises its parallel state first).
 """
@@ -15,7 +15,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.cpu_compat import apply_cpu_compat, model_parallel_manual_seed
+from megatron_bridge.cpu_compat import (
+    apply_cpu_compat,
+    define_missing_te_names,
+    model_parallel_manual_seed,
+)
 
 
 def find_free_port() -> int:
@@ -51,6 +55,32 @@ def bound_tcp_store(
     )
 
 
+def check_parallel_sizes(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> None:
+    """megatron-core's rules for the parallel sizes on ``world_size`` ranks.
+
+    The dense grid is TP x CP x DP x PP; the experts' grid is ETP x EP x EDP x PP with the
+    expert tensor-parallel size ETP = TP here, so ``world_size`` must be a multiple of both
+    ``tp * pp * cp`` and ``tp * ep * pp`` (the EP ranks come out of the data-parallel and
+    context-parallel ranks).
+
+    Raises:
+        ValueError: a size < 1 or a ``world_size`` that does not fit, naming the sizes.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of tp*pp*cp ({tp}*{pp}*{cp})"
+        )
+    if world_size % (tp * ep * pp):
+        raise ValueError(
+            f"world_size ({world_size}) must be a multiple of tp*ep*pp ({tp}*{ep}*{pp}): "
+            f"expert parallelism (expert_model_parallel_size ep={ep}) splits the experts over "
+            f"data-parallel ranks; use {tp * ep * pp}x as many ranks or a smaller ep"
+        )
+
+
 def initialize_megatron_parallel(
     rank: int,
     world_size: int,
@@ -61,6 +91,7 @@ def initialize_megatron_parallel(
     master_addr: str = "127.0.0.1",
     seed: int = 1234,
     timeout_s: float = 300.0,
+    ep: int = 1,
 ) -> None:
     """Initialise torch.distributed and megatron-core parallel state for this process.
 
@@ -71,6 +102,8 @@ def initialize_megatron_parallel(
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         cp: context-parallel size (GPU/TransformerEngine only; 1 on CPU).
+        ep: expert-parallel size (megatron's ``expert_model_parallel_size``); the experts'
+            tensor-parallel size is ``tp``. See :func:`check_parallel_sizes`.
         master_port: rendezvous port; defaults to ``$MASTER_PORT``.
         master_addr: rendezvous address (loopback by default); rank 0 serves the
             rendezvous store on this address only.
@@ -80,18 +113,13 @@ def initialize_megatron_parallel(
     Raises:
         ValueError: sizes that do not divide ``world_size``, or no port given.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"world_size ({world_size}) must be a multiple of tp*pp*cp ({tp}*{pp}*{cp})"
-        )
+    check_parallel_sizes(world_size, tp, pp, cp, ep)
     if master_port is None:
         if "MASTER_PORT" not in os.environ:
             raise ValueError("master_port is required (or set $MASTER_PORT)")
         master_port = int(os.environ["MASTER_PORT"])
     apply_cpu_compat()
+    define_missing_te_names()
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -110,6 +138,8 @@ def initialize_megatron_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
     )
     model_parallel_manual_seed(seed)
 

@@ -6,13 +6,17 @@ then list it in :data:`FAMILIES`.
 
 from __future__ import annotations
 
-from megatron_bridge.families.base import Family, Features, ModelDims, ParamMapping
+from megatron_bridge.families.base import Family, Features, ModelDims, ParamMapping, SparseMlp
 from megatron_bridge.families.llama import LLAMA
 from megatron_bridge.families.mistral import MISTRAL
+from megatron_bridge.families.mixtral import MIXTRAL
 from megatron_bridge.families.qwen2 import QWEN2
 from megatron_bridge.families.qwen3 import QWEN3
+from megatron_bridge.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+FAMILIES: dict[str, Family] = {
+    f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, MIXTRAL)
+}
 
 
 def get_family(architecture: str) -> Family:
@@ -30,4 +34,6 @@ def get_family(architecture: str) -> Family:
         ) from None
 
 
-__all__ = ["FAMILIES", "Family", "Features", "ModelDims", "ParamMapping", "get_family"]
+__all__ = [
+    "FAMILIES", "Family", "Features", "ModelDims", "ParamMapping", "SparseMlp", "get_family",
+]

@@ -7,8 +7,8 @@ None when the conversion implements the field's value, else the reason it cannot
 no family check lists is refused. :func:`check_config` applies them; its error names the
 field, the value and what to do.
 
-The lists cover every field of the installed transformers' config classes for the four
-families (a unit test asserts it, so a transformers upgrade that adds one fails a test until
+The lists cover every field of the installed transformers' config classes for every
+family (a unit test asserts it, so a transformers upgrade that adds one fails a test until
 it is classified), the fields every ``PretrainedConfig`` carries, and legacy generation
 fields older transformers versions wrote into config.json.
 """
@@ -146,6 +146,17 @@ COMMON_FIELDS: dict[str, FieldCheck] = {
     ),
 }
 
+# Mixture-of-experts sizes (``num_experts`` is transformers' alias of ``num_local_experts``),
+# and the router's auxiliary load-balancing loss: its switch and coefficient enter the
+# training loss, never the logits.
+MOE_FIELDS: dict[str, FieldCheck] = {
+    "num_local_experts": accepted,
+    "num_experts": accepted,
+    "num_experts_per_tok": accepted,
+    "output_router_logits": accepted,
+    "router_aux_loss_coef": accepted,
+}
+
 # Qwen2/Qwen3 sliding windows: on for layers >= max_window_layers (or as layer_types says)
 # when use_sliding_window is true.
 QWEN_WINDOW_FIELDS: dict[str, FieldCheck] = {
@@ -208,6 +219,7 @@ def check_config(
 __all__ = [
     "COMMON_FIELDS",
     "Features",
+    "MOE_FIELDS",
     "QWEN_WINDOW_FIELDS",
     "UnsupportedConfigError",
     "accepted",

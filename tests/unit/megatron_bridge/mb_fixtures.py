@@ -85,14 +85,22 @@ def _variants() -> dict:
     }
 
 
-def _save(config, out_dir: Path, tokenizer_src: Path) -> Path:
+def _save(
+    config, out_dir: Path, tokenizer_src: Path | None, router_scale: float = 1.0
+) -> Path:
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4321)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     perturb_norms_and_biases(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):  # MoE routers
+                param.mul_(router_scale)
     model.save_pretrained(out_dir)
+    if tokenizer_src is None:
+        return out_dir
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_src / name).is_file():
             shutil.copy2(tokenizer_src / name, out_dir / name)
@@ -109,6 +117,59 @@ def build_family_checkpoints(root: Path) -> dict[str, Path]:
         if not (out / "config.json").is_file():
             out.mkdir(parents=True, exist_ok=True)
             _save(config, out, llama)
+        paths[name] = out
+    return paths
+
+
+# Mixture-of-experts models: sizes unlike the dense ones above, 4 layers (a dense one between
+# sparse ones, and 2 per stage at PP=2), 4 (Qwen3-MoE) or 8 (Mixtral) experts, top-2 routing.
+MOE_SIZES = dict(
+    hidden_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    num_experts_per_tok=2,
+)
+MOE_VOCAB = dict(vocab_size=500, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+# Router weights are drawn this much larger than transformers' init, so the top-2 experts of
+# every token are chosen by a wide margin: a near tie would let a 1e-7 rounding difference
+# pick another expert.
+ROUTER_SCALE = 20.0
+
+
+def _moe_variants() -> dict:
+    """name -> transformers config of each mixture-of-experts checkpoint."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    return {
+        # Layer 1 dense (mlp_only_layers, intermediate_size 160), top-2 weights not
+        # renormalised; the tied embeddings cover the head's other path.
+        "qwen3_moe": Qwen3MoeConfig(
+            **MOE_SIZES, **MOE_VOCAB, num_experts=4, moe_intermediate_size=48,
+            intermediate_size=160, mlp_only_layers=[1], norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+        # Every layer sparse, 8 experts of 40, top-2 renormalised, a 6-token window.
+        "mixtral": MixtralConfig(
+            **MOE_SIZES, **MOE_VOCAB, num_local_experts=8, intermediate_size=40,
+            sliding_window=6, tie_word_embeddings=False,
+        ),
+    }
+
+
+def build_moe_checkpoints(root: Path) -> dict[str, Path]:
+    """name -> HF checkpoint folder of each mixture-of-experts model of :func:`_moe_variants`
+    (built once per ``root``), router weights scaled by :data:`ROUTER_SCALE`; no tokenizer
+    (the tiny models' tokenizer has more ids than these vocabularies)."""
+    paths = {}
+    for name, config in _moe_variants().items():
+        out = root / name
+        if not (out / "config.json").is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            _save(config, out, None, router_scale=ROUTER_SCALE)
         paths[name] = out
     return paths
 

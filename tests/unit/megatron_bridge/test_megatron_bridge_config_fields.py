@@ -22,6 +22,8 @@ _bridge = tiny_bridge
         ("Qwen2Config", "Qwen2ForCausalLM"),
         ("Qwen3Config", "Qwen3ForCausalLM"),
         ("MistralConfig", "MistralForCausalLM"),
+        ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        ("MixtralConfig", "MixtralForCausalLM"),
     ],
 )
 def test_every_field_of_the_transformers_config_is_classified(config_class, architecture):
