@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
@@ -67,6 +68,7 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
     ),
     "sft": RecipeCommand(SFTMasterConfig, "nemo_rl.algorithms.sft", "run"),
     "dpo": RecipeCommand(DPOMasterConfig, "nemo_rl.algorithms.dpo", "run"),
+    "rm": RecipeCommand(RMMasterConfig, "nemo_rl.algorithms.rm", "run"),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from nemo_rl.algorithms import supervised
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
+from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.loss import DPOLossFn
 from nemo_rl.algorithms.supervised import SupervisedAlgorithm
 from nemo_rl.data.conversations import PreferenceDataset, preference_collate_fn
@@ -22,9 +23,9 @@ from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, synthetic_preference_ro
 
 
 def load_preference_datasets(
-    cfg: DPOMasterConfig, tokenizer: Any
+    cfg: DPOMasterConfig | RMMasterConfig, tokenizer: Any
 ) -> tuple[PreferenceDataset, PreferenceDataset | None]:
-    """(training set, validation set or None) of a DPO run: ``data.train_path`` /
+    """(training set, validation set or None) of a DPO or RM run: ``data.train_path`` /
     ``data.val_path``, or the synthetic task's pairs (training rows from
     ``data.synthetic.seed``, validation rows from ``seed + 1``).
 

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loop_config import (
     SupervisedDataConfig,
+    check_pairs_stay_whole,
     SupervisedLoopConfig,
     SupervisedMasterConfig,
 )
@@ -22,7 +23,7 @@ class DPOConfig(DPOLossConfig, SupervisedLoopConfig):
 
 
 class PreferenceDataConfig(SupervisedDataConfig):
-    """Preference data of a DPO run (``data``): rows ``{prompt, chosen, rejected}`` (a text or a
+    """Preference data of a DPO or reward-model run (``data``): rows ``{prompt, chosen, rejected}`` (a text or a
     list of messages each) or NeMo RL's ``{context, completions}``. Without ``train_path``,
     questions of the synthetic arithmetic task with a correct (chosen) and a wrong (rejected)
     answer."""
@@ -56,11 +57,5 @@ class DPOMasterConfig(SupervisedMasterConfig):
 
     @model_validator(mode="after")
     def _check_pairs_stay_whole(self) -> DPOMasterConfig:
-        """Token-budgeted micro-batches would split or reorder the (chosen, rejected) rows."""
-        for key in ("dynamic_batching", "sequence_packing"):
-            if getattr(self.policy, key).enabled:
-                raise ValueError(
-                    f"policy.{key}.enabled is not supported by DPO (its micro-batches would "
-                    "separate a pair's chosen and rejected rows); set it to false"
-                )
+        check_pairs_stay_whole(self.policy, "DPO")
         return self

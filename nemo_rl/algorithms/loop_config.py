@@ -120,6 +120,37 @@ def check_checkpoint_metric(
         )
 
 
+def check_reward_head(policy: PolicyConfig, command: str, trains_reward_model: bool) -> None:
+    """``policy.reward_model_cfg.enabled`` is true exactly for the reward-model command (a
+    policy with a scalar head has no LM head to score tokens or generate with).
+
+    Raises:
+        ValueError: naming the key and the value ``command`` needs.
+    """
+    enabled = policy.reward_model_cfg.enabled
+    if enabled != trains_reward_model:
+        raise ValueError(
+            f"policy.reward_model_cfg.enabled={str(enabled).lower()} but `nemo-rl {command}` "
+            + ("trains a reward model: set it to true" if trains_reward_model else
+               "trains a language model (only `nemo-rl rm` trains a reward model): set it to false")
+        )
+
+
+def check_pairs_stay_whole(policy: PolicyConfig, algorithm: str) -> None:
+    """A preference algorithm (``algorithm``: DPO, RM) trains (chosen, rejected) rows adjacent
+    in one micro-batch; token-budgeted micro-batches would split or reorder them.
+
+    Raises:
+        ValueError: ``policy.dynamic_batching`` or ``policy.sequence_packing`` is enabled.
+    """
+    for key in ("dynamic_batching", "sequence_packing"):
+        if getattr(policy, key).enabled:
+            raise ValueError(
+                f"policy.{key}.enabled is not supported by {algorithm} (its micro-batches would "
+                "separate a pair's chosen and rejected rows); set it to false"
+            )
+
+
 class SupervisedLoopConfig(ConfigModel):
     """Loop keys of the supervised algorithms (``sft``, ``dpo``; NeMo RL's names).
 
@@ -193,6 +224,7 @@ class SupervisedMasterConfig(ConfigModel):
     and ``data``."""
 
     LOOP_SECTION: ClassVar[str] = ""
+    TRAINS_REWARD_MODEL: ClassVar[bool] = False
 
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines.")
@@ -207,6 +239,7 @@ class SupervisedMasterConfig(ConfigModel):
         against DP, the checkpoint metric; then fill the learning-rate horizon."""
         section = self.LOOP_SECTION
         loop: SupervisedLoopConfig = getattr(self, section)
+        check_reward_head(self.policy, section, self.TRAINS_REWARD_MODEL)
         dp = check_parallel_layout(self.policy, self.cluster).dp
         val = loop.val_global_batch_size
         if loop.validates and (val % dp or (val // dp) % loop.val_micro_batch_size):
