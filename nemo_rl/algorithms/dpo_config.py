@@ -9,7 +9,6 @@ from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loop_config import (
     SupervisedDataConfig,
-    check_pairs_stay_whole,
     SupervisedLoopConfig,
     SupervisedMasterConfig,
 )
@@ -42,20 +41,33 @@ class PreferenceDataConfig(SupervisedDataConfig):
         return self.prompt_key, self.chosen_key, self.rejected_key
 
 
-class DPOMasterConfig(SupervisedMasterConfig):
-    """Everything a DPO run reads; the root of a DPO recipe.
+class PreferenceMasterConfig(SupervisedMasterConfig):
+    """A recipe trained on preference pairs (DPO, RM): its ``data`` and the check that pairs
+    stay whole.
 
     As in NeMo RL, ``policy.train_global_batch_size`` and ``policy.train_micro_batch_size``
     count preference pairs: the policy trains on twice as many rows (chosen and rejected)."""
 
-    LOOP_SECTION: ClassVar[str] = "dpo"
-
-    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO loop and loss settings.")
     data: PreferenceDataConfig = Field(
         default_factory=PreferenceDataConfig, description="Preference data."
     )
 
     @model_validator(mode="after")
-    def _check_pairs_stay_whole(self) -> DPOMasterConfig:
-        check_pairs_stay_whole(self.policy, "DPO")
+    def _check_pairs_stay_whole(self) -> PreferenceMasterConfig:
+        """Token-budgeted micro-batches would split or reorder the (chosen, rejected) rows."""
+        for key in ("dynamic_batching", "sequence_packing"):
+            if getattr(self.policy, key).enabled:
+                raise ValueError(
+                    f"policy.{key}.enabled is not supported by {self.LOOP_SECTION.upper()} (its "
+                    "micro-batches would separate a pair's chosen and rejected rows); set it to "
+                    "false"
+                )
         return self
+
+
+class DPOMasterConfig(PreferenceMasterConfig):
+    """Everything a DPO run reads; the root of a DPO recipe."""
+
+    LOOP_SECTION: ClassVar[str] = "dpo"
+
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO loop and loss settings.")

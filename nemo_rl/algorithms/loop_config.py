@@ -136,21 +136,6 @@ def check_reward_head(policy: PolicyConfig, command: str, trains_reward_model: b
         )
 
 
-def check_pairs_stay_whole(policy: PolicyConfig, algorithm: str) -> None:
-    """A preference algorithm (``algorithm``: DPO, RM) trains (chosen, rejected) rows adjacent
-    in one micro-batch; token-budgeted micro-batches would split or reorder them.
-
-    Raises:
-        ValueError: ``policy.dynamic_batching`` or ``policy.sequence_packing`` is enabled.
-    """
-    for key in ("dynamic_batching", "sequence_packing"):
-        if getattr(policy, key).enabled:
-            raise ValueError(
-                f"policy.{key}.enabled is not supported by {algorithm} (its micro-batches would "
-                "separate a pair's chosen and rejected rows); set it to false"
-            )
-
-
 class SupervisedLoopConfig(ConfigModel):
     """Loop keys of the supervised algorithms (``sft``, ``dpo``; NeMo RL's names).
 

@@ -16,12 +16,10 @@ reward.
 
 from __future__ import annotations
 
-from nemo_rl.algorithms import supervised
-from nemo_rl.algorithms.dpo import load_preference_datasets
+from nemo_rl.algorithms.dpo import run_preference_command
 from nemo_rl.algorithms.loss import PreferenceLossFn
 from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.supervised import SupervisedAlgorithm
-from nemo_rl.data.conversations import preference_collate_fn
 
 RM_ALGORITHM = SupervisedAlgorithm(
     section="rm",
@@ -39,8 +37,4 @@ def run(cfg: RMMasterConfig) -> int | None:
     Returns:
         None when the run finished; 75 when it saved and stopped early.
     """
-    return supervised.run_command(
-        supervised.setup(
-            cfg, RM_ALGORITHM, lambda tok: load_preference_datasets(cfg, tok), preference_collate_fn
-        )
-    )
+    return run_preference_command(cfg, RM_ALGORITHM)

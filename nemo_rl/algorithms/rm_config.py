@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from nemo_rl.algorithms.dpo_config import PreferenceDataConfig
-from nemo_rl.algorithms.loop_config import (
-    SupervisedLoopConfig,
-    SupervisedMasterConfig,
-    check_pairs_stay_whole,
-)
+from nemo_rl.algorithms.dpo_config import PreferenceMasterConfig
+from nemo_rl.algorithms.loop_config import SupervisedLoopConfig
 
 
 class RMConfig(SupervisedLoopConfig):
@@ -20,22 +16,13 @@ class RMConfig(SupervisedLoopConfig):
     the seed of the score head's initialisation)."""
 
 
-class RMMasterConfig(SupervisedMasterConfig):
+class RMMasterConfig(PreferenceMasterConfig):
     """Everything a reward-model run reads; the root of an RM recipe.
 
-    ``policy.reward_model_cfg.enabled`` must be true (the policy gets a scalar head). As in
-    NeMo RL, ``policy.train_global_batch_size`` and ``policy.train_micro_batch_size`` count
-    preference pairs: the model trains on twice as many rows (chosen and rejected)."""
+    ``policy.reward_model_cfg.enabled`` must be true (the policy gets a scalar head); batch
+    sizes count pairs, as in DPO."""
 
     LOOP_SECTION: ClassVar[str] = "rm"
     TRAINS_REWARD_MODEL: ClassVar[bool] = True
 
     rm: RMConfig = Field(default_factory=RMConfig, description="Reward-model loop settings.")
-    data: PreferenceDataConfig = Field(
-        default_factory=PreferenceDataConfig, description="Preference data."
-    )
-
-    @model_validator(mode="after")
-    def _check_pairs_stay_whole(self) -> RMMasterConfig:
-        check_pairs_stay_whole(self.policy, "RM")
-        return self

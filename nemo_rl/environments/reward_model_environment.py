@@ -45,13 +45,14 @@ def check_reward_model_folder(model_path: str, where: str) -> None:
             "`nemo-rl export CHECKPOINT OUT` and name OUT"
         )
     config = json.loads(config_file.read_text())
-    arch = (config.get("architectures") or [""])[0]
+    arch = (config.get("architectures") or ["a model without architectures"])[0]
     labels = len(config.get("id2label") or {"0": ""})
     if not arch.endswith(SEQUENCE_CLASSIFIER_SUFFIX) or labels != 1:
+        found = f"{labels} labels" if arch.endswith(SEQUENCE_CLASSIFIER_SUFFIX) else arch
         raise ValueError(
-            f"{where}={model_path!r} is a {arch or 'model without architectures'} with {labels} "
-            f"labels; a reward model is a ...{SEQUENCE_CLASSIFIER_SUFFIX} with one label "
-            "(what `nemo-rl rm` trains)"
+            f"{where}={model_path!r} is not a reward model ({found}): expected a "
+            f"...{SEQUENCE_CLASSIFIER_SUFFIX} with one label, as `nemo-rl rm` trains and "
+            "`nemo-rl export` writes"
         )
     if config.get("pad_token_id") is None:
         raise ValueError(
@@ -83,8 +84,10 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     @classmethod
     def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
-        """The folder is a one-label HF sequence classifier with a pad token."""
-        check_reward_model_folder(kwargs["model_path"], f"{where}.model_path")
+        """The folder is a one-label HF sequence classifier with a pad token (``where``: the
+        section's ``cls`` field; the error names its ``model_path``)."""
+        section = where.removesuffix(".cls")
+        check_reward_model_folder(kwargs["model_path"], f"{section}.model_path")
 
     def token_ids(self, log: LLMMessageLogType) -> torch.Tensor:
         """``[n]`` token ids of a conversation: each message's text tokenized, concatenated."""

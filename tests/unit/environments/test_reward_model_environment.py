@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from nemo_rl.data.conversations import conversation_datum
+from nemo_rl.data.processors import prompt_only_processor
+from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.reward_model_environment import RewardModelEnvironment
+from nemo_rl.utils.config import ConfigError, validate_config
+
+CLS = "nemo_rl.environments.reward_model_environment:RewardModelEnvironment"
 
 ANSWERS = ["\\boxed{7}", "\\boxed{12345}", "I think it is \\boxed{6}, or maybe 8", "7"]
 
@@ -56,7 +61,7 @@ def test_rewards_are_the_models_scores_of_each_conversation(rm_folder: Path) -> 
 
 
 def test_refuses_a_folder_that_is_not_a_reward_model(rm_folder: Path, tiny_llama_path: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"env.rm.model_path=.*LlamaForCausalLM.*one label"):
+    with pytest.raises(ValueError, match=r"env.rm.model_path=.*not a reward model \(LlamaForCausalLM\)"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tiny_llama_path))
     with pytest.raises(ValueError, match=r"env.rm.model_path=.*no config.json"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tmp_path))
@@ -66,3 +71,13 @@ def test_refuses_a_folder_that_is_not_a_reward_model(rm_folder: Path, tiny_llama
     with pytest.raises(ValueError, match="pad_token_id"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tmp_path))
     RewardModelEnvironment.check_arguments("env.rm", model_path=str(rm_folder))
+
+
+def test_a_grpo_env_section_names_it_as_a_plugin(rm_folder: Path, tiny_llama_path: Path) -> None:
+    """The section documented in docs/algorithms.md validates; a causal LM is refused there."""
+    section = {"cls": CLS, "model_path": str(rm_folder), "processor": "prompt"}
+    spec = validate_config({"rm": section}, EnvConfigs, source="env").specs()["rm"]
+    assert spec.cls is RewardModelEnvironment and spec.processor is prompt_only_processor
+    assert spec.kwargs == {"model_path": str(rm_folder)}
+    with pytest.raises(ConfigError, match=r"env.rm.model_path=.*LlamaForCausalLM"):
+        validate_config({"rm": {**section, "model_path": str(tiny_llama_path)}}, EnvConfigs, source="env")
