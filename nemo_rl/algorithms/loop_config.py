@@ -1,6 +1,6 @@
 """Config pieces every training algorithm shares: the cluster section, the checks of the parallel
 layout, the learning-rate horizon and the checkpoint metric, and the loop and data sections of the
-supervised algorithms (SFT, DPO) with NeMo RL's key names.
+supervised algorithms (SFT, DPO, RM) with NeMo RL's key names.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def check_reward_head(policy: PolicyConfig, command: str, trains_reward_model: b
 
 
 class SupervisedLoopConfig(ConfigModel):
-    """Loop keys of the supervised algorithms (``sft``, ``dpo``; NeMo RL's names).
+    """Loop keys of the supervised algorithms (``sft``, ``dpo``, ``rm``; NeMo RL's names).
 
     The run trains ``min(max_num_steps, max_num_epochs x batches per epoch)`` steps.
     """
