@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.families import Family, Features, ModelDims, ParamMapping, get_family
+from megatron_bridge.families import (
+    CAUSAL_LM_SUFFIX,
+    SEQUENCE_CLASSIFIER_SUFFIX,
+    Family,
+    Features,
+    ModelDims,
+    ParamMapping,
+    get_family,
+)
+from megatron_bridge.families.base import SCORE_HF_NAME, SCORE_TENSOR
 from megatron_bridge.families.config_fields import UnsupportedConfigError, check_config
 from megatron_bridge.transforms import padded_vocab_size
 
@@ -168,7 +177,42 @@ class BridgeConfig:
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return bool(self._get("tie_word_embeddings", False))
+        """The LM head is the embedding matrix (never for a sequence classifier: it has no LM
+        head, whatever its causal LM's config said)."""
+        return not self.is_sequence_classifier and bool(self._get("tie_word_embeddings", False))
+
+    @property
+    def is_sequence_classifier(self) -> bool:
+        """A ``...ForSequenceClassification`` model: the decoder with a score head
+        ``[num_labels, hidden]`` (``score.weight``) in place of the LM head."""
+        architectures = self.hf_config.get("architectures") or [""]
+        return str(architectures[0]).endswith(SEQUENCE_CLASSIFIER_SUFFIX)
+
+    @property
+    def num_labels(self) -> int:
+        """Rows of a sequence classifier's score head (transformers' ``num_labels``)."""
+        return int(self.resolved.get("num_labels", 1))
+
+    def as_sequence_classifier(self, pad_token_id: int, num_labels: int = 1) -> "BridgeConfig":
+        """This causal LM as a ``...ForSequenceClassification`` model of ``num_labels`` scores
+        (1: a reward model). ``pad_token_id`` is set because transformers' classifier scores
+        the last token that is not padding.
+
+        Raises:
+            ValueError: the model is not a causal LM.
+        """
+        arch = self.family.architecture
+        if self.is_sequence_classifier or not arch.endswith(CAUSAL_LM_SUFFIX):
+            raise ValueError(f"{self.hf_config.get('architectures')} is not a causal LM")
+        labels = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        config = {
+            **self.hf_config,
+            "architectures": [arch.removesuffix(CAUSAL_LM_SUFFIX) + SEQUENCE_CLASSIFIER_SUFFIX],
+            "id2label": labels,
+            "label2id": {name: int(i) for i, name in labels.items()},
+            "pad_token_id": pad_token_id,
+        }
+        return BridgeConfig(config, self.make_vocab_size_divisible_by, self.padded_vocab_size)
 
     def rope_parameters(self) -> dict[str, Any]:
         """``{"rope_type": ..., "rope_theta": ..., ...}`` from either HF config layout."""
@@ -203,12 +247,18 @@ class BridgeConfig:
             padded_vocab_size=self.padded_vocab(tp),
             moe_ffn=self.moe_ffn,
             num_experts=self.num_experts,
+            num_labels=self.num_labels,
         )
 
     def plan(self) -> list[ParamMapping]:
-        return self.family.plan(
-            self.num_layers, self.tie_word_embeddings, self.features, self.num_experts
-        )
+        """Every Megatron tensor in export order; a sequence classifier's head last."""
+        if not self.is_sequence_classifier:
+            return self.family.plan(
+                self.num_layers, self.tie_word_embeddings, self.features, self.num_experts
+            )
+        # The causal LM's plan without its LM head (as when tied), then the score head.
+        body = self.family.plan(self.num_layers, True, self.features, self.num_experts)
+        return [*body, ParamMapping(SCORE_TENSOR, (SCORE_HF_NAME,), "copy")]
 
     # ---- validation ----------------------------------------------------------------------
 

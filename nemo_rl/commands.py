@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
@@ -75,7 +76,13 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         DPOMasterConfig,
         "nemo_rl.algorithms.dpo",
         "run",
-        check_inputs="nemo_rl.algorithms.dpo:check_run_inputs",
+        check_inputs="nemo_rl.algorithms.dpo:check_preference_inputs",
+    ),
+    "rm": RecipeCommand(
+        RMMasterConfig,
+        "nemo_rl.algorithms.rm",
+        "run",
+        check_inputs="nemo_rl.algorithms.dpo:check_preference_inputs",
     ),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }

@@ -18,15 +18,28 @@ FAMILIES: dict[str, Family] = {
     f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, MIXTRAL)
 }
 
+CAUSAL_LM_SUFFIX = "ForCausalLM"
+SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def causal_lm_architecture(architecture: str | None) -> str | None:
+    """The causal-LM architecture of a sequence classifier (same decoder, score head instead
+    of the LM head: ``LlamaForSequenceClassification`` -> ``LlamaForCausalLM``); any other
+    name unchanged."""
+    if architecture and architecture.endswith(SEQUENCE_CLASSIFIER_SUFFIX):
+        return architecture.removesuffix(SEQUENCE_CLASSIFIER_SUFFIX) + CAUSAL_LM_SUFFIX
+    return architecture
+
 
 def get_family(architecture: str) -> Family:
-    """The family for an HF ``architectures[0]`` value.
+    """The family for an HF ``architectures[0]`` value (a ``...ForSequenceClassification``
+    one: its causal LM's family).
 
     Raises:
         ValueError: an unsupported architecture; the message lists the supported ones.
     """
     try:
-        return FAMILIES[architecture]
+        return FAMILIES[causal_lm_architecture(architecture)]
     except KeyError:
         raise ValueError(
             f"unsupported architecture {architecture!r} (config.json 'architectures'); "
@@ -35,5 +48,14 @@ def get_family(architecture: str) -> Family:
 
 
 __all__ = [
-    "FAMILIES", "Family", "Features", "ModelDims", "ParamMapping", "SparseMlp", "get_family",
+    "CAUSAL_LM_SUFFIX",
+    "FAMILIES",
+    "Family",
+    "Features",
+    "ModelDims",
+    "ParamMapping",
+    "SEQUENCE_CLASSIFIER_SUFFIX",
+    "SparseMlp",
+    "causal_lm_architecture",
+    "get_family",
 ]

@@ -26,6 +26,10 @@ MEGATRON_LAYER_PREFIX = "decoder.layers.{layer}."
 
 # Megatron tensors whose rows are vocabulary entries (padded, never exported padded).
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# A sequence classifier (``<Family>ForSequenceClassification``) keeps its score head where a
+# causal LM keeps its LM head; HF calls it ``score.weight`` ([num_labels, hidden], replicated).
+SCORE_TENSOR = "output_layer.weight"
+SCORE_HF_NAME = "score.weight"
 
 # With TransformerEngine the pre-attention / pre-MLP RMSNorms are fused into the following
 # linear layer, so their weights live under that layer's name; megatron-core's checkpoints use
@@ -59,6 +63,7 @@ class ModelDims:
     padded_vocab_size: int
     moe_ffn: int = 0
     num_experts: int = 0
+    num_labels: int = 1  # rows of a sequence-classification score head
 
 
 @dataclass(frozen=True)
@@ -285,6 +290,8 @@ class ParamMapping:
         if self.kind == "qkv":
             rows = (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim
             return (rows, hidden) if name.endswith(".weight") else (rows,)
+        if name == SCORE_TENSOR:  # a sequence classifier's head: one row per label
+            return (dims.num_labels, hidden)
         if name.endswith("self_attention.linear_proj.weight"):
             return (hidden, dims.num_heads * dims.head_dim)
         if name.endswith("linear_fc2.weight"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_rl.algorithms import supervised
-from nemo_rl.algorithms.dpo_config import DPOMasterConfig
+from nemo_rl.algorithms.dpo_config import DPOMasterConfig, PreferenceMasterConfig
 from nemo_rl.algorithms.loss import DPOLossFn
 from nemo_rl.algorithms.supervised import SupervisedAlgorithm
 from nemo_rl.data.conversations import PreferenceDataset, preference_collate_fn
@@ -22,9 +22,9 @@ from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, synthetic_preference_ro
 
 
 def load_preference_datasets(
-    cfg: DPOMasterConfig, tokenizer: Any
+    cfg: PreferenceMasterConfig, tokenizer: Any
 ) -> tuple[PreferenceDataset, PreferenceDataset | None]:
-    """(training set, validation set or None) of a DPO run: ``data.train_path`` /
+    """(training set, validation set or None) of a DPO or RM run: ``data.train_path`` /
     ``data.val_path``, or the synthetic task's pairs (training rows from
     ``data.synthetic.seed``, validation rows from ``seed + 1``).
 
@@ -60,9 +60,23 @@ def dpo_algorithm(cfg: DPOMasterConfig) -> SupervisedAlgorithm:
     )
 
 
-def check_run_inputs(cfg: DPOMasterConfig) -> None:
-    """``nemo-rl launch slurm``'s checks of the run's data (:func:`supervised.check_inputs`)."""
+def check_preference_inputs(cfg: PreferenceMasterConfig) -> None:
+    """``nemo-rl launch slurm``'s checks of a DPO or RM run's data
+    (:func:`supervised.check_inputs`)."""
     supervised.check_inputs(cfg, lambda tok: load_preference_datasets(cfg, tok))
+
+
+def run_preference_command(cfg: PreferenceMasterConfig, algorithm: SupervisedAlgorithm) -> int | None:
+    """A command training ``algorithm`` on the preference pairs ``cfg.data`` names (DPO, RM).
+
+    Returns:
+        None when the run finished; 75 when it saved and stopped early.
+    """
+    return supervised.run_command(
+        supervised.setup(
+            cfg, algorithm, lambda tok: load_preference_datasets(cfg, tok), preference_collate_fn
+        )
+    )
 
 
 def run(cfg: DPOMasterConfig) -> int | None:
@@ -71,11 +85,4 @@ def run(cfg: DPOMasterConfig) -> int | None:
     Returns:
         None when the run finished; 75 when it saved and stopped early.
     """
-    return supervised.run_command(
-        supervised.setup(
-            cfg,
-            dpo_algorithm(cfg),
-            lambda tok: load_preference_datasets(cfg, tok),
-            preference_collate_fn,
-        )
-    )
+    return run_preference_command(cfg, dpo_algorithm(cfg))

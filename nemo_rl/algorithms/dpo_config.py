@@ -22,7 +22,7 @@ class DPOConfig(DPOLossConfig, SupervisedLoopConfig):
 
 
 class PreferenceDataConfig(SupervisedDataConfig):
-    """Preference data of a DPO run (``data``): rows ``{prompt, chosen, rejected}`` (a text or a
+    """Preference data of a DPO or reward-model run (``data``): rows ``{prompt, chosen, rejected}`` (a text or a
     list of messages each) or NeMo RL's ``{context, completions}``. Without ``train_path``,
     questions of the synthetic arithmetic task with a correct (chosen) and a wrong (rejected)
     answer."""
@@ -41,26 +41,33 @@ class PreferenceDataConfig(SupervisedDataConfig):
         return self.prompt_key, self.chosen_key, self.rejected_key
 
 
-class DPOMasterConfig(SupervisedMasterConfig):
-    """Everything a DPO run reads; the root of a DPO recipe.
+class PreferenceMasterConfig(SupervisedMasterConfig):
+    """A recipe trained on preference pairs (DPO, RM): its ``data`` and the check that pairs
+    stay whole.
 
     As in NeMo RL, ``policy.train_global_batch_size`` and ``policy.train_micro_batch_size``
     count preference pairs: the policy trains on twice as many rows (chosen and rejected)."""
 
-    LOOP_SECTION: ClassVar[str] = "dpo"
-
-    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO loop and loss settings.")
     data: PreferenceDataConfig = Field(
         default_factory=PreferenceDataConfig, description="Preference data."
     )
 
     @model_validator(mode="after")
-    def _check_pairs_stay_whole(self) -> DPOMasterConfig:
+    def _check_pairs_stay_whole(self) -> PreferenceMasterConfig:
         """Token-budgeted micro-batches would split or reorder the (chosen, rejected) rows."""
         for key in ("dynamic_batching", "sequence_packing"):
             if getattr(self.policy, key).enabled:
                 raise ValueError(
-                    f"policy.{key}.enabled is not supported by DPO (its micro-batches would "
-                    "separate a pair's chosen and rejected rows); set it to false"
+                    f"policy.{key}.enabled is not supported by {self.LOOP_SECTION.upper()} (its "
+                    "micro-batches would separate a pair's chosen and rejected rows); set it to "
+                    "false"
                 )
         return self
+
+
+class DPOMasterConfig(PreferenceMasterConfig):
+    """Everything a DPO run reads; the root of a DPO recipe."""
+
+    LOOP_SECTION: ClassVar[str] = "dpo"
+
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO loop and loss settings.")

@@ -15,6 +15,7 @@ from nemo_rl.algorithms.loop_config import (
     ClusterConfig,
     check_checkpoint_metric,
     check_parallel_layout,
+    check_reward_head,
     derive_lr_decay_iters,
 )
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
@@ -368,6 +369,7 @@ class GRPOMasterConfig(ConfigModel):
                 f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
             )
         check_parallel_layout(self.policy, self.cluster)
+        check_reward_head(self.policy, "grpo", trains_reward_model=False)
         self._check_task()
         check_checkpoint_metric(
             self.checkpointing,

@@ -1,6 +1,6 @@
 """Config pieces every training algorithm shares: the cluster section, the checks of the parallel
 layout, the learning-rate horizon and the checkpoint metric, and the loop and data sections of the
-supervised algorithms (SFT, DPO) with NeMo RL's key names.
+supervised algorithms (SFT, DPO, RM) with NeMo RL's key names.
 """
 
 from __future__ import annotations
@@ -120,8 +120,24 @@ def check_checkpoint_metric(
         )
 
 
+def check_reward_head(policy: PolicyConfig, command: str, trains_reward_model: bool) -> None:
+    """``policy.reward_model_cfg.enabled`` is true exactly for the reward-model command (a
+    policy with a scalar head has no LM head to score tokens or generate with).
+
+    Raises:
+        ValueError: naming the key and the value ``command`` needs.
+    """
+    enabled = policy.reward_model_cfg.enabled
+    if enabled != trains_reward_model:
+        raise ValueError(
+            f"policy.reward_model_cfg.enabled={str(enabled).lower()} but `nemo-rl {command}` "
+            + ("trains a reward model: set it to true" if trains_reward_model else
+               "trains a language model (only `nemo-rl rm` trains a reward model): set it to false")
+        )
+
+
 class SupervisedLoopConfig(ConfigModel):
-    """Loop keys of the supervised algorithms (``sft``, ``dpo``; NeMo RL's names).
+    """Loop keys of the supervised algorithms (``sft``, ``dpo``, ``rm``; NeMo RL's names).
 
     The run trains ``min(max_num_steps, max_num_epochs x batches per epoch)`` steps.
     """
@@ -193,6 +209,7 @@ class SupervisedMasterConfig(ConfigModel):
     and ``data``."""
 
     LOOP_SECTION: ClassVar[str] = ""
+    TRAINS_REWARD_MODEL: ClassVar[bool] = False
 
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Machines.")
@@ -207,6 +224,7 @@ class SupervisedMasterConfig(ConfigModel):
         against DP, the checkpoint metric; then fill the learning-rate horizon."""
         section = self.LOOP_SECTION
         loop: SupervisedLoopConfig = getattr(self, section)
+        check_reward_head(self.policy, section, self.TRAINS_REWARD_MODEL)
         dp = check_parallel_layout(self.policy, self.cluster).dp
         val = loop.val_global_batch_size
         if loop.validates and (val % dp or (val // dp) % loop.val_micro_batch_size):

@@ -1,4 +1,4 @@
-"""The run of an algorithm that trains the policy on fixed data with one loss: SFT and DPO.
+"""The run of an algorithm that trains the policy on fixed data with one loss: SFT, DPO, RM.
 
 :func:`setup` builds a run (tokenizer, the algorithm's datasets, the resumable loader,
 validation batches, Ray, the policy's cluster, the policy, logger, checkpoints);
@@ -7,7 +7,7 @@ validation batches, Ray, the policy's cluster, the policy, logger, checkpoints);
 (train, shut down, report).
 
 A step takes one batch of ``train_global_batch_size`` samples (a sample is
-``rows_per_sample`` rows: 1 for SFT, a chosen and a rejected row for DPO), flattens its
+``rows_per_sample`` rows: 1 for SFT, a chosen and a rejected row for DPO and RM), flattens its
 conversations (loss on assistant tokens only), adds the reference policy's logprobs when the
 loss needs them and makes one optimizer step. Validation runs the same loss without updates
 (``eval_mode``) on each validation batch and averages the metrics over the batches.
@@ -34,7 +34,7 @@ class SupervisedAlgorithm:
     """What distinguishes one supervised algorithm from another.
 
     Attributes:
-        section: the recipe's loop section (``sft``, ``dpo``), a :class:`SupervisedLoopConfig`.
+        section: the recipe's loop section (``sft``, ``dpo``, ``rm``), a :class:`SupervisedLoopConfig`.
         loss_fn: the loss (``NLLLoss``, ``DPOLossFn``).
         rows_per_sample: policy rows per sample of ``train_global_batch_size``.
         needs_reference: the loss reads ``reference_policy_logprobs``.
@@ -66,7 +66,7 @@ class SupervisedRun:
 
     @property
     def loop(self) -> SupervisedLoopConfig:
-        """The run's loop section (``sft`` or ``dpo``)."""
+        """The run's loop section (``sft``, ``dpo`` or ``rm``)."""
         return getattr(self.cfg, self.algorithm.section)
 
     def loop_parts(self) -> LoopParts:

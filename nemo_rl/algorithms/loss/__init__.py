@@ -6,6 +6,7 @@ from nemo_rl.algorithms.loss.dpo import DPOLossConfig, DPOLossFn
 from nemo_rl.algorithms.loss.draft import DraftCrossEntropyLoss
 from nemo_rl.algorithms.loss.interfaces import LossFunction, LossInputType, LossType
 from nemo_rl.algorithms.loss.nll import NLLLoss
+from nemo_rl.algorithms.loss.preference import PreferenceLossFn
 
 __all__ = [
     "ClippedPGLossConfig",
@@ -19,4 +20,5 @@ __all__ = [
     "LossInputType",
     "LossType",
     "NLLLoss",
+    "PreferenceLossFn",
 ]

@@ -5,7 +5,8 @@ same prompt (row 2i chosen, row 2i+1 rejected). For each row, ``s`` is the sum o
 tokens of the policy logprobs, or their mean with ``preference_average_log_probs``; ``s_ref`` is
 the same for ``reference_policy_logprobs``. The implicit reward is
 ``reward = beta * (s - s_ref)`` (``beta * s`` with ``reference_free``) and the pair's loss is
-``-logsigmoid(reward_chosen - reward_rejected)``. The SFT term is the NLL of the chosen row
+``-logsigmoid(reward_chosen - reward_rejected)`` (:func:`~nemo_rl.algorithms.loss.preference.
+bradley_terry`). The SFT term is the NLL of the chosen row
 (token sum, or mean with ``sft_average_log_probs``). The total is
 ``preference_loss_weight * preference + sft_loss_weight * sft``, each averaged over valid pairs:
 a micro-batch divides its sum over pairs by ``global_valid_seqs / 2`` (``global_valid_seqs``
@@ -18,7 +19,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from nemo_rl.algorithms.loss._common import (
@@ -26,11 +26,10 @@ from nemo_rl.algorithms.loss._common import (
     global_count,
     logprob_input,
     masked_sum,
-    safe_divide,
-    sample_mask,
     valid_token_mask,
 )
 from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_rl.algorithms.loss.preference import Pairs, bradley_terry
 from nemo_rl.utils.config import ConfigModel, as_config
 
 if TYPE_CHECKING:
@@ -97,15 +96,8 @@ class DPOLossFn:
         c = self.cfg
         lp = logprob_input(kwargs, _OWNER)
         batch, seq = lp.shape
-        if batch % 2:
-            raise ValueError(
-                f"{_OWNER}: 'next_token_logprobs' needs an even batch (chosen/rejected pairs), got {batch} rows"
-            )
-        pairs = global_count(global_valid_seqs, "global_valid_seqs").to(lp.dtype) / 2
+        pairs = Pairs.of(data, batch, global_valid_seqs, lp.dtype, _OWNER)
         global_count(global_valid_toks, "global_valid_toks")
-        rows = sample_mask(data, batch, lp.dtype)
-        if not torch.equal(rows[0::2], rows[1::2]):
-            raise ValueError(f"{_OWNER}: 'sample_mask' must be equal for the chosen and rejected row of each pair")
         mask = valid_token_mask(data, batch, seq, lp.dtype)
         counts = mask.sum(-1).clamp_min(1)
 
@@ -117,24 +109,14 @@ class DPOLossFn:
         if not c.reference_free:
             ref = data_tensor(data, "reference_policy_logprobs", (batch, seq), _BS, floating=True).to(lp.dtype)
             score = score - sequence_score(ref, c.preference_average_log_probs)
-        rewards = c.reference_policy_kl_penalty * score
-        chosen, rejected = rewards[0::2], rewards[1::2]
-        pair_valid = rows[0::2]
-
-        def pair_mean(values: torch.Tensor) -> torch.Tensor:
-            return safe_divide(masked_sum(values, pair_valid), pairs)
-
-        preference = pair_mean(-F.logsigmoid(chosen - rejected))
-        sft = pair_mean(-sequence_score(lp, c.sft_average_log_probs)[0::2])
+        preference, reward_metrics = bradley_terry(c.reference_policy_kl_penalty * score, pairs)
+        sft = pairs.mean(-sequence_score(lp, c.sft_average_log_probs)[0::2])
         loss = c.preference_loss_weight * preference + c.sft_loss_weight * sft
-        with torch.no_grad():
-            metrics = {
-                "loss": float(loss),
-                "preference_loss": float(preference),
-                "sft_loss": float(sft),
-                "rewards_chosen_mean": float(pair_mean(chosen)),
-                "rewards_rejected_mean": float(pair_mean(rejected)),
-                "accuracy": float(pair_mean((chosen > rejected).to(lp.dtype))),
-                "num_valid_samples": float(rows.sum()),
-            }
+        metrics = {
+            "loss": float(loss),
+            "preference_loss": float(preference),
+            "sft_loss": float(sft),
+            **reward_metrics,
+            "num_valid_samples": float(pairs.rows.sum()),
+        }
         return loss, metrics

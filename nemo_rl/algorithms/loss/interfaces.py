@@ -37,6 +37,8 @@ class LossInputType(enum.Enum):
     LOGPROB = "logprob"
     """``next_token_logprobs``: [batch, seq]; position 0 is 0 (nothing predicts it).
     ``ClippedPGLossFn`` also takes NeMo RL's [batch, seq - 1], aligned with ``data[:, 1:]``."""
+    REWARD = "reward"
+    """``rewards``: [batch], a scalar head's value at each row's last real token."""
     DISTILLATION = "distillation"
     """``student_topk_logprobs``, ``teacher_topk_logprobs``: [batch, seq, k]; ``H_all``."""
     DRAFT = "draft"
@@ -69,7 +71,7 @@ class LossFunction(Protocol):
             global_valid_seqs: scalar, number of valid sequences in the global batch.
             global_valid_toks: scalar, number of valid tokens in the global batch.
             **kwargs: model outputs, by ``input_type``: LOGPROB ``next_token_logprobs``;
-                LOGIT ``logits``; DISTILLATION ``student_topk_logprobs``,
+                LOGIT ``logits``; REWARD ``rewards``; DISTILLATION ``student_topk_logprobs``,
                 ``teacher_topk_logprobs``, ``H_all``; DRAFT ``teacher_logits``,
                 ``student_logits``, ``mask``.
 

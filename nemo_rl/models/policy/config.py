@@ -207,6 +207,21 @@ class TokenizerConfig(ConfigModel):
     )
 
 
+class RewardModelConfig(ConfigModel):
+    """The policy as a reward model (``policy.reward_model_cfg``, NeMo RL's keys): the decoder
+    with a scalar score head (``[1, hidden]``, initialised N(0, initializer_range^2) from the
+    loop's seed) in place of the LM head. Only ``nemo-rl rm`` trains one."""
+
+    enabled: bool = Field(
+        default=False, description="Replace the LM head by a scalar reward head."
+    )
+    reward_model_type: Literal["bradley_terry"] = Field(
+        default="bradley_terry",
+        description="How the reward is trained: 'bradley_terry' (-log sigmoid(r_chosen - "
+        "r_rejected) on preference pairs).",
+    )
+
+
 class PolicyConfig(ConfigModel):
     """The model being trained and how it is batched, trained and sampled (``policy``)."""
 
@@ -242,6 +257,9 @@ class PolicyConfig(ConfigModel):
     )
     megatron_cfg: MegatronConfig = Field(
         default_factory=MegatronConfig, description="Megatron-Core backend settings."
+    )
+    reward_model_cfg: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="The policy as a reward model."
     )
     dynamic_batching: DynamicBatchingConfig = Field(
         default_factory=DynamicBatchingConfig, description="Token-budgeted micro-batching."

@@ -11,6 +11,7 @@ from nemo_rl.algorithms.loss import (
     LossInputType,
     LossType,
     NLLLoss,
+    PreferenceLossFn,
 )
 
 
@@ -19,6 +20,7 @@ def test_enum_values() -> None:
     assert {t.name: t.value for t in LossInputType} == {
         "LOGIT": "logit",
         "LOGPROB": "logprob",
+        "REWARD": "reward",
         "DISTILLATION": "distillation",
         "DRAFT": "draft",
     }
@@ -45,6 +47,7 @@ def test_losses_follow_protocol() -> None:
         ClippedPGLossFn(pg_cfg): LossInputType.LOGPROB,
         NLLLoss(): LossInputType.LOGPROB,
         DPOLossFn(dpo_cfg): LossInputType.LOGPROB,
+        PreferenceLossFn(): LossInputType.REWARD,
         DistillationLossFn({"kl_type": "forward"}): LossInputType.DISTILLATION,
         DraftCrossEntropyLoss(): LossInputType.DRAFT,
     }

@@ -10,7 +10,6 @@ for token, and the final message logs hold exactly what the engine generated.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -140,9 +140,10 @@ def test_command_is_required_and_excludes_attach(capsys: pytest.CaptureFixture[s
     [
         ("sft", '{"conversation": []}', "row 0 has no field 'messages'"),
         ("dpo", '{"prompt": "What is 1 + 1?", "chosen": "2"}', "row 0: no field 'rejected'"),
+        ("rm", '{"prompt": "What is 1 + 1?", "chosen": "2"}', "row 0: no field 'rejected'"),
     ],
 )
-def test_dry_run_reads_sft_and_dpo_data_before_queueing(
+def test_dry_run_reads_sft_dpo_and_rm_data_before_queueing(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, row: str, needle: str
 ) -> None:
     recipe = str(REPO / f"configs/{command}_tiny_cpu.yaml")

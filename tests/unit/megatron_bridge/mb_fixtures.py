@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from nemo_rl.models.tiny import build_tiny_model
 from random_checkpoints import perturb_norms_and_biases
+
+if TYPE_CHECKING:
+    from megatron_bridge import BridgeConfig
 
 SIZES = dict(
     hidden_size=128,
@@ -38,7 +42,7 @@ VOCAB = dict(vocab_size=1000, eos_token_id=2, pad_token_id=0, bos_token_id=None)
 
 def tiny_bridge(
     architecture: str = "LlamaForCausalLM", drop: tuple[str, ...] = (), **fields
-) -> "BridgeConfig":
+) -> BridgeConfig:
     """A :class:`BridgeConfig` of a tiny model of ``architecture`` (sizes only, no
     checkpoint), with ``fields`` added to or replacing its config.json fields and the fields
     ``drop`` left out."""

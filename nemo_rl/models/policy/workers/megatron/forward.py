@@ -219,6 +219,28 @@ def _to_batch_layout(row: Tensor, inputs: ModelInputs) -> Tensor:
     return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def rewards_from_outputs(values: Tensor, inputs: ModelInputs) -> Tensor:
+    """``[B]`` float32 rewards: a scalar head's value at each row's last real token.
+
+    Args:
+        values: ``[b, t_local, 1]`` outputs of the model's scalar head (the same on every TP
+            rank), CP-local.
+        inputs: what :func:`build_model_inputs` made for the same micro-batch.
+    """
+    from megatron.core import parallel_state
+
+    row = values[..., 0].float()
+    if inputs.local_positions is not None:
+        row = _GatherContextParallel.apply(
+            row, inputs.local_positions, inputs.all_positions,
+            parallel_state.get_context_parallel_group(),
+        )
+    last = inputs.lengths.to(row.device) - 1
+    if inputs.sample_offsets is None:
+        return row[torch.arange(last.numel(), device=row.device), last]
+    return row[0, inputs.sample_offsets.to(row.device) + last]
+
+
 def run_micro_batches(
     model: Any,
     inputs: list[ModelInputs],

@@ -308,6 +308,26 @@ def effective_optimizer_config(
     return opt_cfg
 
 
+def attach_score_head(
+    model: torch.nn.Module, bridge: BridgeConfig, model_path: str, seed: int
+) -> BridgeConfig:
+    """Turn the loaded causal LM into a reward model (:mod:`.reward_head`); returns the bridge
+    its checkpoints record: the model as an HF sequence classifier with one label, whose
+    ``pad_token_id`` is the tokenizer's (its EOS when it has no pad token)."""
+    from transformers import AutoTokenizer
+
+    from nemo_rl.models.policy.workers.megatron.reward_head import (
+        attach_reward_head,
+        initial_head_weight,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    std = float(bridge.resolved.get("initializer_range", 0.02))
+    attach_reward_head(model, initial_head_weight(model.config.hidden_size, std, seed))
+    return bridge.as_sequence_classifier(pad)
+
+
 def setup_policy_model(config: PolicyConfig, model_path: str, seed: int) -> PolicyModel:
     """Process groups, model stage with HF weights, DDP, optimizer and scheduler for this rank.
 
@@ -320,6 +340,8 @@ def setup_policy_model(config: PolicyConfig, model_path: str, seed: int) -> Poli
     dtype = dtype_from_name(config.precision)
     layout = init_parallel_from_env(mcfg, seed)
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
+    if config.reward_model_cfg.enabled:
+        bridge = attach_score_head(model, bridge, model_path, seed)
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)

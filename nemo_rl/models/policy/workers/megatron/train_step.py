@@ -9,7 +9,7 @@ losses sum to the global loss however the batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from nemo_rl.models.policy.workers.megatron.forward import (
     ModelInputs,
     build_model_inputs,
     logprobs_from_logits,
+    rewards_from_outputs,
     run_micro_batches,
 )
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
@@ -158,10 +159,12 @@ def train_global_batch(
     """
     from megatron.core import parallel_state
 
-    if loss_fn.input_type != LossInputType.LOGPROB:
+    rewards = loss_fn.input_type == LossInputType.REWARD
+    if loss_fn.input_type != LossInputType.LOGPROB and not rewards:
         raise ValueError(
-            f"the Megatron worker trains losses with input_type LOGPROB, got "
-            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, DPOLossFn)"
+            f"the Megatron worker trains losses with input_type LOGPROB or REWARD, got "
+            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, "
+            "DPOLossFn) or, with policy.reward_model_cfg.enabled, PreferenceLossFn"
         )
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
@@ -171,10 +174,15 @@ def train_global_batch(
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=eval_mode)
-        loss, metrics = loss_fn(
-            mbs_data[index], valid_seqs, valid_toks, next_token_logprobs=logprobs
-        )
+        if rewards:
+            outputs = {"rewards": rewards_from_outputs(logits, inputs[index])}
+        else:
+            outputs = {
+                "next_token_logprobs": logprobs_from_logits(
+                    logits, inputs[index], inference_only=eval_mode
+                )
+            }
+        loss, metrics = loss_fn(mbs_data[index], valid_seqs, valid_toks, **outputs)
         return loss, {"loss": float(loss.detach()), "metrics": metrics}
 
     model = policy.model
@@ -205,6 +213,31 @@ def train_global_batch(
     }
 
 
+def _forward_only(
+    policy: PolicyModel,
+    data: BatchedDataDict,
+    mbs: int,
+    packing_enabled: bool,
+    per_micro_batch: Callable[[Tensor, ModelInputs], Tensor],
+) -> list[Tensor] | None:
+    """``per_micro_batch(model output, inputs)`` of every micro-batch of ``data`` in row order
+    (no grad), as float32 CPU tensors on the last pipeline stage; None on the others."""
+    from megatron.core import parallel_state
+
+    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
+    inputs = model_inputs(policy, mbs_data, packed)
+
+    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        return logits.new_zeros(()), {"values": per_micro_batch(logits, inputs[index])}
+
+    policy.model.eval()
+    with torch.no_grad():
+        outputs = run_micro_batches(policy.model, inputs, True, on_logits)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return [out["values"].float().cpu() for out in outputs]
+
+
 def compute_logprobs(
     policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
 ) -> Tensor | None:
@@ -213,26 +246,31 @@ def compute_logprobs(
     Returns:
         The logprobs on the last pipeline stage, None on the others.
     """
-    from megatron.core import parallel_state
-
-    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
-    inputs = model_inputs(policy, mbs_data, packed)
-
-    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=True)
-        return logits.new_zeros(()), {"logprobs": logprobs}
-
-    policy.model.eval()
-    with torch.no_grad():
-        outputs = run_micro_batches(policy.model, inputs, True, on_logits)
-    if not parallel_state.is_pipeline_last_stage():
+    parts = _forward_only(
+        policy, data, mbs, packing_enabled,
+        lambda logits, inputs: logprobs_from_logits(logits, inputs, inference_only=True),
+    )
+    if parts is None:
         return None
     seq = data["input_ids"].shape[1]
-    rows = []
-    for out in outputs:
-        lp = out["logprobs"].float().cpu()
-        rows.append(torch.nn.functional.pad(lp, (0, seq - lp.shape[1])) if lp.shape[1] < seq else lp[:, :seq])
+    rows = [
+        torch.nn.functional.pad(lp, (0, seq - lp.shape[1])) if lp.shape[1] < seq else lp[:, :seq]
+        for lp in parts
+    ]
     return torch.cat(rows, dim=0)
+
+
+def compute_rewards(
+    policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
+) -> Tensor | None:
+    """``[B]`` float32 rewards of ``data``'s rows (a reward model's scalar head at each row's
+    last real token), in row order, no grad.
+
+    Returns:
+        The rewards on the last pipeline stage, None on the others.
+    """
+    parts = _forward_only(policy, data, mbs, packing_enabled, rewards_from_outputs)
+    return None if parts is None else torch.cat(parts)
 
 
 def iterate_steps(
