@@ -1,0 +1,99 @@
+"""The preference algorithms at TP=2 and PP=2 (two gloo processes) against TP=1: one step of the
+reward model (Bradley-Terry) gives the same loss, metrics, grad norm and rewards, one DPO step
+the same loss, metrics and grad norm (1e-5)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+
+PAIRS, SEQ = 4, 12
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name: (tp, pp); dp2 is a TP=1 model
+
+
+def make_batch() -> Any:
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, SEQ + 1, (2 * PAIRS,), generator=gen)
+    ids = torch.randint(3, 1000, (2 * PAIRS, SEQ), generator=gen)
+    ids[torch.arange(SEQ)[None, :] >= lengths[:, None]] = 0
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=torch.ones(2 * PAIRS, SEQ),
+        sample_mask=torch.ones(2 * PAIRS),
+        # DPO's frozen reference, as data: the same on every layout
+        reference_policy_logprobs=-torch.rand(2 * PAIRS, SEQ, generator=gen),
+    )
+
+
+def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+    from nemo_rl.algorithms.loss import DPOLossFn, PreferenceLossFn
+    from nemo_rl.models.policy.config import PolicyConfig
+    from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+    from nemo_rl.models.policy.workers.megatron.train_step import compute_rewards, iterate_steps
+
+    results = {}
+    for name, (tp, pp) in LAYOUTS.items():
+        for algorithm in ("rm", "dpo"):
+            os.environ.update(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name, algorithm])
+            )
+            config = PolicyConfig(
+                model_name=model_path,
+                train_global_batch_size=PAIRS,
+                train_micro_batch_size=1,
+                max_total_sequence_length=SEQ,
+                precision="float32",
+                reward_model_cfg={"enabled": algorithm == "rm"},
+                megatron_cfg={
+                    "tensor_model_parallel_size": tp,
+                    "pipeline_model_parallel_size": pp,
+                    "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
+                },
+            )
+            policy = setup_policy_model(config, model_path, seed=3)
+            dp = policy.layout.dp
+            batch = make_batch()
+            shard = batch.get_batch(rank, batch.size // dp) if dp > 1 else batch
+            if algorithm == "rm":
+                rewards = compute_rewards(policy, shard, 2, False)
+                loss_fn: Any = PreferenceLossFn()
+            else:
+                rewards, loss_fn = None, DPOLossFn({"reference_policy_kl_penalty": 0.1})
+            (step,) = iterate_steps(policy, shard, loss_fn, 2 * PAIRS, 2, False, False)
+            results[name, algorithm] = {"step": step, "rewards": rewards}
+            destroy_megatron_parallel()
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("rm_parallel")
+    ports = {(name, a): find_free_port() for name in LAYOUTS for a in ("rm", "dpo")}
+    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), ports), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["rm", "dpo"])
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_one_step_matches_tp1(results: list[dict], name: str, algorithm: str) -> None:
+    reference = results[0]["dp2", algorithm]["step"]  # both DP ranks hold the global sums
+    last = results[1][name, algorithm]  # rank 1 is a last pipeline stage in every layout
+    for key in ("loss", "grad_norm"):
+        assert last["step"][key] == pytest.approx(reference[key], abs=1e-5), key
+    assert reference["metrics"]  # DPO: accuracy, rewards_chosen_mean, ...
+    for key, value in reference["metrics"].items():
+        assert last["step"]["metrics"][key] == pytest.approx(value, abs=1e-5), key
+    if algorithm == "rm":
+        tp1 = torch.cat([results[0]["dp2", "rm"]["rewards"], results[1]["dp2", "rm"]["rewards"]])
+        torch.testing.assert_close(last["rewards"], tp1, rtol=0, atol=1e-5)
