@@ -9,7 +9,7 @@ losses sum to the global loss however the batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +20,10 @@ from megatron_bridge.parallel_state import collective_device
 
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.policy.workers.megatron.distillation import (
+    distillation_loss_inputs,
+    teacher_topk,
+)
 from nemo_rl.models.policy.workers.megatron.forward import (
     ModelInputs,
     build_model_inputs,
@@ -158,10 +162,11 @@ def train_global_batch(
     """
     from megatron.core import parallel_state
 
-    if loss_fn.input_type != LossInputType.LOGPROB:
+    if loss_fn.input_type not in (LossInputType.LOGPROB, LossInputType.DISTILLATION):
         raise ValueError(
-            f"the Megatron worker trains losses with input_type LOGPROB, got "
-            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, DPOLossFn)"
+            f"the Megatron worker trains losses with input_type LOGPROB or DISTILLATION, got "
+            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, "
+            "DPOLossFn) or DistillationLossFn"
         )
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
@@ -171,9 +176,11 @@ def train_global_batch(
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=eval_mode)
         loss, metrics = loss_fn(
-            mbs_data[index], valid_seqs, valid_toks, next_token_logprobs=logprobs
+            mbs_data[index],
+            valid_seqs,
+            valid_toks,
+            **loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode),
         )
         return loss, {"loss": float(loss.detach()), "metrics": metrics}
 
@@ -205,6 +212,53 @@ def train_global_batch(
     }
 
 
+def loss_inputs(
+    loss_fn: Any, logits: Tensor, inputs: ModelInputs, mb: BatchedDataDict, eval_mode: bool
+) -> dict[str, Tensor]:
+    """The model outputs ``loss_fn`` takes (by its ``input_type``) from a micro-batch's logits:
+    ``next_token_logprobs`` ``[B, S]`` (LOGPROB), or the top-k distillation inputs against the
+    teacher's ``teacher_topk_logits`` / ``teacher_topk_indices`` of ``mb`` (DISTILLATION, at
+    ``loss_fn.cfg.temperature`` and ``zero_outside_topk``)."""
+    if loss_fn.input_type == LossInputType.DISTILLATION:
+        return distillation_loss_inputs(
+            logits, inputs, mb, loss_fn.cfg.temperature, loss_fn.cfg.zero_outside_topk
+        )
+    return {"next_token_logprobs": logprobs_from_logits(logits, inputs, inference_only=eval_mode)}
+
+
+def _score(
+    policy: PolicyModel,
+    data: BatchedDataDict,
+    mbs: int,
+    packing_enabled: bool,
+    score: Callable[[Tensor, ModelInputs], dict[str, Tensor]],
+) -> dict[str, Tensor] | None:
+    """Per-row tensors ``score(logits, inputs)`` of every micro-batch of ``data`` (no grad),
+    each ``[b, S, ...]`` cut or zero-padded to ``data``'s ``S`` and concatenated in row order
+    on the CPU; None off the last pipeline stage."""
+    from megatron.core import parallel_state
+
+    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
+    inputs = model_inputs(policy, mbs_data, packed)
+
+    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        return logits.new_zeros(()), score(logits, inputs[index])
+
+    policy.model.eval()
+    with torch.no_grad():
+        outputs = run_micro_batches(policy.model, inputs, True, on_logits)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    seq = data["input_ids"].shape[1]
+
+    def fit(value: Tensor) -> Tensor:
+        value = value.cpu()[:, :seq]
+        missing = seq - value.shape[1]
+        return torch.cat([value, value.new_zeros(value.shape[0], missing, *value.shape[2:])], 1)
+
+    return {key: torch.cat([fit(out[key]) for out in outputs]) for key in outputs[0]}
+
+
 def compute_logprobs(
     policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
 ) -> Tensor | None:
@@ -213,26 +267,27 @@ def compute_logprobs(
     Returns:
         The logprobs on the last pipeline stage, None on the others.
     """
-    from megatron.core import parallel_state
 
-    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
-    inputs = model_inputs(policy, mbs_data, packed)
+    def score(logits: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
+        return {"logprobs": logprobs_from_logits(logits, inputs, inference_only=True).float()}
 
-    def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        logprobs = logprobs_from_logits(logits, inputs[index], inference_only=True)
-        return logits.new_zeros(()), {"logprobs": logprobs}
+    out = _score(policy, data, mbs, packing_enabled, score)
+    return None if out is None else out["logprobs"]
 
-    policy.model.eval()
-    with torch.no_grad():
-        outputs = run_micro_batches(policy.model, inputs, True, on_logits)
-    if not parallel_state.is_pipeline_last_stage():
-        return None
-    seq = data["input_ids"].shape[1]
-    rows = []
-    for out in outputs:
-        lp = out["logprobs"].float().cpu()
-        rows.append(torch.nn.functional.pad(lp, (0, seq - lp.shape[1])) if lp.shape[1] < seq else lp[:, :seq])
-    return torch.cat(rows, dim=0)
+
+def compute_topk_logits(
+    policy: PolicyModel, data: BatchedDataDict, mbs: int, k: int, temperature: float
+) -> dict[str, Tensor] | None:
+    """``topk_logits`` (float32 logprobs at ``temperature``) and ``topk_indices`` (int64),
+    ``[B, S, k]`` each, of ``data`` in its row order (no grad; see
+    :func:`~nemo_rl.models.policy.workers.megatron.distillation.teacher_topk`); None off the
+    last pipeline stage."""
+
+    def score(logits: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
+        values, ids = teacher_topk(logits, inputs, k, temperature)
+        return {"topk_logits": values, "topk_indices": ids}
+
+    return _score(policy, data, mbs, False, score)
 
 
 def iterate_steps(
