@@ -73,7 +73,7 @@ def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
     )
 
 
-def teacher_topk(components: DistillationComponents, batch: BatchedDataDict) -> BatchedDataDict:
+def add_teacher_topk(components: DistillationComponents, batch: BatchedDataDict) -> BatchedDataDict:
     """``batch`` with the teacher's ``teacher_topk_logits`` and ``teacher_topk_indices``
     ``[B, S, k]`` of its tokens."""
     cfg = components.cfg
@@ -102,7 +102,7 @@ def distillation_step(
 
         # teacher top-k on the student's tokens
         with timer.time("teacher_logprobs"):
-            batch = teacher_topk(components, batch)
+            batch = add_teacher_topk(components, batch)
 
         # train the student on the KL to the teacher
         policy.prepare_for_training()
