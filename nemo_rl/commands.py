@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.rm_config import RMMasterConfig
@@ -83,6 +84,12 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         "nemo_rl.algorithms.rm",
         "run",
         check_inputs="nemo_rl.algorithms.dpo:check_preference_inputs",
+    ),
+    "distillation": RecipeCommand(
+        DistillationMasterConfig,
+        "nemo_rl.algorithms.distillation",
+        "run",
+        check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
     ),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }

@@ -14,15 +14,21 @@ checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nemo_rl.algorithms import training_loop
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.grpo_inputs import load_run_inputs
-from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig, RolloutMasterConfig
+from nemo_rl.algorithms.grpo_inputs import RunInputs, load_run_inputs
+from nemo_rl.algorithms.grpo_step.components import (
+    GRPOComponents,
+    RolloutComponents,
+    uses_reference_policy,
+)
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
@@ -38,7 +44,7 @@ from nemo_rl.utils.run_stop import RunStopped
 SFT_WARMUP_DIR = "sft_warmup"
 
 
-def _cluster_shape(cfg: GRPOMasterConfig) -> tuple[list[int], bool, float]:
+def _cluster_shape(cfg: RolloutMasterConfig) -> tuple[list[int], bool, float]:
     """Bundles per node, whether they hold GPUs, and CPUs per bundle.
 
     Colocated: the one cluster takes half a node's CPUs (the rest is left to the environments
@@ -70,23 +76,34 @@ def _cluster_shape(cfg: GRPOMasterConfig) -> tuple[list[int], bool, float]:
     return [per_node] * c.num_nodes, use_gpus, cluster_cpus / per_node
 
 
-def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
-    """Data, Ray, clusters, policy, generation engines, environments, loss, logger and
-    checkpoints of a run; resumes from the latest checkpoint when checkpointing is enabled.
+def start_rollout_run(
+    cfg: RolloutMasterConfig,
+    inputs: RunInputs,
+    init_reference_model: bool,
+    extra_train_groups: int = 0,
+    policy_factory: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+    """The parts every rollout-trained run starts the same way: prompt loader and validation
+    batches, Ray, clusters, the policy, the generation engines, environments and logger.
 
-    Raises:
-        ConfigError: before anything starts, when the latest checkpoint was trained on another
-            model or data than ``cfg`` names (:func:`~nemo_rl.utils.run_config.check_resume`).
+    Args:
+        inputs: the run's model folder, tokenizer and prompts (:func:`load_run_inputs`).
+        init_reference_model: the policy keeps its initial weights as the reference policy.
+        extra_train_groups: further worker groups the caller puts on the policy's bundles
+            (a distillation teacher).
+        policy_factory: ``(cluster, policy_cfg, init_reference_model=, seed=)`` -> the policy;
+            None: :class:`~nemo_rl.models.policy.lm_policy.Policy`.
+
+    Returns:
+        The matching fields of :class:`~nemo_rl.algorithms.grpo_step.components.
+        RolloutComponents` (``tokenizer``, ``pad_token_id``, ``policy``, ``generation``,
+        ``task_to_env``, ``train_loader``, ``val_batches``, ``logger``, ``clusters``; the
+        policy's cluster first).
 
     Colocated generation (``policy.generation.colocated.enabled``) puts the engines on the
     policy's bundles; otherwise they get a cluster of the same shape of their own.
     """
     from nemo_rl.data.dataloader import StatefulPromptLoader
-    from nemo_rl.data.datasets import (
-        check_prompt_lengths,
-        setup_demonstration_dataset,
-        setup_synthetic_sft_dataset,
-    )
     from nemo_rl.data.llm_message_utils import rl_collate_fn
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
@@ -95,35 +112,16 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     from nemo_rl.models.generation.vllm import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
     from nemo_rl.utils.logger import Logger
-    from nemo_rl.utils.timer import Timer
 
-    checkpointer = training_loop.open_checkpointer(cfg)
-    inputs = load_run_inputs(cfg)
-    model_path, tokenizer, pad = inputs.model_path, inputs.tokenizer, inputs.pad_token_id
-    train, val = inputs.train, inputs.val
+    loop = cfg.loop
     loader = StatefulPromptLoader(
-        train, cfg.grpo.prompts_per_generation_batch, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle
+        inputs.train, loop.prompts_per_generation_batch, seed=loop.seed, shuffle=cfg.data.shuffle
     )
     val_batches: list[BatchedDataDict] = []
-    if val is not None and (cfg.grpo.val_period or cfg.grpo.val_at_start):
-        rows = [val[i] for i in range(min(len(val), cfg.grpo.max_val_samples))]
-        size = cfg.grpo.val_batch_size
+    if inputs.val is not None and loop.validates:
+        rows = [inputs.val[i] for i in range(min(len(inputs.val), loop.max_val_samples))]
+        size = loop.val_batch_size
         val_batches = [rl_collate_fn(rows[i : i + size]) for i in range(0, len(rows), size)]
-
-    sft_loader = None
-    if cfg.sft_warmup.enabled:
-        warmup = cfg.sft_warmup
-        sft_set = (
-            setup_synthetic_sft_dataset(cfg.data, tokenizer, warmup.num_samples)
-            if warmup.train_path is None
-            else setup_demonstration_dataset(
-                cfg.data, warmup.train_path, tokenizer, warmup.response_key
-            )
-        )
-        check_prompt_lengths(sft_set, cfg.policy.max_total_sequence_length)
-        sft_loader = StatefulPromptLoader(
-            sft_set, cfg.sft_warmup.global_batch_size, seed=cfg.grpo.seed, shuffle=True
-        )
 
     # Under `nemo-rl launch` (RAY_ADDRESS set) the cluster exists and has its own CPU count.
     local_cpus = cfg.cluster.cpus_per_node if cfg.cluster.gpus_per_node == 0 else None
@@ -131,29 +129,27 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     bundles, use_gpus, cpus = _cluster_shape(cfg)
     colocated = cfg.policy.generation.colocated.enabled
     train_cluster = RayVirtualCluster(
-        bundles, use_gpus, cpus, max_colocated_worker_groups=2 if colocated else 1, name="policy"
+        bundles,
+        use_gpus,
+        cpus,
+        max_colocated_worker_groups=(2 if colocated else 1) + extra_train_groups,
+        name="policy",
     )
     clusters = [train_cluster]
     if not colocated:
         clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation"))
-    policy_cls, extra = Policy, {}
-    if cfg.data_plane.enabled:
-        from nemo_rl.models.policy.tq_policy import TQPolicy
-
-        policy_cls, extra = TQPolicy, {"dp_cfg": cfg.data_plane}
-
     def start_policy() -> Any:
-        return policy_cls(
-            train_cluster,
-            cfg.policy,
-            init_reference_model=uses_reference_policy(cfg),
-            seed=cfg.grpo.seed,
-            **extra,
+        return (policy_factory or Policy)(
+            train_cluster, cfg.policy, init_reference_model=init_reference_model, seed=loop.seed
         )
 
     def start_generation() -> VllmGeneration:
         return VllmGeneration(
-            clusters[-1], cfg.policy.generation, model_path, pad_token_id=pad, seed=cfg.grpo.seed
+            clusters[-1],
+            cfg.policy.generation,
+            inputs.model_path,
+            pad_token_id=inputs.pad_token_id,
+            seed=loop.seed,
         )
 
     # Engines colocated on GPUs size their KV cache from the memory free when they start: the
@@ -164,33 +160,78 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         policy, generation = start_together(start_policy, start_generation)
     logger = Logger(cfg.logger)
     logger.log_hyperparams(cfg.model_dump())
+    return {
+        "tokenizer": inputs.tokenizer,
+        "pad_token_id": inputs.pad_token_id,
+        "policy": policy,
+        "generation": generation,
+        "task_to_env": create_environments(cfg.env),
+        "train_loader": loader,
+        "val_batches": val_batches,
+        "logger": logger,
+        "clusters": clusters,
+    }
+
+
+def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
+    """Data, Ray, clusters, policy, generation engines, environments, loss, logger and
+    checkpoints of a run (:func:`start_rollout_run`), the SFT warm start's data; resumes from
+    the latest checkpoint when checkpointing is enabled.
+
+    Raises:
+        ConfigError: before anything starts, when the latest checkpoint was trained on another
+            model or data than ``cfg`` names (:func:`~nemo_rl.utils.run_config.check_resume`).
+    """
+    from nemo_rl.data.dataloader import StatefulPromptLoader
+    from nemo_rl.data.datasets import (
+        check_prompt_lengths,
+        setup_demonstration_dataset,
+        setup_synthetic_sft_dataset,
+    )
+    from nemo_rl.utils.timer import Timer
+
+    checkpointer = training_loop.open_checkpointer(cfg)
+    inputs = load_run_inputs(cfg)
+    sft_loader = None
+    if cfg.sft_warmup.enabled:
+        warmup = cfg.sft_warmup
+        sft_set = (
+            setup_synthetic_sft_dataset(cfg.data, inputs.tokenizer, warmup.num_samples)
+            if warmup.train_path is None
+            else setup_demonstration_dataset(
+                cfg.data, warmup.train_path, inputs.tokenizer, warmup.response_key
+            )
+        )
+        check_prompt_lengths(sft_set, cfg.policy.max_total_sequence_length)
+        sft_loader = StatefulPromptLoader(
+            sft_set, cfg.sft_warmup.global_batch_size, seed=cfg.grpo.seed, shuffle=True
+        )
+    policy_factory = None
+    if cfg.data_plane.enabled:
+        from nemo_rl.models.policy.tq_policy import TQPolicy
+
+        policy_factory = functools.partial(TQPolicy, dp_cfg=cfg.data_plane)
+    parts = start_rollout_run(
+        cfg, inputs, uses_reference_policy(cfg), policy_factory=policy_factory
+    )
     return GRPOComponents(
         cfg=cfg,
-        tokenizer=tokenizer,
-        pad_token_id=pad,
-        policy=policy,
-        generation=generation,
-        task_to_env=create_environments(cfg.env),
-        train_loader=loader,
-        val_batches=val_batches,
         loss_fn=ClippedPGLossFn(cfg.loss_fn),
-        logger=logger,
         checkpointer=checkpointer,
         timer=Timer(),
-        clusters=clusters,
         sft_loader=sft_loader,
+        **parts,
     )
 
 
-def loop_parts(components: GRPOComponents) -> LoopParts:
-    """What the shared training loop reads of a GRPO run."""
-    return training_loop.loop_parts(
-        components, components.cfg.grpo, components.cfg.grpo.max_num_steps
-    )
+def loop_parts(components: RolloutComponents) -> LoopParts:
+    """What the shared training loop reads of a run trained on rollouts (its loop section)."""
+    loop = components.cfg.loop
+    return training_loop.loop_parts(components, loop, loop.max_num_steps)
 
 
-def checkpoint_info(components: GRPOComponents, metrics: dict[str, float]) -> dict[str, Any]:
-    """GRPO's entries of a checkpoint's training info: the engines' sampling step (their
+def checkpoint_info(components: RolloutComponents, metrics: dict[str, float]) -> dict[str, Any]:
+    """A rollout-trained run's entries of a checkpoint's training info: the engines' sampling step (their
     sampling seeds follow their call count: resume must continue it) and ``val_reward`` (the
     validation accuracy) when validation reports no reward of its own."""
     info: dict[str, Any] = {"generation_sampling_step": components.generation.sampling_step}
@@ -233,7 +274,17 @@ def restore_checkpoint(components: GRPOComponents) -> int:
         components.policy.load_checkpoint(str(warm))
         components.policy.snapshot_reference_policy()
 
-    step, info = training_loop.restore_checkpoint(loop_parts(components), reload_warm_reference)
+    return restore_rollout_checkpoint(components, reload_warm_reference)
+
+
+def restore_rollout_checkpoint(
+    components: RolloutComponents, before_policy_load: Callable[[Path], None] | None = None
+) -> int:
+    """Resume a rollout-trained run from the checkpoint the manager picks
+    (:func:`~nemo_rl.algorithms.training_loop.restore_checkpoint`) and continue the engines'
+    sampling step (stale engines take the restored weights first); returns the step (0
+    without a checkpoint)."""
+    step, info = training_loop.restore_checkpoint(loop_parts(components), before_policy_load)
     if info:
         components.generation_stale = True
         components.generation.sampling_step = int(info["generation_sampling_step"])
@@ -319,7 +370,7 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
             store.close()
 
 
-def shutdown(components: GRPOComponents) -> None:
+def shutdown(components: RolloutComponents) -> None:
     """Stop engines, policy workers, environments and clusters; close the logger."""
     from nemo_rl.environments.utils import shutdown_environments
 
@@ -331,8 +382,14 @@ def shutdown(components: GRPOComponents) -> None:
     components.logger.close()
 
 
-def run(cfg: GRPOMasterConfig) -> int | None:
-    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down.
+def run_rollout_command(
+    components: RolloutComponents,
+    train: Callable[[], dict[str, float]],
+    stop: Callable[[], None],
+    curves: tuple[tuple[str, str], tuple[str, str]],
+) -> int | None:
+    """Train a set-up run, shut it down (``stop``, then Ray) and report where its logs, plot
+    ``reward_curve.png`` of ``curves`` and checkpoints are.
 
     Returns:
         None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
@@ -340,19 +397,29 @@ def run(cfg: GRPOMasterConfig) -> int | None:
     """
     from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 
-    components = setup(cfg)
     try:
-        final = grpo_train(components)
-    except RunStopped as stop:
-        print(stop)
-        return stop.code
+        final = train()
+    except RunStopped as stopped:
+        print(stopped)
+        return stopped.code
     finally:
-        shutdown(components)
+        stop()
         shutdown_ray()
-    training_loop.report_finished(
-        loop_parts(components),
-        final,
-        "reward_curve.png",
+    training_loop.report_finished(loop_parts(components), final, "reward_curve.png", curves)
+    return None
+
+
+def run(cfg: GRPOMasterConfig) -> int | None:
+    """``nemo-rl grpo``: set up, train, print where logs and checkpoints are, shut down.
+
+    Returns:
+        None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+    """
+    components = setup(cfg)
+    return run_rollout_command(
+        components,
+        lambda: grpo_train(components),
+        lambda: shutdown(components),
         (("train", "reward"), ("validation", "accuracy")),
     )
-    return None

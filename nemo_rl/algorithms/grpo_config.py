@@ -60,12 +60,13 @@ class AdvEstimatorConfig(ConfigModel):
     )
 
 
-class GRPOConfig(ConfigModel):
-    """The GRPO loop (``grpo``): rollout sizes, advantages, validation cadence."""
+class RolloutLoopConfig(ConfigModel):
+    """Loop keys of the algorithms that train on the policy's own rollouts (``grpo``,
+    ``distillation``): rollout sizes, validation cadence, seed (NeMo RL's names)."""
 
     num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts sampled per step.")
     num_generations_per_prompt: int = Field(
-        default=4, ge=1, description="Responses generated per prompt (the GRPO group size)."
+        default=4, ge=1, description="Responses generated per prompt (a group)."
     )
     max_num_steps: int = Field(default=10, ge=1, description="Training steps of the run.")
     max_rollout_turns: int = Field(
@@ -73,6 +74,37 @@ class GRPOConfig(ConfigModel):
         ge=1,
         description="Generate/environment round trips per rollout; 1 is single-turn.",
     )
+    val_period: int = Field(
+        default=0, ge=0, description="Validate every this many steps; 0 disables."
+    )
+    val_at_start: bool = Field(default=False, description="Validate once before the first step.")
+    max_val_samples: int = Field(
+        default=16, ge=1, description="Validation prompts evaluated per validation."
+    )
+    val_batch_size: int = Field(default=8, ge=1, description="Prompts per validation batch.")
+    val_greedy: bool = Field(
+        default=False,
+        description="Validate with argmax decoding. False: sample with the generation config "
+        "(temperature, top_p, top_k), as in training, so the validation reward estimates the "
+        "expected reward of the policy's samples.",
+    )
+    seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
+
+    @property
+    def prompts_per_generation_batch(self) -> int:
+        """Prompts the data loader yields per generation batch."""
+        return self.num_prompts_per_step
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all."""
+        return self.val_period > 0 or self.val_at_start
+
+
+class GRPOConfig(RolloutLoopConfig):
+    """The GRPO loop (``grpo``): the rollout loop's keys plus advantages, dynamic sampling,
+    overlong filtering and the environment-error stop."""
+
     normalize_rewards: bool = Field(
         default=True,
         description="Divide each group's advantages by the group's reward standard deviation.",
@@ -126,22 +158,6 @@ class GRPOConfig(ConfigModel):
         ge=1,
         description="Consecutive steps over max_env_error_rate that stop the run.",
     )
-    val_period: int = Field(
-        default=0, ge=0, description="Validate every this many steps; 0 disables."
-    )
-    val_at_start: bool = Field(default=False, description="Validate once before the first step.")
-    max_val_samples: int = Field(
-        default=16, ge=1, description="Validation prompts evaluated per validation."
-    )
-    val_batch_size: int = Field(default=8, ge=1, description="Prompts per validation batch.")
-    val_greedy: bool = Field(
-        default=False,
-        description="Validate with argmax decoding. False: sample with the generation config "
-        "(temperature, top_p, top_k), as in training, so the validation reward estimates the "
-        "expected reward GRPO maximises.",
-    )
-    seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
-
     @property
     def prompts_per_generation_batch(self) -> int:
         """Prompts the data loader yields per generation batch."""
@@ -316,13 +332,11 @@ class DataConfig(ConfigModel):
         return self
 
 
-class GRPOMasterConfig(ConfigModel):
-    """Everything a GRPO run reads; the root of a GRPO recipe."""
+class RolloutMasterConfig(ConfigModel):
+    """Sections of every recipe that trains on the policy's rollouts (GRPO, distillation): the
+    policy, its prompts and environments, machines, logging, checkpoints; a subclass adds its
+    loop section (:attr:`loop`) and loss."""
 
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO loop settings.")
-    loss_fn: ClippedPGLossConfig = Field(
-        default_factory=ClippedPGLossConfig, description="Policy-gradient loss settings."
-    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The trained policy.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
     env: EnvConfigs = Field(
@@ -333,24 +347,27 @@ class GRPOMasterConfig(ConfigModel):
     checkpointing: CheckpointingConfig = Field(
         default_factory=CheckpointingConfig, description="Checkpointing."
     )
-    data_plane: DataPlaneConfig = Field(
-        default_factory=DataPlaneConfig,
-        description="Data plane of the GRPO loop; enabled: the driver carries metadata only.",
-    )
-    sft_warmup: SFTWarmupConfig = Field(
-        default_factory=SFTWarmupConfig,
-        description="Supervised warm start before the first GRPO step (the synthetic task's "
-        "replies, or sft_warmup.train_path's demonstrations).",
-    )
 
-    @model_validator(mode="after")
-    def _derive_and_check(self) -> GRPOMasterConfig:
-        """Check constraints spanning sections, then fill the fields documented "None: X"."""
-        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+    @property
+    def loop(self) -> RolloutLoopConfig:
+        """The algorithm's loop section."""
+        raise NotImplementedError
+
+    def check_rollout_run(self, section: str, val_example: str, train_example: str) -> int:
+        """Checks spanning the shared sections and the loop section ``section``; fills
+        ``data.max_input_seq_length`` and the learning-rate horizon; returns the optimizer
+        steps per training step.
+
+        Args:
+            val_example, train_example: a validation and a train metric of the algorithm, for
+                the message of a bad ``checkpointing.metric_name``.
+        """
+        loop = self.loop
+        samples = loop.num_prompts_per_step * loop.num_generations_per_prompt
         if samples % self.policy.train_global_batch_size:
             raise ValueError(
-                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must "
-                f"be a multiple of policy.train_global_batch_size "
+                f"{section}.num_prompts_per_step * {section}.num_generations_per_prompt "
+                f"({samples}) must be a multiple of policy.train_global_batch_size "
                 f"({self.policy.train_global_batch_size})"
             )
         if self.loss_fn.force_on_policy_ratio and samples != self.policy.train_global_batch_size:
@@ -372,11 +389,49 @@ class GRPOMasterConfig(ConfigModel):
         check_reward_head(self.policy, "grpo", trains_reward_model=False)
         self._check_task()
         check_checkpoint_metric(
-            self.checkpointing,
-            self.grpo.val_period > 0 or self.grpo.val_at_start,
-            "grpo",
-            ("val_reward", "train_reward"),
+            self.checkpointing, loop.validates, section, (val_example, train_example)
         )
+        steps = samples // self.policy.train_global_batch_size
+        derive_lr_decay_iters(
+            self.policy, loop.max_num_steps * steps, f"{section}.max_num_steps"
+        )
+        return steps
+
+    def _check_task(self) -> None:
+        """The rows' default task names a configured environment (whose processor resolved
+        when ``env`` was validated); rows' own task names are checked when the data loads."""
+        self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
+        for i, source in enumerate(self.data.train_datasets):
+            if source.task_name is not None:
+                self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")
+
+
+class GRPOMasterConfig(RolloutMasterConfig):
+    """Everything a GRPO run reads; the root of a GRPO recipe."""
+
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO loop settings.")
+    loss_fn: ClippedPGLossConfig = Field(
+        default_factory=ClippedPGLossConfig, description="Policy-gradient loss settings."
+    )
+    data_plane: DataPlaneConfig = Field(
+        default_factory=DataPlaneConfig,
+        description="Data plane of the GRPO loop; enabled: the driver carries metadata only.",
+    )
+    sft_warmup: SFTWarmupConfig = Field(
+        default_factory=SFTWarmupConfig,
+        description="Supervised warm start before the first GRPO step (the synthetic task's "
+        "replies, or sft_warmup.train_path's demonstrations).",
+    )
+
+    @property
+    def loop(self) -> GRPOConfig:
+        """The ``grpo`` section."""
+        return self.grpo
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> GRPOMasterConfig:
+        """Check constraints spanning sections, then fill the fields documented "None: X"."""
+        self.check_rollout_run("grpo", "val_reward", "train_reward")
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
         warmup = self.sft_warmup
@@ -388,17 +443,4 @@ class GRPOMasterConfig(ConfigModel):
                 f"with built-in replies); got dataset_name={self.data.dataset_name!r}, "
                 f"train_path={self.data.train_path!r}"
             )
-        derive_lr_decay_iters(
-            self.policy,
-            self.grpo.max_num_steps * (samples // self.policy.train_global_batch_size),
-            "grpo.max_num_steps",
-        )
         return self
-
-    def _check_task(self) -> None:
-        """The rows' default task names a configured environment (whose processor resolved
-        when ``env`` was validated); rows' own task names are checked when the data loads."""
-        self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
-        for i, source in enumerate(self.data.train_datasets):
-            if source.task_name is not None:
-                self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")

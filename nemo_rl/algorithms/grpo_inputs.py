@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_config import RolloutMasterConfig
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class RunInputs:
     val: Optional[Any]
 
 
-def load_run_inputs(cfg: GRPOMasterConfig) -> RunInputs:
+def load_run_inputs(cfg: RolloutMasterConfig) -> RunInputs:
     """Resolve ``policy.model_name``, load its tokenizer, and load and check every prompt row.
 
     Raises:
@@ -42,12 +42,12 @@ def load_run_inputs(cfg: GRPOMasterConfig) -> RunInputs:
     model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.grpo.seed)
+    train, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs(), cfg.loop.seed)
     check_prompt_lengths(train, cfg.policy.max_total_sequence_length)
     return RunInputs(model_path, tokenizer, pad, train, val)
 
 
-def check_run_inputs(cfg: GRPOMasterConfig) -> None:
+def check_run_inputs(cfg: RolloutMasterConfig) -> None:
     """The checks of :func:`load_run_inputs` that this machine can make without a download:
     all of them when the model is here (a local folder, a tiny model, a cached hub snapshot);
     otherwise the local data files are parsed (their rows are checked on the cluster, with the

@@ -481,3 +481,34 @@ def masked_logprobs(
         torch.full_like(target_logit, -math.inf),
     )
     return torch.nn.functional.pad(logprob, (1, 0), value=0.0)
+
+
+def vocab_parallel_logsumexp(
+    vocab_parallel_logits: torch.Tensor, tp_group: ProcessGroup | None
+) -> torch.Tensor:
+    """``log sum_v exp(logits[..., v])`` over the whole (sharded) vocabulary, [...]; differentiable.
+
+    Entries may be -inf (masked tokens); a position whose every entry is -inf gives -inf.
+    The maximum is taken without gradient (it cancels out of the result's value and gradient).
+    """
+    logits = vocab_parallel_logits
+    peak = logits.detach().amax(dim=-1, keepdim=True)
+    peak = _all_reduce(peak.contiguous(), dist.ReduceOp.MAX, tp_group)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    local = torch.exp(logits - peak).sum(dim=-1)
+    total = _AllReduceSumReplicated.apply(local, tp_group)
+    return torch.log(total) + peak.squeeze(-1)
+
+
+def gather_at_global_indices(
+    vocab_parallel_logits: torch.Tensor, indices: torch.Tensor, vocab_start_index: int, tp_group: ProcessGroup | None
+) -> torch.Tensor:
+    """``logits[..., indices]`` for global token ids ``indices`` [..., k] from vocab-sharded logits
+    [..., vocab/TP]: each rank fills the ids of its shard, the ranks sum; differentiable (each
+    rank's gradient lands on its own shard)."""
+    width = vocab_parallel_logits.shape[-1]
+    local = indices - vocab_start_index
+    mine = (local >= 0) & (local < width)
+    values = vocab_parallel_logits.gather(-1, local.clamp(0, width - 1))
+    values = torch.where(mine, values, torch.zeros_like(values))
+    return _AllReduceSumReplicated.apply(values, tp_group)

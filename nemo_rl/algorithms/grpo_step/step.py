@@ -35,6 +35,7 @@ from nemo_rl.algorithms.advantage_estimators import group_reward_std
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.algorithms.grpo_step.components import (
     GRPOComponents,
+    RolloutComponents,
     prepare_generation,
     uses_reference_policy,
 )
@@ -108,7 +109,7 @@ def generate(
 
 
 def rollout_groups(
-    components: GRPOComponents, store: BatchStore[Any], prompts: BatchedDataDict
+    components: RolloutComponents, store: BatchStore[Any], prompts: BatchedDataDict
 ) -> tuple[Any, RolloutCarry]:
     """Refit if stale, then ``num_generations_per_prompt`` responses per prompt into the
     training partition; the handle and the carry."""
@@ -118,7 +119,7 @@ def rollout_groups(
     with timer.time("generation"):
         out = store.rollout(
             prompts,
-            num_generations=components.cfg.grpo.num_generations_per_prompt,
+            num_generations=components.cfg.loop.num_generations_per_prompt,
             partition="train",
             greedy=False,
         )
@@ -217,16 +218,16 @@ def sample_groups_with_variance(
     return batch, carry, sampling_metrics
 
 
-def validate(components: GRPOComponents, store: BatchStore[Any]) -> dict[str, float]:
-    """Rollouts of the validation prompts, sampled like training (greedy with
-    ``grpo.val_greedy``), one batch at a time through the validation partition; mean reward
+def validate(components: RolloutComponents, store: BatchStore[Any]) -> dict[str, float]:
+    """Rollouts of the validation prompts, sampled like training (greedy with the loop
+    section's ``val_greedy``), one batch at a time through the validation partition; mean reward
     (= accuracy for 0/1 rewards)."""
     prepare_generation(components)
     rewards, lengths = [], []
     for prompts in components.val_batches:
         with store.scope("val", len(prompts["message_log"]), 1):
             batch, carry = store.rollout(
-                prompts, num_generations=1, partition="val", greedy=components.cfg.grpo.val_greedy
+                prompts, num_generations=1, partition="val", greedy=components.cfg.loop.val_greedy
             )
             store.release(batch)
         rewards.append(carry.rewards)

@@ -55,6 +55,18 @@ class DistillationLossConfig(ConfigModel):
         le=1.0,
         description='Weight of the reverse KL with kl_type "mixed", in [0, 1]; ignored otherwise.',
     )
+    zero_outside_topk: bool = Field(
+        default=False,
+        description="How the policy worker forms the loss inputs: true keeps both models' "
+        "full-vocabulary probabilities of the teacher's top-k tokens plus one tail outcome "
+        "(the rest of the vocabulary); false renormalises both over the k tokens (no tail).",
+    )
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        description="Both models' logits are divided by it before the softmax (teacher top-k "
+        "and student); 1 compares the models' own distributions.",
+    )
 
 
 _OWNER = "DistillationLossFn"

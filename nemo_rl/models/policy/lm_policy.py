@@ -135,11 +135,11 @@ class Policy(ColocatablePolicyInterface):
         )
         return self.worker_group.get_all_worker_results(futures)
 
-    def _logprob_pass(self, data: BatchedDataDict, method: str) -> BatchedDataDict:
+    def _logprob_pass(self, data: BatchedDataDict, method: str, **kwargs: Any) -> BatchedDataDict:
         check_batch(data, f"Policy.{method}")
         sharded = self._shard(data, "logprob")
         outputs = self._run_sharded(
-            method, sharded.shards, micro_batch_size=self.cfg.logprob_batch_size
+            method, sharded.shards, micro_batch_size=self.cfg.logprob_batch_size, **kwargs
         )
         return BatchedDataDict.from_batches(outputs).reorder_data(sharded.sorted_indices)
 
@@ -154,6 +154,14 @@ class Policy(ColocatablePolicyInterface):
     ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
         """``reference_logprobs`` [batch, seq] under the initial weights, in row order."""
         return self._logprob_pass(data, "get_reference_policy_logprobs")
+
+    def get_topk_logits(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0
+    ) -> BatchedDataDict:
+        """``topk_logits`` (log-probabilities at ``temperature``) and ``topk_indices`` of the
+        ``k`` most probable tokens at every position, ``[batch, seq, k]`` each, in ``data``'s
+        row order: what a distillation teacher sends (never ``[batch, seq, vocab]``)."""
+        return self._logprob_pass(data, "get_topk_logits", k=k, temperature=temperature)
 
     def train(
         self,

@@ -25,7 +25,11 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
 from nemo_rl.models.policy.workers.megatron.model_setup import restart_optimizer, setup_policy_model
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
-from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
+from nemo_rl.models.policy.workers.megatron.train_step import (
+    compute_logprobs,
+    compute_topk_logits,
+    iterate_steps,
+)
 
 
 class MegatronPolicyWorker:
@@ -100,6 +104,16 @@ class MegatronPolicyWorker:
         with self.reference.swapped_in(self.policy.model.module):
             out = self.get_logprobs(data, micro_batch_size)
         return BatchedDataDict(reference_logprobs=out["logprobs"]) if "logprobs" in out else out
+
+    def get_topk_logits(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``topk_logits`` (log-probabilities at ``temperature``) and ``topk_indices`` of the
+        ``k`` most probable tokens at every position, ``[B, S, k]`` each, in ``data``'s row
+        order (last PP stage; an empty dict on the others); a distillation teacher's scores."""
+        mbs = micro_batch_size or self.config.logprob_batch_size
+        out = compute_topk_logits(self.policy, data, mbs, k, temperature)
+        return BatchedDataDict() if out is None else BatchedDataDict(out)
 
     # ---------------------------------------------------------------- training
 

@@ -20,6 +20,10 @@ from megatron_bridge.parallel_state import collective_device
 
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.policy.workers.megatron.distillation import (
+    distillation_loss_inputs,
+    teacher_topk,
+)
 from nemo_rl.models.policy.workers.megatron.forward import (
     ModelInputs,
     build_model_inputs,
@@ -159,12 +163,13 @@ def train_global_batch(
     """
     from megatron.core import parallel_state
 
-    rewards = loss_fn.input_type == LossInputType.REWARD
-    if loss_fn.input_type != LossInputType.LOGPROB and not rewards:
+    trained = (LossInputType.LOGPROB, LossInputType.REWARD, LossInputType.DISTILLATION)
+    if loss_fn.input_type not in trained:
         raise ValueError(
-            f"the Megatron worker trains losses with input_type LOGPROB or REWARD, got "
-            f"{loss_fn.input_type}; use a logprob-based loss (NLLLoss, ClippedPGLossFn, "
-            "DPOLossFn) or, with policy.reward_model_cfg.enabled, PreferenceLossFn"
+            f"the Megatron worker trains losses with input_type LOGPROB, REWARD or "
+            f"DISTILLATION, got {loss_fn.input_type}; use a logprob-based loss (NLLLoss, "
+            "ClippedPGLossFn, DPOLossFn), DistillationLossFn or, with "
+            "policy.reward_model_cfg.enabled, PreferenceLossFn"
         )
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
@@ -174,15 +179,12 @@ def train_global_batch(
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        if rewards:
-            outputs = {"rewards": rewards_from_outputs(logits, inputs[index])}
-        else:
-            outputs = {
-                "next_token_logprobs": logprobs_from_logits(
-                    logits, inputs[index], inference_only=eval_mode
-                )
-            }
-        loss, metrics = loss_fn(mbs_data[index], valid_seqs, valid_toks, **outputs)
+        loss, metrics = loss_fn(
+            mbs_data[index],
+            valid_seqs,
+            valid_toks,
+            **loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode),
+        )
         return loss, {"loss": float(loss.detach()), "metrics": metrics}
 
     model = policy.model
@@ -213,29 +215,57 @@ def train_global_batch(
     }
 
 
-def _forward_only(
+def loss_inputs(
+    loss_fn: Any, logits: Tensor, inputs: ModelInputs, mb: BatchedDataDict, eval_mode: bool
+) -> dict[str, Tensor]:
+    """The model outputs ``loss_fn`` takes (by its ``input_type``) from a micro-batch's output:
+    ``next_token_logprobs`` ``[B, S]`` (LOGPROB), ``rewards`` ``[B]`` (REWARD: the scalar head
+    at each row's last real token), or the top-k distillation inputs against the teacher's
+    ``teacher_topk_logits`` / ``teacher_topk_indices`` of ``mb`` (DISTILLATION, at
+    ``loss_fn.cfg.temperature`` and ``zero_outside_topk``)."""
+    if loss_fn.input_type == LossInputType.DISTILLATION:
+        return distillation_loss_inputs(
+            logits, inputs, mb, loss_fn.cfg.temperature, loss_fn.cfg.zero_outside_topk
+        )
+    if loss_fn.input_type == LossInputType.REWARD:
+        return {"rewards": rewards_from_outputs(logits, inputs)}
+    return {"next_token_logprobs": logprobs_from_logits(logits, inputs, inference_only=eval_mode)}
+
+
+def _score(
     policy: PolicyModel,
     data: BatchedDataDict,
     mbs: int,
     packing_enabled: bool,
-    per_micro_batch: Callable[[Tensor, ModelInputs], Tensor],
-) -> list[Tensor] | None:
-    """``per_micro_batch(model output, inputs)`` of every micro-batch of ``data`` in row order
-    (no grad), as float32 CPU tensors on the last pipeline stage; None on the others."""
+    score: Callable[[Tensor, ModelInputs], dict[str, Tensor]],
+) -> dict[str, Tensor] | None:
+    """Per-row tensors ``score(logits, inputs)`` of every micro-batch of ``data`` (no grad),
+    each ``[b]`` or ``[b, S, ...]`` (cut or zero-padded to ``data``'s ``S``), concatenated in
+    row order on the CPU; None off the last pipeline stage."""
     from megatron.core import parallel_state
 
     mbs_data, packed = micro_batches(data, mbs, packing_enabled)
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        return logits.new_zeros(()), {"values": per_micro_batch(logits, inputs[index])}
+        return logits.new_zeros(()), score(logits, inputs[index])
 
     policy.model.eval()
     with torch.no_grad():
         outputs = run_micro_batches(policy.model, inputs, True, on_logits)
     if not parallel_state.is_pipeline_last_stage():
         return None
-    return [out["values"].float().cpu() for out in outputs]
+    seq = data["input_ids"].shape[1]
+
+    def fit(value: Tensor) -> Tensor:
+        value = value.cpu()
+        if value.dim() == 1:  # one value per row
+            return value
+        value = value[:, :seq]
+        missing = seq - value.shape[1]
+        return torch.cat([value, value.new_zeros(value.shape[0], missing, *value.shape[2:])], 1)
+
+    return {key: torch.cat([fit(out[key]) for out in outputs]) for key in outputs[0]}
 
 
 def compute_logprobs(
@@ -246,18 +276,27 @@ def compute_logprobs(
     Returns:
         The logprobs on the last pipeline stage, None on the others.
     """
-    parts = _forward_only(
-        policy, data, mbs, packing_enabled,
-        lambda logits, inputs: logprobs_from_logits(logits, inputs, inference_only=True),
-    )
-    if parts is None:
-        return None
-    seq = data["input_ids"].shape[1]
-    rows = [
-        torch.nn.functional.pad(lp, (0, seq - lp.shape[1])) if lp.shape[1] < seq else lp[:, :seq]
-        for lp in parts
-    ]
-    return torch.cat(rows, dim=0)
+
+    def score(logits: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
+        return {"logprobs": logprobs_from_logits(logits, inputs, inference_only=True).float()}
+
+    out = _score(policy, data, mbs, packing_enabled, score)
+    return None if out is None else out["logprobs"]
+
+
+def compute_topk_logits(
+    policy: PolicyModel, data: BatchedDataDict, mbs: int, k: int, temperature: float
+) -> dict[str, Tensor] | None:
+    """``topk_logits`` (float32 logprobs at ``temperature``) and ``topk_indices`` (int64),
+    ``[B, S, k]`` each, of ``data`` in its row order (no grad; see
+    :func:`~nemo_rl.models.policy.workers.megatron.distillation.teacher_topk`); None off the
+    last pipeline stage."""
+
+    def score(logits: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
+        values, ids = teacher_topk(logits, inputs, k, temperature)
+        return {"topk_logits": values, "topk_indices": ids}
+
+    return _score(policy, data, mbs, False, score)
 
 
 def compute_rewards(
@@ -269,8 +308,12 @@ def compute_rewards(
     Returns:
         The rewards on the last pipeline stage, None on the others.
     """
-    parts = _forward_only(policy, data, mbs, packing_enabled, rewards_from_outputs)
-    return None if parts is None else torch.cat(parts)
+
+    def score(outputs: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
+        return {"rewards": rewards_from_outputs(outputs, inputs).float()}
+
+    out = _score(policy, data, mbs, packing_enabled, score)
+    return None if out is None else out["rewards"]
 
 
 def iterate_steps(
