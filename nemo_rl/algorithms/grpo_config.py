@@ -370,14 +370,6 @@ class RolloutMasterConfig(ConfigModel):
                 f"({samples}) must be a multiple of policy.train_global_batch_size "
                 f"({self.policy.train_global_batch_size})"
             )
-        if self.loss_fn.force_on_policy_ratio and samples != self.policy.train_global_batch_size:
-            raise ValueError(
-                f"loss_fn.force_on_policy_ratio needs exactly one optimizer step per rollout "
-                f"(the step then skips the logprob pass: the weights that generated are the "
-                f"ones trained): set policy.train_global_batch_size to grpo.num_prompts_per_step"
-                f" * grpo.num_generations_per_prompt ({samples}), got "
-                f"{self.policy.train_global_batch_size}"
-            )
         if self.data.max_input_seq_length is None:
             self.data.max_input_seq_length = self.policy.max_total_sequence_length
         elif self.data.max_input_seq_length > self.policy.max_total_sequence_length:
@@ -432,6 +424,15 @@ class GRPOMasterConfig(RolloutMasterConfig):
     def _derive_and_check(self) -> GRPOMasterConfig:
         """Check constraints spanning sections, then fill the fields documented "None: X"."""
         self.check_rollout_run("grpo", "val_reward", "train_reward")
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if self.loss_fn.force_on_policy_ratio and samples != self.policy.train_global_batch_size:
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio needs exactly one optimizer step per rollout "
+                f"(the step then skips the logprob pass: the weights that generated are the "
+                f"ones trained): set policy.train_global_batch_size to grpo.num_prompts_per_step"
+                f" * grpo.num_generations_per_prompt ({samples}), got "
+                f"{self.policy.train_global_batch_size}"
+            )
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
         warmup = self.sft_warmup

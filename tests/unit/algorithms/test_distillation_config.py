@@ -27,9 +27,16 @@ def refusal(*overrides: str) -> str:
 
 
 def test_teacher_with_the_students_tokenizer_passes(tiny_llama_path: Path) -> None:
-    cfg = load(f"teacher.model_name={tiny_llama_path}", "distillation.topk_logits_k=1024")
+    cfg = load(
+        f"teacher.model_name={tiny_llama_path}", "distillation.topk_logits_k=1024",
+        "loss_fn.zero_outside_topk=false",
+    )
     assert cfg.loop is cfg.distillation
-    assert cfg.policy.megatron_cfg.scheduler.lr_decay_iters == cfg.distillation.max_num_steps
+    loop = cfg.distillation
+    optimizer_steps = loop.num_prompts_per_step * loop.num_generations_per_prompt // (
+        cfg.policy.train_global_batch_size
+    )
+    assert cfg.policy.megatron_cfg.scheduler.lr_decay_iters == loop.max_num_steps * optimizer_steps
 
 
 def test_teacher_with_another_vocabulary_is_refused(tiny_llama_path: Path, tmp_path: Path) -> None:
@@ -45,7 +52,8 @@ def test_teacher_with_another_vocabulary_is_refused(tiny_llama_path: Path, tmp_p
 
 def test_topk_larger_than_the_vocabulary_is_refused(tiny_llama_path: Path) -> None:
     teacher = f"teacher.model_name={tiny_llama_path}"
-    assert "distillation.topk_logits_k (1025) must be <= 1024" in refusal(teacher, "distillation.topk_logits_k=1025")
+    whole = refusal(teacher, "distillation.topk_logits_k=1025", "loss_fn.zero_outside_topk=false")
+    assert "distillation.topk_logits_k (1025) must be <= 1024" in whole
     # a tail outside the top-k needs at least one token outside it
     message = refusal(teacher, "distillation.topk_logits_k=1024", "loss_fn.zero_outside_topk=true")
     assert "must be <= 1023" in message
