@@ -176,6 +176,17 @@ class RayVirtualCluster:
             self._locations = locations
         return list(self._locations)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Handles travel to actors (the rollout actor holds the engines' worker group): the
+        # claims' lock stays behind, each copy gets its own.
+        state = dict(self.__dict__)
+        del state["_claims"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._claims = threading.Lock()
+
     def claim_bundles(self, count: int) -> None:
         """Record a worker group on bundles ``0 .. count - 1`` (where its ranks go).
 

@@ -362,5 +362,8 @@ def test_groups_started_together_come_up_and_a_failed_start_takes_no_actor_with_
         # neither group still holds the bundle: two groups fit on it again
         together.claim_bundles(1)
         together.claim_bundles(1)
+        # a cluster handle still travels to actors (its claims' lock does not)
+        copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(together))
+        assert copy.world_size() == 1 and copy._claims is not together._claims
     finally:
         together.shutdown()

@@ -1,6 +1,7 @@
-"""The preference algorithms at TP=2 and PP=2 (two gloo processes) against TP=1: one step of the
-reward model (Bradley-Terry) gives the same loss, metrics, grad norm and rewards, one DPO step
-the same loss, metrics and grad norm (1e-5)."""
+"""The trained algorithms at TP=2 and PP=2 (two gloo processes) against TP=1: one step of the
+reward model (Bradley-Terry) gives the same loss, metrics, grad norm and rewards; one DPO step
+and one top-k distillation step (mixed KL against fixed teacher top-k logprobs) the same loss,
+metrics and grad norm (1e-5)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch.multiprocessing as mp
 
 from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 
-PAIRS, SEQ = 4, 12
+PAIRS, SEQ, VOCAB, TOPK = 4, 12, 1024, 8
+ALGORITHMS = ("rm", "dpo", "distillation")
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name: (tp, pp); dp2 is a TP=1 model
 
 
@@ -30,20 +32,23 @@ def make_batch() -> Any:
         input_lengths=lengths,
         token_mask=torch.ones(2 * PAIRS, SEQ),
         sample_mask=torch.ones(2 * PAIRS),
-        # DPO's frozen reference, as data: the same on every layout
+        # DPO's frozen reference and a teacher's top-k, as data: the same on every layout
         reference_policy_logprobs=-torch.rand(2 * PAIRS, SEQ, generator=gen),
+        **dict(zip(("teacher_topk_logits", "teacher_topk_indices"), torch.log_softmax(
+            torch.randn(2 * PAIRS, SEQ, VOCAB, generator=gen), dim=-1
+        ).topk(TOPK, dim=-1))),
     )
 
 
 def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
-    from nemo_rl.algorithms.loss import DPOLossFn, PreferenceLossFn
+    from nemo_rl.algorithms.loss import DistillationLossFn, DPOLossFn, PreferenceLossFn
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
     from nemo_rl.models.policy.workers.megatron.train_step import compute_rewards, iterate_steps
 
     results = {}
     for name, (tp, pp) in LAYOUTS.items():
-        for algorithm in ("rm", "dpo"):
+        for algorithm in ALGORITHMS:
             os.environ.update(
                 RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name, algorithm])
             )
@@ -67,8 +72,11 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
             if algorithm == "rm":
                 rewards = compute_rewards(policy, shard, 2, False)
                 loss_fn: Any = PreferenceLossFn()
-            else:
+            elif algorithm == "dpo":
                 rewards, loss_fn = None, DPOLossFn({"reference_policy_kl_penalty": 0.1})
+            else:
+                rewards = None
+                loss_fn = DistillationLossFn({"kl_type": "mixed", "zero_outside_topk": True})
             (step,) = iterate_steps(policy, shard, loss_fn, 2 * PAIRS, 2, False, False)
             results[name, algorithm] = {"step": step, "rewards": rewards}
             destroy_megatron_parallel()
@@ -78,20 +86,20 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("rm_parallel")
-    ports = {(name, a): find_free_port() for name in LAYOUTS for a in ("rm", "dpo")}
+    ports = {(name, a): find_free_port() for name in LAYOUTS for a in ALGORITHMS}
     mp.spawn(_worker, args=(str(tiny_llama_path), str(out), ports), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["rm", "dpo"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
 def test_one_step_matches_tp1(results: list[dict], name: str, algorithm: str) -> None:
     reference = results[0]["dp2", algorithm]["step"]  # both DP ranks hold the global sums
     last = results[1][name, algorithm]  # rank 1 is a last pipeline stage in every layout
     for key in ("loss", "grad_norm"):
         assert last["step"][key] == pytest.approx(reference[key], abs=1e-5), key
-    assert reference["metrics"]  # DPO: accuracy, rewards_chosen_mean, ...
+    assert reference["metrics"]  # DPO: accuracy, ...; distillation: forward_kl, reverse_kl
     for key, value in reference["metrics"].items():
         assert last["step"]["metrics"][key] == pytest.approx(value, abs=1e-5), key
     if algorithm == "rm":
