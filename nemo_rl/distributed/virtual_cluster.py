@@ -112,7 +112,7 @@ class RayVirtualCluster:
         self._placement_groups: list[PlacementGroup] = []
         self._locations: list[BundleLocation] | None = None
         # Worker groups currently placed on each bundle (see claim_bundles); worker groups may
-        # start from several threads at once (start_worker_groups_together).
+        # start from several threads at once (worker_groups.start_together).
         self._groups_per_bundle = [0] * sum(counts)
         self._claims = threading.Lock()
         self._create_placement_groups(placement_timeout_s)

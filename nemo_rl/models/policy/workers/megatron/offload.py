@@ -59,11 +59,6 @@ class HostStash:
         host.copy_(tensor, non_blocking=True)
         return host
 
-    @property
-    def nbytes(self) -> int:
-        """Pinned host bytes held."""
-        return sum(_nbytes(t) for t in self._buffers.values())
-
 
 def offload_optimizer_and_grads(policy: PolicyModel, stash: HostStash) -> int:
     """Optimizer state to ``stash`` and gradient buffers freed.
