@@ -96,7 +96,7 @@ def receiver_main(device_name: str, inbox: Any, outbox: Any, packing_done: Any) 
             checked = time.perf_counter()
             timings = receiver.commit_weight_update()
             outbox.put({"checked": checked, "load_s": timings["load_s"],
-                        "receive_s": timings["receive_s"]})
+                        "receive_s": timings["receive_s"], "attach_s": timings["attach_s"]})
     except Exception as err:  # report instead of leaving the sender waiting
         outbox.put(f"{type(err).__name__}: {err}")
     finally:
@@ -113,6 +113,7 @@ class TransportResult:
         transfer_s: pack start -> the receiver has checked the last bucket.
         pack_s: the sender's pack (+ checksum).
         load_s: the receiver's engine-style load (one copy of every tensor).
+        attach_s: the receiver mapping the sender's buffer (0 when the mapping was kept).
         baseline: bytes/s of ``copy_`` of the same bytes on the device (best of 3 per stream).
         ratios: per stream, transfer bytes/s over that stream's baseline.
     """
@@ -122,6 +123,7 @@ class TransportResult:
     transfer_s: float
     pack_s: float
     load_s: float
+    attach_s: float
     baseline: float
     ratios: list[float]
 
@@ -175,7 +177,7 @@ def measure_transport(
                 raise RuntimeError(f"receiver: {report}")
             if repeat:
                 rows.append((report["checked"] - start, timings["pack_s"], report["load_s"],
-                             baseline))
+                             report["attach_s"], baseline))
     finally:
         inbox.put(None)
         child.join(timeout=60)
@@ -183,10 +185,10 @@ def measure_transport(
             child.kill()
         sender.close()
 
-    transfer, pack, load, baseline = (statistics.median(c) for c in zip(*rows))
+    transfer, pack, load, attach, baseline = (statistics.median(c) for c in zip(*rows))
     return TransportResult(
-        nbytes, len(tensors), transfer, pack, load, baseline,
-        [nbytes / r[0] / r[3] for r in rows],
+        nbytes, len(tensors), transfer, pack, load, attach, baseline,
+        [nbytes / r[0] / r[-1] for r in rows],
     )
 
 
@@ -221,6 +223,7 @@ def main() -> None:
                            ("engine-style load (receiver, one copy)", result.load_s)):
         print(f"{label:<46} {seconds * 1e3:9.2f} ms {nbytes / seconds / 1e9:8.1f} GB/s "
               f"{nbytes / seconds / baseline:6.2f} x {name}")
+    print(f"receiver mapping the sender's buffer (inside transfer): {result.attach_s * 1e3:.2f} ms")
     print(f"transfer / {name}, per run: {statistics.median(ratios):.2f} "
           f"({min(ratios):.2f}-{max(ratios):.2f}) (target >= 0.5)")
 

@@ -5,10 +5,12 @@ machine lacks); ``--dry-run`` runs the same code on CPU at toy sizes (CI runs th
 Checks (each phase runs in its own subprocess, so a crash in one still reports the others):
 
 * ``train_step``: ``MegatronPolicyWorker.train`` (single rank, in-process, local layer spec: no
-  TransformerEngine) on a random Llama of about 1 B parameters in bf16, one warm-up optimizer
-  step and ``--steps`` timed ones. MFU = model FLOPs (``model_flops`` of
-  ``bench_megatron_worker_train``) / median step time / the measured bf16 matmul peak
-  (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
+  TransformerEngine) on a random Llama of about 1 B parameters in bf16, 8 rows of 2048 tokens
+  in micro-batches of 4 (``--micro-batch``), one warm-up optimizer step and ``--steps`` timed
+  ones. MFU = model FLOPs (``model_flops`` of ``bench_megatron_worker_train``) / median step
+  time / the measured bf16 matmul peak (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
+  ``--profile FILE`` also profiles one more step (op tables, kernel time against the step's
+  wall time, host reads of device scalars).
 * ``offload``: right after those steps, in the same worker, twice: ``offload_before_refit``
   (optimizer state to the host, gradient buffers freed), ``offload_after_refit`` (parameters to
   the host) and ``prepare_for_training`` (everything back): seconds and bytes of each in the
@@ -33,6 +35,8 @@ correctness part holds.
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import math
 import os
@@ -113,7 +117,7 @@ class Mode:
     phase_timeout_s: int
 
 
-GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 2, 8192,
+GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 4, 8192,
            dict(layers=16, hidden=2048, bucket_mb=256, repeats=5, vocab=32768), 420)
 DRY_RUN = Mode("cpu", True, TINY, "float32", 4, 64, 2, 256,
                dict(layers=1, hidden=128, bucket_mb=1, repeats=1, vocab=1024), 240)
@@ -159,8 +163,9 @@ def start_worker(model_path: str, precision: str, rows: int, seq: int, mbs: int)
     return MegatronPolicyWorker(config, model_path, init_reference_model=False)
 
 
-def phase_train(mode: Mode, steps: int) -> list[CheckResult]:
-    """``train_step`` then ``offload`` on one worker (the offload moves a trained optimizer)."""
+def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list[CheckResult]:
+    """``train_step`` then ``offload`` on one worker (the offload moves a trained optimizer);
+    with ``profile_out``, one more step under the torch profiler first (:func:`profile_step`)."""
     import torch
 
     from benchmarks.bench_megatron_worker_train import make_batch, matmul_peak_flops, model_flops
@@ -182,6 +187,7 @@ def phase_train(mode: Mode, steps: int) -> list[CheckResult]:
             losses += worker.train(batch, NLLLoss())["loss"]
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[1:])
+        profiled = {} if profile_out is None else profile_step(worker, batch, profile_out)
         mfu = model_flops(lengths, mode.train_sizes, VOCAB_ROWS) / step_s / peak
         params = sum(p.numel() for p in worker.policy.model.parameters())
         finite = all(math.isfinite(x) for x in losses)
@@ -189,14 +195,64 @@ def phase_train(mode: Mode, steps: int) -> list[CheckResult]:
             "train_step", judged(finite, mfu >= MFU_TARGET, mode),
             f"MFU {mfu:.1%} of the measured {mode.train_precision} matmul peak "
             f"{peak / 1e12:.1f} TFLOP/s ({target_note(mode, f'target >= {MFU_TARGET:.0%}')}); "
-            f"{params / 1e6:,.1f} M parameters, step {step_s:.3f} s (median of {steps}), "
+            f"{params / 1e6:,.1f} M parameters, micro-batch {mode.train_mbs} x {mode.train_seq} "
+            f"tokens, step {step_s:.3f} s (median of {steps}), "
             f"{sum(lengths) / step_s:,.0f} tokens/s, losses {'finite' if finite else losses}",
             dict(mfu=mfu, peak_flops=peak, step_s=step_s, step_times_s=times, losses=losses,
-                 parameters=params, tokens=sum(lengths)),
+                 parameters=params, tokens=sum(lengths), profile=profiled),
         )
         return [train, offload_round_trip(worker, batch, mode)]
     finally:
         worker.shutdown()
+
+
+def profile_step(worker: Any, batch: Any, out: Path) -> dict[str, Any]:
+    """One training step under ``torch.profiler``: the ops by their own device time (top 40)
+    and by their own CPU time (top 25), and where the host reads device scalars (the Python
+    stacks of the ten most frequent), written to ``out``; returns the step's wall seconds,
+    the kernels' summed seconds (their share of the wall time says how much the device waited
+    for the host) and the host-device synchronisations (``.item()``-like reads)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from nemo_rl.algorithms.loss import NLLLoss
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, with_stack=True) as prof:
+        start = time.perf_counter()
+        worker.train(batch, NLLLoss())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    ops = prof.key_averages()
+    kernel_s = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if e.device_type == DeviceType.CUDA) / 1e6
+    callers = collections.Counter(_python_callers(e) for e in prof.events()
+                                  if e.name == "aten::_local_scalar_dense")
+    syncs = sum(callers.values())
+    stacks = "\n".join(f"{n:5d} x {chain}" for chain, n in callers.most_common(10))
+    out.write_text(
+        f"one step: {wall_s:.4f} s wall, kernels {kernel_s:.4f} s "
+        f"({kernel_s / wall_s:.1%} of the wall time), {syncs} device-to-host scalar reads\n\n"
+        + ops.table(sort_by="self_device_time_total", row_limit=40) + "\n\n"
+        + ops.table(sort_by="self_cpu_time_total", row_limit=25) + "\n\nscalar reads:\n"
+        + stacks + "\n"
+    )
+    return dict(wall_s=wall_s, kernel_s=kernel_s, scalar_reads=syncs)
+
+
+def _python_callers(event: Any, depth: int = 4) -> str:
+    """The innermost ``depth`` Python frames above a profiler event (its parents recorded by
+    the profiler's Python tracer), innermost first."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < depth:
+        if ".py(" in parent.name:
+            frames.append(parent.name.rsplit("/", 1)[-1])
+        parent = parent.cpu_parent
+    return " <- ".join(frames)
 
 
 def offload_round_trip(worker: Any, batch: Any, mode: Mode) -> CheckResult:
@@ -318,7 +374,8 @@ def phase_ipc(mode: Mode) -> list[CheckResult]:
         f"transfer / {baseline} {ratio:.2f} ({min(r.ratios):.2f}-{max(r.ratios):.2f}, "
         f"{target_note(mode, f'target >= {IPC_TARGET}')}); {r.nbytes / 1e9:.3f} GB in "
         f"{r.transfer_s * 1e3:.2f} ms vs {baseline} {r.baseline / 1e9:.1f} GB/s; pack "
-        f"{r.pack_s * 1e3:.2f} ms, receiver load {r.load_s * 1e3:.2f} ms; with checksums "
+        f"{r.pack_s * 1e3:.2f} ms, receiver mapping {r.attach_s * 1e3:.2f} ms, load "
+        f"{r.load_s * 1e3:.2f} ms; with checksums "
         f"(every bucket verified) {summed_ratio:.2f}, pack {summed.pack_s * 1e3:.2f} ms",
         {**asdict(r), "checksummed": asdict(summed)},
     )]
@@ -391,7 +448,8 @@ def compare_logprobs(mode: Mode, env: dict[str, str], deadline: float) -> CheckR
 
 
 def phase_args(name: str, mode: Mode) -> list[str]:
-    return ["--phase", name] + (["--dry-run"] if mode.dry_run else [])
+    return (["--phase", name, "--micro-batch", str(mode.train_mbs)]
+            + (["--dry-run"] if mode.dry_run else []))
 
 
 def environment_line(mode: Mode) -> str:
@@ -408,7 +466,9 @@ def environment_line(mode: Mode) -> str:
             f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron}")
 
 
-def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
+def run_checks(
+    mode: Mode, only: set[str], steps: int, profile: Path | None = None
+) -> list[CheckResult]:
     deadline = time.monotonic() + TOTAL_BUDGET_S
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -417,7 +477,8 @@ def run_checks(mode: Mode, only: set[str], steps: int) -> list[CheckResult]:
         if not only & set(checks):
             continue
         started = time.perf_counter()
-        rows, error = run_phase(phase_args(phase, mode) + ["--steps", str(steps)], env,
+        extra = ["--profile", str(profile.resolve())] if profile and phase == "train" else []
+        rows, error = run_phase(phase_args(phase, mode) + ["--steps", str(steps)] + extra, env,
                                 timeout_s(mode, deadline))
         for row in rows:
             results[row["name"]] = CheckResult(**row)
@@ -446,16 +507,24 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
     parser.add_argument("--steps", type=int, default=3, help="timed training steps")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--micro-batch", type=int,
+                        help="rows per micro-batch of the training step (default: 4 on the "
+                        "GPU, 2 in a dry run)")
+    parser.add_argument("--profile", type=Path,
+                        help="also profile one training step: its op tables go to this file")
     parser.add_argument("--phase", choices=["train", "ipc", "logprobs"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--logprobs-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     mode = DRY_RUN if args.dry_run else GPU
+    if args.micro_batch:
+        mode = dataclasses.replace(mode, train_mbs=args.micro_batch)
 
     if args.phase:
         if mode.dry_run:
             hide_modules(ABSENT_ON_GPU_MACHINE)
-        rows = {"train": lambda: phase_train(mode, args.steps), "ipc": lambda: phase_ipc(mode),
+        rows = {"train": lambda: phase_train(mode, args.steps, args.profile),
+                "ipc": lambda: phase_ipc(mode),
                 "logprobs": lambda: phase_logprobs(mode, args.logprobs_out)}[args.phase]()
         args.result.write_text(json.dumps([asdict(r) for r in rows]))
         return
@@ -470,7 +539,7 @@ def main() -> None:
         )
     print(environment_line(mode), flush=True)
     started = time.perf_counter()
-    results = run_checks(mode, set(args.only), args.steps)
+    results = run_checks(mode, set(args.only), args.steps, args.profile)
     for r in results:
         if r.status == "SKIP":
             report(r)

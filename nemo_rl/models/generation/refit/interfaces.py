@@ -114,7 +114,7 @@ class WeightReceiver(Protocol):
         """Leave the broadcast group (idempotent)."""
 
     def commit_weight_update(self) -> dict[str, float | int]:
-        """Load the staged refit; ``version``, ``receive_s``, ``load_s``."""
+        """Load the staged refit; ``version``, ``receive_s``, ``attach_s``, ``load_s``."""
 
     def abort_weight_update(self) -> None:
         """Drop a staged or partial refit; the engine keeps its weights and version."""

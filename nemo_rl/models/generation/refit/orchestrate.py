@@ -56,8 +56,9 @@ class RefitResult:
             (waiting for the export), ``pack_s`` (copying and checksumming) and ``send_s``
             (its own wall time from opening the stream to the last bucket packed or sent; the
             rest of ``stream_s`` is the Ray calls and the engines' last checks); and, slowest
-            engine, ``receive_s`` (receiving and checking the buckets) and ``load_s`` (the
-            engine's loader).
+            engine, ``receive_s`` (receiving and checking the buckets), ``attach_s`` (mapping
+            the sender's buffer, colocated: 0 when kept from the last refit) and ``load_s``
+            (the engine's loader).
     """
 
     version: int
@@ -126,6 +127,7 @@ def refit_policy_generation(
         **timer.summary(),
         **{("send_s" if k == "stream_s" else k): v for k, v in sender.items()},
         "receive_s": max(float(e["receive_s"]) for e in engines),
+        "attach_s": max(float(e["attach_s"]) for e in engines),
         "load_s": max(float(e["load_s"]) for e in engines),
     }
     return RefitResult(int(engines[0]["version"]), layout.total_bytes, layout.num_buckets, seconds)

@@ -49,9 +49,13 @@ logger = logging.getLogger(__name__)
 # stream buffer (the sender's shared buffer or the engine's staging).
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 
-# Seconds between two looks at a bucket record that is not there yet (a read of shared
-# memory), and between two questions to the sender's future (a Ray call: a few per second
-# keep the engine's core free for the sender).
+# Waiting for a bucket record that is not there yet: in a CUDA buffer the record is read back
+# to back for the first _SPIN_S seconds (a GPU packs a bucket in a fraction of a millisecond,
+# less than one sleep; in CPU shared memory the sender packs with the same cores, which
+# spinning would take from it), then every _POLL_S seconds; the sender's future is
+# asked every _OUTCOME_S seconds (a Ray call: a few per second keep the engine's core free
+# for the sender).
+_SPIN_S = 0.002
 _POLL_S = 0.0005
 _OUTCOME_S = 0.05
 
@@ -86,6 +90,7 @@ class RefitReceiver:
         self._staging_buffer: torch.Tensor | None = None  # broadcasts land here (kept on CPU)
         self._attached: tuple[IpcHandle, IpcBuffer] | None = None  # the sender's buffer
         self._receive_s = 0.0
+        self._attach_s = 0.0  # mapping the sender's buffer in this refit (0: mapping kept)
         self._collective: RefitCollective | None = None
 
     # ------------------------------------------------------------------ refit info
@@ -182,7 +187,10 @@ class RefitReceiver:
             staging = self._begin(stream.bucket_bytes, buffer)
             records = BucketRecords(buffer, staging.layout)
             for index in range(staging.layout.num_buckets):
-                header = _await_record(records, index, sender_outcome, timeout_s)
+                header = _await_record(
+                    records, index, sender_outcome, timeout_s,
+                    _SPIN_S if buffer.device.type == "cuda" else 0.0,
+                )
                 tick = time.perf_counter()  # receive_s: checking, not waiting for the sender
                 if header.version != stream.version:
                     raise RefitError(
@@ -202,9 +210,12 @@ class RefitReceiver:
         """The sender's buffer ``handle`` as a uint8 tensor; the mapping is kept (on CPU
         between refits, as mapping anew costs a page fault per page) until the sender
         switches to another buffer."""
+        self._attach_s = 0.0
         if self._attached is None or self._attached[0] != handle:
             self._detach()
+            tick = time.perf_counter()
             self._attached = (handle, attach_ipc_buffer(handle))
+            self._attach_s = time.perf_counter() - tick
         tensor = self._attached[1].tensor
         assert tensor is not None
         return tensor
@@ -262,7 +273,9 @@ class RefitReceiver:
 
         Returns:
             ``version`` (the new one), ``receive_s`` (receiving and checking the buckets,
-            summed) and ``load_s`` (the engine's load), seconds.
+            summed), ``attach_s`` (mapping the sender's buffer, colocated; 0 when the mapping
+            was kept from the previous refit or over a broadcast) and ``load_s`` (the
+            engine's load), seconds.
 
         Raises:
             RefitError: nothing staged, the stream is incomplete (the engine is untouched and
@@ -289,7 +302,8 @@ class RefitReceiver:
         assert staging.version is not None
         self.version = staging.version
         self._discard()
-        return {"version": self.version, "receive_s": self._receive_s, "load_s": load_s}
+        return {"version": self.version, "receive_s": self._receive_s,
+                "attach_s": self._attach_s, "load_s": load_s}
 
     def abort_weight_update(self) -> None:
         """Drop a refit in progress (idempotent); the engine keeps its weights and version."""
@@ -323,10 +337,15 @@ def _task_outcome(ref: Any) -> str | None:
 
 
 def _await_record(
-    records: BucketRecords, index: int, sender_outcome: SenderOutcome, timeout_s: float
+    records: BucketRecords,
+    index: int,
+    sender_outcome: SenderOutcome,
+    timeout_s: float,
+    spin_s: float,
 ) -> BucketHeader:
-    """Bucket ``index``'s header once the sender published it: the record is read every
-    :data:`_POLL_S` seconds, the sender's outcome (a Ray call) every :data:`_OUTCOME_S`.
+    """Bucket ``index``'s header once the sender published it: the record is read back to
+    back for ``spin_s`` seconds, then every :data:`_POLL_S` seconds; the sender's outcome
+    (a Ray call) every :data:`_OUTCOME_S`.
 
     Raises:
         RefitError: the sender ended (``sender_outcome``) without publishing it, or
@@ -345,7 +364,8 @@ def _await_record(
                 raise RefitError(f"bucket {index} was never packed: the sender {outcome}")
         if now - start > timeout_s:
             raise RefitError(f"bucket {index} was not packed within {timeout_s:g} s")
-        time.sleep(_POLL_S)
+        if now - start >= spin_s:
+            time.sleep(_POLL_S)
     return header
 
 

@@ -315,7 +315,7 @@ def test_refit_reports_its_bytes_and_time_split(run):
     result = run["A"]
     assert result.nbytes >= 2 * 1024 * 128 * 4  # at least the embedding and the head (fp32)
     for key in ("total_s", "stream_s", "commit_s", "export_s", "pack_s", "send_s", "receive_s",
-                "load_s"):
+                "attach_s", "load_s"):
         assert result.seconds[key] >= 0.0, key
     # the sender's own stream lies inside the driver's
     assert result.seconds["send_s"] <= result.seconds["stream_s"]

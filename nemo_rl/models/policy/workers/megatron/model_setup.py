@@ -26,6 +26,7 @@ from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
 from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
+from nemo_rl.models.megatron import torch_fused
 from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def build_gpt_stage(
         variable_seq_lengths=layout.pp > 1,
         # (dense models: only satisfies the config check that pairs with variable lengths)
         moe_token_dispatcher_type="alltoall",
+        bias_activation_fusion=_fused_swiglu(base),
         **recompute,
     )
     spec = get_gpt_layer_spec(qk_layernorm=tconfig.qk_layernorm)
@@ -149,6 +151,17 @@ def build_gpt_stage(
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
     return model, bridge, tconfig
+
+
+def _fused_swiglu(config: Any) -> bool:
+    """Whether megatron's fused SwiGLU (``bias_swiglu_impl``, built by ``torch.compile``) can
+    replace the MLP's separate activation and product kernels: on CUDA, for a gated SiLU MLP.
+    CPU runs keep the plain kernels (no compile step in tests and small jobs)."""
+    return (
+        torch.cuda.is_available()
+        and config.gated_linear_unit
+        and config.activation_func is torch.nn.functional.silu
+    )
 
 
 def tag_tensor_parallel_params(model: torch.nn.Module) -> None:
@@ -205,6 +218,7 @@ def build_optimizer(ddp: Any, opt_cfg: MegatronOptimizerConfig, dtype: torch.dty
     ``use_distributed_optimizer`` must be the one ``ddp`` was wrapped with."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    torch_fused.install()  # without TE/apex: no host sync per tensor in the grad norm
     config = OptimizerConfig(
         optimizer=opt_cfg.optimizer,
         lr=opt_cfg.lr,
@@ -219,7 +233,9 @@ def build_optimizer(ddp: Any, opt_cfg: MegatronOptimizerConfig, dtype: torch.dty
         fp16=dtype == torch.float16,
         params_dtype=dtype,
     )
-    return get_megatron_optimizer(config, [ddp])
+    optimizer = get_megatron_optimizer(config, [ddp])
+    torch_fused.use_fused_adam(optimizer)  # on CUDA, where megatron fell back to torch's Adam
+    return optimizer
 
 
 def build_scheduler(

@@ -71,7 +71,8 @@ def offload_optimizer_and_grads(policy: PolicyModel, stash: HostStash) -> int:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 moved += _nbytes(value)
-                if _on_device() and value.device.type == "cuda":
+                # scalars stay (a fused Adam's step counters live on the device)
+                if _on_device() and value.device.type == "cuda" and value.dim() > 0:
                     state[key] = stash.put(("optimizer", id(state), key), value)
     for buffer in _ddp_buffers(policy.model):
         moved += _nbytes(buffer.grad_data)
