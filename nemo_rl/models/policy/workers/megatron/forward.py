@@ -205,7 +205,7 @@ def logprobs_from_logits(
 
 def _to_batch_layout(row: Tensor, inputs: ModelInputs) -> Tensor:
     """Model-layout logprobs (``[b, full_len]`` or ``[1, T]``) -> ``[B, S]``, masked."""
-    batch, seq = inputs.lengths.numel(), inputs.seq_len
+    seq = inputs.seq_len
     t = torch.arange(seq, device=row.device)
     lengths = inputs.lengths.to(row.device)
     valid = (t[None, :] >= 1) & (t[None, :] < lengths[:, None])
