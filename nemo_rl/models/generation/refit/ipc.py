@@ -132,15 +132,38 @@ class BucketRecords:
         )
 
 
+def require_device_memory(nbytes: int, device: torch.device, holder: str) -> None:
+    """Refuse a refit buffer of ``nbytes`` that ``device`` has no room for, with what to change
+    (instead of an out-of-memory error in the middle of a refit). No check on the CPU.
+
+    Raises:
+        RefitError: less than ``nbytes`` are free on the CUDA ``device``.
+    """
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise RefitError(
+            f"the refit needs a buffer of the whole weight stream on {holder} ({nbytes / 1e9:.2f} "
+            f"GB in the engines' precision) and {device} has {free / 1e9:.2f} GB free of "
+            f"{total / 1e9:.2f} GB: export in a smaller dtype "
+            "(policy.generation.vllm_cfg.precision), lower "
+            "policy.generation.vllm_cfg.gpu_memory_utilization, or shard the policy over more "
+            "GPUs; refits hold the whole stream until every bucket has been checked"
+        )
+
+
 def create_ipc_buffer(nbytes: int, device: torch.device) -> IpcBuffer:
     """A shareable uint8 buffer on ``device``: shared memory on CPU, CUDA IPC on GPU.
 
     Raises:
         RuntimeError: a CUDA device without CUDA, or no ``/dev/shm`` on CPU.
+        RefitError: too little free memory on the CUDA device.
     """
     if device.type == "cpu":
         return SharedMemoryBuffer.create(nbytes)
     if device.type == "cuda":
+        require_device_memory(nbytes, device, "the sending policy rank")
         return CudaIpcBuffer.create(nbytes, device)
     raise ValueError(f"no IPC transport for device {device}; use 'cpu' or 'cuda'")
 

@@ -40,6 +40,7 @@ from nemo_rl.models.generation.refit.ipc import (
     IpcHandle,
     IpcStream,
     attach_ipc_buffer,
+    require_device_memory,
     synchronize,
 )
 
@@ -246,6 +247,7 @@ class RefitReceiver:
         layout = self._layout(bucket_bytes)
         buffer = self._staging_buffer
         if buffer is None or buffer.numel() < layout.total_bytes:
+            require_device_memory(layout.total_bytes, self.device, "each generation engine")
             buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cpu":
             self._staging_buffer = buffer

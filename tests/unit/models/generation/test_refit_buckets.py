@@ -583,3 +583,14 @@ def test_broadcast_group_delivers_exact_buckets_and_failures_stay_contained():
     for rank in (1, 2):
         message, broken = results[rank][1]
         assert "the sender gave up" in message and broken is False
+
+
+def test_a_refit_buffer_without_room_on_the_gpu_is_refused_with_the_fix(monkeypatch):
+    from nemo_rl.models.generation.refit.ipc import require_device_memory
+
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gb, 80 * gb))
+    require_device_memory(2 * gb, torch.device("cuda", 0), "the sending policy rank")
+    with pytest.raises(RefitError, match=r"5\.00 GB.*3\.00 GB free of 80\.00 GB.*precision"):
+        require_device_memory(5 * gb, torch.device("cuda", 0), "the sending policy rank")
+    require_device_memory(5 * gb, torch.device("cpu"), "the sending policy rank")  # no check
