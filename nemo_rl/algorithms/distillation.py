@@ -66,7 +66,11 @@ def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
         init_reference_model=False,
         extra_train_workers=[
             lambda cluster: Policy(
-                cluster, cfg.teacher, init_reference_model=False, seed=cfg.distillation.seed
+                cluster,
+                cfg.teacher,
+                init_reference_model=False,
+                seed=cfg.distillation.seed,
+                init_optimizer=False,
             )
         ],
     )
