@@ -48,7 +48,8 @@ class DistillationComponents(RolloutComponents):
 
 def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
     """The student's run (:func:`~nemo_rl.algorithms.grpo.start_rollout_run`, no reference
-    policy) and the teacher's workers on the student's bundles.
+    policy) and the teacher's workers on the student's bundles, started with the student
+    (before engines colocated on GPUs, which size their KV cache from the memory left).
 
     Raises:
         ConfigError: before anything starts, when the latest checkpoint was trained on another
@@ -59,9 +60,19 @@ def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
 
     checkpointer = training_loop.open_checkpointer(cfg)
     inputs = load_run_inputs(cfg)
-    parts = grpo.start_rollout_run(cfg, inputs, init_reference_model=False, extra_train_groups=1)
-    teacher = Policy(
-        parts["clusters"][0], cfg.teacher, init_reference_model=False, seed=cfg.distillation.seed
+    parts, (teacher,) = grpo.start_rollout_run(
+        cfg,
+        inputs,
+        init_reference_model=False,
+        extra_train_workers=[
+            lambda cluster: Policy(
+                cluster,
+                cfg.teacher,
+                init_reference_model=False,
+                seed=cfg.distillation.seed,
+                init_optimizer=False,
+            )
+        ],
     )
     return DistillationComponents(
         cfg=cfg,

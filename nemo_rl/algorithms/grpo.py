@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,17 +80,18 @@ def start_rollout_run(
     cfg: RolloutMasterConfig,
     inputs: RunInputs,
     init_reference_model: bool,
-    extra_train_groups: int = 0,
+    extra_train_workers: Sequence[Callable[[Any], Any]] = (),
     policy_factory: Callable[..., Any] | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[Any]]:
     """The parts every rollout-trained run starts the same way: prompt loader and validation
     batches, Ray, clusters, the policy, the generation engines, environments and logger.
 
     Args:
         inputs: the run's model folder, tokenizer and prompts (:func:`load_run_inputs`).
         init_reference_model: the policy keeps its initial weights as the reference policy.
-        extra_train_groups: further worker groups the caller puts on the policy's bundles
-            (a distillation teacher).
+        extra_train_workers: factories ``(policy_cluster) -> workers`` of further worker
+            groups on the policy's bundles (a distillation teacher); they start with the
+            policy (:func:`start_train_and_generation`).
         policy_factory: ``(cluster, policy_cfg, init_reference_model=, seed=)`` -> the policy;
             None: :class:`~nemo_rl.models.policy.lm_policy.Policy`.
 
@@ -98,7 +99,7 @@ def start_rollout_run(
         The matching fields of :class:`~nemo_rl.algorithms.grpo_step.components.
         RolloutComponents` (``tokenizer``, ``pad_token_id``, ``policy``, ``generation``,
         ``task_to_env``, ``train_loader``, ``val_batches``, ``logger``, ``clusters``; the
-        policy's cluster first).
+        policy's cluster first), and what ``extra_train_workers`` built, in their order.
 
     Colocated generation (``policy.generation.colocated.enabled``) puts the engines on the
     policy's bundles; otherwise they get a cluster of the same shape of their own.
@@ -107,7 +108,6 @@ def start_rollout_run(
     from nemo_rl.data.llm_message_utils import rl_collate_fn
     from nemo_rl.distributed.ray_bootstrap import init_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-    from nemo_rl.distributed.worker_groups import start_together
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
@@ -132,7 +132,7 @@ def start_rollout_run(
         bundles,
         use_gpus,
         cpus,
-        max_colocated_worker_groups=(2 if colocated else 1) + extra_train_groups,
+        max_colocated_worker_groups=(2 if colocated else 1) + len(extra_train_workers),
         name="policy",
     )
     clusters = [train_cluster]
@@ -152,12 +152,10 @@ def start_rollout_run(
             seed=loop.seed,
         )
 
-    # Engines colocated on GPUs size their KV cache from the memory free when they start: the
-    # policy must be loaded by then. Otherwise both start at once.
-    if colocated and use_gpus:
-        policy, generation = start_policy(), start_generation()
-    else:
-        policy, generation = start_together(start_policy, start_generation)
+    extras = [functools.partial(factory, train_cluster) for factory in extra_train_workers]
+    (policy, *extra), generation = start_train_and_generation(
+        [start_policy, *extras], start_generation, colocated and use_gpus
+    )
     logger = Logger(cfg.logger)
     logger.log_hyperparams(cfg.model_dump())
     return {
@@ -170,7 +168,34 @@ def start_rollout_run(
         "val_batches": val_batches,
         "logger": logger,
         "clusters": clusters,
-    }
+    }, extra
+
+
+def start_train_and_generation(
+    train_factories: Sequence[Callable[[], Any]],
+    start_generation: Callable[[], Any],
+    colocated_on_gpus: bool,
+) -> tuple[list[Any], Any]:
+    """Start the worker groups that train or score on the policy's bundles (the policy, a
+    teacher) and the generation engines; what each factory built, in order, and the engines.
+
+    Engines colocated on GPUs size their KV cache from the memory free when they start, so
+    every group sharing their GPUs is loaded first (the groups start together, then the
+    engines). Otherwise all start at once (:func:`~nemo_rl.distributed.worker_groups.
+    start_together`). A failed start shuts down what the others built.
+    """
+    from nemo_rl.distributed.worker_groups import start_together
+
+    if not colocated_on_gpus:
+        *trained, generation = start_together(*train_factories, start_generation)
+        return trained, generation
+    trained = start_together(*train_factories)
+    try:
+        return trained, start_generation()
+    except BaseException:
+        for workers in trained:
+            workers.shutdown()
+        raise
 
 
 def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
@@ -211,7 +236,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
         from nemo_rl.models.policy.tq_policy import TQPolicy
 
         policy_factory = functools.partial(TQPolicy, dp_cfg=cfg.data_plane)
-    parts = start_rollout_run(
+    parts, _ = start_rollout_run(
         cfg, inputs, uses_reference_policy(cfg), policy_factory=policy_factory
     )
     return GRPOComponents(

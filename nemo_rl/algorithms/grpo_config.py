@@ -420,6 +420,25 @@ class GRPOMasterConfig(RolloutMasterConfig):
         """The ``grpo`` section."""
         return self.grpo
 
+    def _check_kl_in_reward(self) -> None:
+        """``loss_fn.use_kl_in_reward`` puts a per-token KL into REINFORCE++'s rewards: it
+        needs that estimator, the policy's logprobs before the update, and the step's batch
+        on the driver (NeMo RL's grpo estimator would silently drop the KL)."""
+        if not self.loss_fn.use_kl_in_reward:
+            return
+        fixes = {
+            "grpo.adv_estimator.name=reinforce_plus_plus (only REINFORCE++ takes a per-token "
+            "reward)": self.grpo.adv_estimator.name != "reinforce_plus_plus",
+            "loss_fn.force_on_policy_ratio=false (the KL reads the policy's logprobs, whose "
+            "pass it skips)": self.loss_fn.force_on_policy_ratio,
+            "data_plane.enabled=false (the per-token advantages are made on the driver)": (
+                self.data_plane.enabled
+            ),
+        }
+        needed = [fix for fix, broken in fixes.items() if broken]
+        if needed:
+            raise ValueError("loss_fn.use_kl_in_reward=true needs " + "; ".join(needed))
+
     @model_validator(mode="after")
     def _derive_and_check(self) -> GRPOMasterConfig:
         """Check constraints spanning sections, then fill the fields documented "None: X"."""
@@ -433,6 +452,7 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 f" * grpo.num_generations_per_prompt ({samples}), got "
                 f"{self.policy.train_global_batch_size}"
             )
+        self._check_kl_in_reward()
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
         warmup = self.sft_warmup

@@ -3,10 +3,12 @@ configs/distillation_tiny_cpu.yaml): the teacher is made as the recipe says (``n
 run on the synthetic task's correct replies, then ``nemo-rl export``), the student is a fresh
 tiny Llama sampling with vLLM. One run, several checks: the student's KL to the teacher falls,
 its validation accuracy rises, the checkpoints hold what a resume needs, every logged metric is
-in the glossary."""
+in the glossary; and a run stopped after step ``STEPS - 1`` (its checkpoint alone), resumed,
+repeats the uninterrupted run's last step and validation (exact resume)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,16 +54,41 @@ def distill_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         REPO / "configs" / "distillation_tiny_cpu.yaml",
         [
             f"teacher.model_name={tmp / 'teacher'}",
-            f"distillation.max_num_steps={STEPS}",
-            f"checkpointing.save_period={STEPS}",
-            f"logger.log_dir={tmp / 'logs'}",
-            "logger.console_enabled=false",
-            f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
+            *student_overrides(tmp),
         ],
         DistillationMasterConfig,
     )
     assert distillation.run(cfg) is None
     return tmp
+
+
+def student_overrides(root: Path) -> list[str]:
+    """A run of STEPS steps logging and saving under ``root``, keeping the checkpoints of steps
+    STEPS - 1 and STEPS."""
+    return [
+        f"distillation.max_num_steps={STEPS}",
+        f"checkpointing.save_period={STEPS - 1}",
+        "checkpointing.keep_top_k=null",
+        f"logger.log_dir={root / 'logs'}",
+        "logger.console_enabled=false",
+        f"checkpointing.checkpoint_dir={root / 'ckpt'}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(distill_run: Path) -> Path:
+    """The run as if stopped after step STEPS - 1 (that checkpoint only), resumed to STEPS."""
+    root = distill_run / "resumed"
+    shutil.copytree(
+        distill_run / "ckpt", root / "ckpt", ignore=shutil.ignore_patterns(f"step_{STEPS}")
+    )
+    cfg = load_typed_config(
+        REPO / "configs" / "distillation_tiny_cpu.yaml",
+        [f"teacher.model_name={distill_run / 'teacher'}", *student_overrides(root)],
+        DistillationMasterConfig,
+    )
+    assert distillation.run(cfg) is None
+    return root
 
 
 def _records(run: Path, prefix: str) -> dict[int, dict[str, float]]:
@@ -97,3 +124,12 @@ def test_every_logged_metric_is_in_the_glossary(distill_run: Path) -> None:
     records = read_metrics_jsonl(distill_run / "logs" / "metrics.jsonl")
     logged = {n for r in records for n in r["metrics"]}
     assert not {n for n in logged if f"`{n}`" not in glossary and f"`{n.split('/')[-1]}`" not in glossary}
+
+
+def test_resumed_run_repeats_the_uninterrupted_last_step(distill_run: Path, resumed_run: Path) -> None:
+    resumed, expected = _records(resumed_run, "train"), _records(distill_run, "train")
+    assert sorted(resumed) == [STEPS]  # it started after step STEPS - 1
+    for name in ("loss", "forward_kl", "reverse_kl", "grad_norm", "reward"):
+        assert resumed[STEPS][name] == pytest.approx(expected[STEPS][name], rel=1e-5, abs=1e-6), name
+    val = _records(resumed_run, "validation")[STEPS]
+    assert val["accuracy"] == _records(distill_run, "validation")[STEPS]["accuracy"]

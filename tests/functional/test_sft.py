@@ -1,7 +1,8 @@
 """SFT end to end on CPU (``nemo-rl sft``'s run on configs/sft_tiny_cpu.yaml): real Ray and a
 Megatron worker, the synthetic task's conversations. One run, several checks: the
 validation loss falls at every validation, the checkpoints hold what a resume needs, every
-logged metric is in the glossary."""
+logged metric is in the glossary; and one step with ``policy.sequence_packing.enabled`` (the
+conversations packed into bins, no padding) has the unpacked run's first-step loss."""
 
 from __future__ import annotations
 
@@ -37,6 +38,40 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert sft.run(cfg) is None
     return tmp
+
+
+@pytest.fixture(scope="module")
+def packed_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recipe with sequence packing for 3 steps (the fewest its warm-up allows), no
+    validation, no save; its first step is compared (before any update: the learning-rate
+    schedule, which follows max_num_steps, does not enter)."""
+    tmp = tmp_path_factory.mktemp("sft_packed")
+    cfg = load_typed_config(
+        REPO / "configs" / "sft_tiny_cpu.yaml",
+        [
+            "policy.sequence_packing.enabled=true",
+            "sft.max_num_steps=3",
+            "sft.val_at_start=false",
+            "sft.val_period=0",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={tmp / 'logs'}",
+            "logger.console_enabled=false",
+        ],
+        SFTMasterConfig,
+    )
+    assert sft.run(cfg) is None
+    return tmp
+
+
+def _train_records(run: Path) -> list[dict[str, float]]:
+    return [r["metrics"] for r in read_metrics_jsonl(run / "logs" / "metrics.jsonl") if r["prefix"] == "train"]
+
+
+def test_packed_first_step_has_the_unpacked_loss(sft_run: Path, packed_step: Path) -> None:
+    packed, unpacked = _train_records(packed_step)[0], _train_records(sft_run)[0]
+    assert packed["loss"] == pytest.approx(unpacked["loss"], abs=1e-5)
+    assert packed["grad_norm"] == pytest.approx(unpacked["grad_norm"], rel=1e-4)
+    assert packed["num_valid_samples"] == unpacked["num_valid_samples"] == 32
 
 
 def test_validation_loss_falls(sft_run: Path) -> None:

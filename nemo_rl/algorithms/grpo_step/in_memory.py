@@ -52,11 +52,13 @@ class InMemoryBatchStore(BatchStore[BatchedDataDict]):
         self, batch: BatchedDataDict, fields: Mapping[str, torch.Tensor]
     ) -> BatchedDataDict:
         """``advantages`` goes in as the loss reads it: ``[B, S]``, the sample's value on every
-        token of ``token_mask``."""
+        token of ``token_mask`` (per-token ``[B, S]`` advantages, REINFORCE++'s with the KL in
+        the reward, masked the same way)."""
         out = BatchedDataDict(batch)
         out.update(fields)
         if "advantages" in fields:
-            out["advantages"] = fields["advantages"][:, None] * batch["token_mask"]
+            adv = fields["advantages"]
+            out["advantages"] = (adv if adv.dim() == 2 else adv[:, None]) * batch["token_mask"]
         return out
 
     def logprobs(self, batch: BatchedDataDict, *, reference: bool = False) -> BatchedDataDict:

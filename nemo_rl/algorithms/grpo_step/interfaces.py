@@ -55,7 +55,8 @@ class BatchStore(ABC, Generic[BatchT]):
 
     @abstractmethod
     def add_fields(self, batch: BatchT, fields: Mapping[str, torch.Tensor]) -> BatchT:
-        """Store per-sample ``fields`` (``[B]`` tensors) with the batch's samples."""
+        """Store per-sample ``fields`` (``[B]`` tensors) with the batch's samples; the
+        in-memory store also takes per-token ``[B, S]`` ``advantages``."""
 
     @abstractmethod
     def logprobs(self, batch: BatchT, *, reference: bool = False) -> BatchT:

@@ -9,12 +9,15 @@
    ``num_prompts_per_step`` groups remain (:func:`sample_groups_with_variance`). A run
    whose environments fail on most samples step after step stops here
    (:func:`~.env_errors.check_env_errors`).
-2. **advantages**: per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`);
-   with overlong filtering, responses cut by a token limit leave the loss.
-3. **logprobs**: the policy's before the update (``prev_logprobs``) and, with a KL penalty, the
+2. **logprobs**: the policy's before the update (``prev_logprobs``) and, with a KL penalty, the
    reference policy's. With ``loss_fn.force_on_policy_ratio`` (one optimizer step per
    rollout: the weights that generated are the ones trained) the loss takes the ratio from
    the training forward itself and the policy's pass is skipped.
+3. **advantages**: per group (:func:`~nemo_rl.algorithms.advantage_estimators.grpo_advantages`,
+   or ``grpo.adv_estimator``'s); with ``loss_fn.use_kl_in_reward`` REINFORCE++'s per token,
+   the KL of step 2's logprobs subtracted from the reward; with overlong filtering, responses
+   cut by a token limit leave the loss; with VAPO's NLL the rewards join the batch
+   (:func:`~.train_fields.train_fields`).
 4. **train**: ``policy.train`` with the run's loss.
 5. **refit**: the engines are marked stale; they take the new weights before their next
    generation (a step's rollout, or a validation).
@@ -46,7 +49,7 @@ from nemo_rl.algorithms.grpo_step.metrics import (
     step_metrics,
     validation_metrics,
 )
-from nemo_rl.algorithms.grpo_step.train_fields import advantage_fields
+from nemo_rl.algorithms.grpo_step.train_fields import train_fields
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 
@@ -67,12 +70,6 @@ def grpo_step(
             carry, cfg.grpo, components.env_error_streak
         )
 
-        # advantages (and the loss's sample mask), per sample
-        with timer.time("data_processing"):
-            fields, data_metrics = advantage_fields(carry, cfg.grpo)
-            batch = store.add_fields(batch, fields)
-        data_metrics.update(sampling_metrics)
-
         # logprobs: the policy's before the update, the reference policy's for the KL penalty
         policy.prepare_for_training()
         if not cfg.loss_fn.force_on_policy_ratio:
@@ -81,6 +78,12 @@ def grpo_step(
         if uses_reference_policy(cfg):
             with timer.time("reference_logprobs"):
                 batch = store.logprobs(batch, reference=True)
+
+        # advantages (per token with the KL in the reward), the loss's sample mask and rewards
+        with timer.time("data_processing"):
+            fields, data_metrics = train_fields(carry, cfg, batch)
+            batch = store.add_fields(batch, fields)
+        data_metrics.update(sampling_metrics)
 
         # train
         with timer.time("policy_training"):

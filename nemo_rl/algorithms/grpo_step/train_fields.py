@@ -1,7 +1,11 @@
-"""A step's per-sample training fields, from the rollout carry: the advantages of
-``grpo.adv_estimator`` and the loss's sample mask ``[B]``."""
+"""A step's training fields, from the rollout carry: the advantages of
+``grpo.adv_estimator``, the loss's sample mask ``[B]`` and, for VAPO's NLL, the rewards
+(:func:`train_fields`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -10,18 +14,57 @@ from nemo_rl.algorithms.advantage_estimators import (
     group_reward_std,
     reinforce_plus_plus_advantages,
 )
-from nemo_rl.algorithms.grpo_config import GRPOConfig
+from nemo_rl.algorithms.grpo_config import GRPOConfig, GRPOMasterConfig
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 
 
-def advantage_fields(
-    carry: RolloutCarry, grpo_cfg: GRPOConfig
+@dataclass(frozen=True)
+class RewardKL:
+    """The per-token KL penalty REINFORCE++ subtracts from the reward
+    (``loss_fn.use_kl_in_reward``): ``coef`` times the ``kl_type`` estimate on
+    ``logprobs - reference_logprobs``, ``[B, S]`` each, on ``token_mask`` ``[B, S]``."""
+
+    logprobs: torch.Tensor
+    reference_logprobs: torch.Tensor
+    token_mask: torch.Tensor
+    coef: float
+    kl_type: str
+
+
+def train_fields(
+    carry: RolloutCarry, cfg: GRPOMasterConfig, batch: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Per-sample ``advantages`` and ``sample_mask`` ``[B]`` float32 of a step.
+    """What the step adds to its training batch after the logprob passes: the fields of
+    :func:`advantage_fields` (per token with ``loss_fn.use_kl_in_reward``, from ``batch``'s
+    ``prev_logprobs``, ``reference_policy_logprobs`` and ``token_mask``: a driver-side
+    batch) and, with ``loss_fn.positive_example_nll_weight > 0``, ``rewards`` ``[B]`` float32
+    (VAPO's NLL trains on the samples with reward > 0)."""
+    loss = cfg.loss_fn
+    reward_kl = None
+    if loss.use_kl_in_reward and loss.reference_policy_kl_penalty != 0:
+        reward_kl = RewardKL(
+            batch["prev_logprobs"],
+            batch["reference_policy_logprobs"],
+            batch["token_mask"].float(),
+            loss.reference_policy_kl_penalty,
+            loss.reference_policy_kl_type,
+        )
+    fields, metrics = advantage_fields(carry, cfg.grpo, reward_kl)
+    if loss.positive_example_nll_weight > 0:
+        fields["rewards"] = carry.rewards.float()
+    return fields, metrics
+
+
+def advantage_fields(
+    carry: RolloutCarry, grpo_cfg: GRPOConfig, reward_kl: RewardKL | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``advantages`` and ``sample_mask`` ``[B]`` float32 of a step.
 
     ``advantages`` is the value the estimator (``grpo_cfg.adv_estimator``) puts on every loss
     token of the sample (the policy's batch holds it on every token of ``token_mask``): with no
-    KL term in the reward, every estimator here gives one value per sample.
+    KL term in the reward, every estimator here gives one value per sample. With
+    ``reward_kl`` (REINFORCE++ only) they differ per token: ``advantages`` is ``[B, S]``,
+    0 outside ``reward_kl.token_mask`` and on masked-out samples.
 
     Returns:
         ``(fields, metrics)``; metrics: ``fraction_of_zero_std_groups`` and, with overlong
@@ -32,14 +75,24 @@ def advantage_fields(
         carry.loss_multiplier, carry.truncated | carry.response_truncated, grpo_cfg
     )
     est = grpo_cfg.adv_estimator
-    if est.name == "reinforce_plus_plus":
+    baseline_groups = group_ids if est.minus_baseline else None
+    if est.name == "reinforce_plus_plus" and reward_kl is not None:
+        # whitened over the loss's tokens, each with its own KL
+        advantages = reinforce_plus_plus_advantages(
+            rewards.double(),
+            reward_kl.token_mask * (sample_mask > 0)[:, None],
+            logprobs=reward_kl.logprobs,
+            reference_logprobs=reward_kl.reference_logprobs,
+            kl_coef=reward_kl.coef,
+            kl_type=reward_kl.kl_type,
+            group_ids=baseline_groups,
+        ).float()
+    elif est.name == "reinforce_plus_plus":
         # whitened over the loss's tokens: each sample weighs its response tokens
         tokens = carry.response_tokens * (sample_mask > 0)
         width = max(int(tokens.max()), 1)
         token_mask = (torch.arange(width)[None, :] < tokens[:, None]).float()
-        per_token = reinforce_plus_plus_advantages(
-            rewards, token_mask, group_ids=group_ids if est.minus_baseline else None
-        )
+        per_token = reinforce_plus_plus_advantages(rewards, token_mask, group_ids=baseline_groups)
         advantages = per_token[:, 0]
     else:
         advantages = grpo_advantages(

@@ -31,7 +31,8 @@ rollout time as recomputed by the trainer, ``gen`` = what the inference engine r
 - VAPO (``positive_example_nll_weight = mu > 0``): ``mu`` times the mean of ``-lp`` over the
   micro-batch's valid tokens of samples with ``data['rewards'] > 0``.
 
-The loss is ``aggregate(w * pg) + beta * aggregate(kl) + mu * nll``, each ``aggregate`` a
+The loss is ``aggregate(w * pg) + beta * aggregate(kl) + mu * nll`` (``beta`` 0 with
+``use_kl_in_reward``: the GRPO step then puts the KL into REINFORCE++'s rewards), each ``aggregate`` a
 token-level or sequence-level reduction (``token_level_loss``, see ``_common.aggregate``).
 
 Logprob conventions (told apart by shape): ours, ``next_token_logprobs`` ``[B, S]`` aligned
@@ -108,8 +109,11 @@ class ClippedPGLossConfig(ConfigModel):
     )
     use_kl_in_reward: bool = Field(
         default=False,
-        description="NeMo RL's REINFORCE++ option (KL folded into the reward instead of the "
-        "loss); accepted so NeMo RL recipes load, only false is supported.",
+        description="NeMo RL's REINFORCE++ option: the KL penalty "
+        "(reference_policy_kl_penalty * the reference_policy_kl_type estimate on prev_logprobs "
+        "vs the reference's) is subtracted from each token's reward before the advantages are "
+        "whitened, and the loss has no KL term (needs grpo.adv_estimator.name "
+        "reinforce_plus_plus).",
     )
     ratio_clip_min: float = Field(
         default=0.2,
@@ -193,6 +197,12 @@ class ClippedPGLossConfig(ConfigModel):
         "samples with reward > 0 (needs data['rewards'] [B]). 0: off (VAPO suggests 0.1).",
     )
 
+    @property
+    def loss_kl_penalty(self) -> float:
+        """Beta of the loss's KL term: ``reference_policy_kl_penalty``, or 0 with
+        ``use_kl_in_reward`` (the penalty is then in the advantages)."""
+        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+
     @model_validator(mode="after")
     def _check(self) -> ClippedPGLossConfig:
         problems = _combination_problems(self)
@@ -204,11 +214,6 @@ class ClippedPGLossConfig(ConfigModel):
 def _combination_problems(c: ClippedPGLossConfig) -> list[str]:
     """The config's contradictory or incomplete key combinations, one message each."""
     problems = []
-    if c.use_kl_in_reward:
-        problems.append(
-            "use_kl_in_reward=true (KL in the reward, NeMo RL's REINFORCE++ option) is not "
-            "supported; set it to false and keep the KL in the loss (reference_policy_kl_penalty)"
-        )
     if c.sequence_level_importance_ratios and c.token_level_loss:
         problems.append(
             "sequence_level_importance_ratios (GSPO) weighs whole sequences and needs "
@@ -398,7 +403,7 @@ class ClippedPGLossFn:
 
         # One reduction of surrogate + beta * KL (the KL's reduction is the same as the surrogate's).
         kl = self._kl_per_token(data, lp, gen, full, start)
-        per_token = applied * pg + c.reference_policy_kl_penalty * kl
+        per_token = applied * pg + c.loss_kl_penalty * kl
         nll = self._positive_nll(data, lp, mask)
         loss = aggregate(per_token, mask, self.loss_type, seqs, toks) + c.positive_example_nll_weight * nll
 
@@ -480,9 +485,9 @@ class ClippedPGLossFn:
         self, data: Mapping[str, Any], lp: torch.Tensor, gen: torch.Tensor, full: tuple[int, int], start: int
     ) -> torch.Tensor:
         """``[B, T]`` weighted, clamped KL estimate to the reference policy (without beta); 0
-        when beta is 0 (no reference logprobs read)."""
+        when the loss's beta is 0 (no reference logprobs read)."""
         c = self.cfg
-        if c.reference_policy_kl_penalty == 0:
+        if c.loss_kl_penalty == 0:
             return torch.zeros_like(lp)
         ref = _token_field(data, "reference_policy_logprobs", full, start, floating=True).to(lp.dtype)
         lp_u = lp
@@ -512,8 +517,7 @@ class ClippedPGLossFn:
         if "rewards" not in data:
             raise ValueError(
                 "data is missing key 'rewards' ([batch]) needed by positive_example_nll_weight > 0 "
-                "(the GRPO step does not put rewards in the training batch yet); pass them or set "
-                "the weight to 0"
+                "(the GRPO step puts them in its training batch); pass them or set the weight to 0"
             )
         rewards = check_tensor(data["rewards"], "rewards", (lp.shape[0],), "[batch]", floating=False)
         positive = mask * (rewards > 0).to(lp.dtype)[:, None]

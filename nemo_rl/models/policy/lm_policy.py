@@ -47,6 +47,8 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: keep the initial weights as the reference policy (for the KL
             penalty and ``get_reference_policy_logprobs``).
         seed: model-parallel RNG seed of the workers.
+        init_optimizer: False: frozen workers that only score (a distillation teacher): no
+            optimizer, scheduler or gradient buffers; ``train`` and the checkpoint verbs raise.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Policy(ColocatablePolicyInterface):
         config: PolicyConfig,
         init_reference_model: bool = True,
         seed: int = 42,
+        init_optimizer: bool = True,
     ) -> None:
         self.cfg = config
         self.model_path = resolve_model_path(config.model_name, field="policy.model_name")
@@ -77,6 +80,7 @@ class Policy(ColocatablePolicyInterface):
                 "model_path": self.model_path,
                 "init_reference_model": init_reference_model,
                 "seed": seed,
+                "init_optimizer": init_optimizer,
             },
         )
 

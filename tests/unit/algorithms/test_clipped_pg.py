@@ -433,6 +433,19 @@ def test_force_on_policy_ratio_needs_no_prev_logprobs() -> None:
     assert loss.item() == pytest.approx(ClippedPGLossFn(cfg)(data, gseqs, gtoks, next_token_logprobs=lp)[0].item(), rel=1e-15)
 
 
+def test_kl_in_reward_leaves_the_loss_without_its_kl_term() -> None:
+    """NeMo RL: with use_kl_in_reward the loss's beta is 0 (the step moved the KL into the
+    advantages); no reference logprobs are read."""
+    data, lp = make_batch(seed=6)
+    gseqs, gtoks = global_counts(data)
+    cfg = {**BASE_CFG, "reference_policy_kl_penalty": 0.5}
+    without_ref = {k: v for k, v in data.items() if k != "reference_policy_logprobs"}
+    in_reward, _ = ClippedPGLossFn({**cfg, "use_kl_in_reward": True})(without_ref, gseqs, gtoks, next_token_logprobs=lp)
+    no_kl, _ = ClippedPGLossFn({**cfg, "reference_policy_kl_penalty": 0.0})(data, gseqs, gtoks, next_token_logprobs=lp)
+    with_kl, _ = ClippedPGLossFn(cfg)(data, gseqs, gtoks, next_token_logprobs=lp)
+    assert in_reward.item() == no_kl.item() != with_kl.item()
+
+
 def test_token_mult_prob_error_sums_to_one_over_microbatches(microbatch_runner) -> None:
     data, lp = make_batch(seed=6)
     data["generation_logprobs"] = data["prev_logprobs"].clone()
@@ -459,7 +472,6 @@ def test_empty_global_batch_gives_zero_not_nan() -> None:
         ({"kl_input_clamp_value": 0.0}, "kl_input_clamp_value"),
         ({"kl_output_clamp_value": -1.0}, "kl_output_clamp_value"),
         ({"positive_example_nll_weight": -0.1}, "positive_example_nll_weight"),
-        ({"use_kl_in_reward": True}, "use_kl_in_reward"),
         ({"sequence_level_importance_ratios": True}, "sequence_level_importance_ratios.*token_level_loss=false"),
         ({"disable_ppo_ratio": True, "force_on_policy_ratio": True}, "disable_ppo_ratio and force_on_policy_ratio"),
         ({"use_cispo": True, "disable_ppo_ratio": True}, "use_cispo.*disable_ppo_ratio"),

@@ -23,7 +23,11 @@ from nemo_rl.models.generation.refit.sender import RefitSender
 from megatron_bridge.parallel_state import destroy_megatron_parallel
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
-from nemo_rl.models.policy.workers.megatron.model_setup import restart_optimizer, setup_policy_model
+from nemo_rl.models.policy.workers.megatron.model_setup import (
+    require_optimizer,
+    restart_optimizer,
+    setup_policy_model,
+)
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
 from nemo_rl.models.policy.workers.megatron.train_step import (
     compute_logprobs,
@@ -40,6 +44,9 @@ class MegatronPolicyWorker:
         model_path: local HF checkpoint folder.
         init_reference_model: keep the initial weights on the CPU as the reference policy.
         seed: base seed of megatron's model-parallel RNG tracker.
+        init_optimizer: False: a frozen worker that only scores (no DDP gradient buffers, no
+            optimizer or scheduler); ``train``, ``reset_optimizer`` and the checkpoint verbs
+            raise.
     """
 
     def __init__(
@@ -48,10 +55,11 @@ class MegatronPolicyWorker:
         model_path: str,
         init_reference_model: bool = True,
         seed: int = 42,
+        init_optimizer: bool = True,
     ) -> None:
         self.config = config
         self.model_path = model_path
-        self.policy = setup_policy_model(config, model_path, seed)
+        self.policy = setup_policy_model(config, model_path, seed, init_optimizer)
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
         self._packing = config.sequence_packing.enabled
@@ -74,7 +82,9 @@ class MegatronPolicyWorker:
 
         Raises:
             ConfigError: ``lr_schedule`` names a field neither model has, or a bad value.
+            RuntimeError: the worker was made with ``init_optimizer=False``.
         """
+        require_optimizer(self.policy, "reset the optimizer")
         optimizer, scheduler = self.config.megatron_cfg.lr_schedule(lr_schedule or {})
         restart_optimizer(self.policy, optimizer, scheduler)
 
@@ -132,7 +142,11 @@ class MegatronPolicyWorker:
             Per optimizer step, lists: ``loss`` (global loss), ``grad_norm`` (before
             clipping; None in eval mode), ``lr``; ``metrics``: name -> per-step values summed
             over micro-batches and DP ranks; ``num_micro_batches`` (this rank's, per step).
+
+        Raises:
+            RuntimeError: the worker was made with ``init_optimizer=False``.
         """
+        require_optimizer(self.policy, "train")
         gbs = gbs or self.config.train_global_batch_size
         mbs = mbs or self.config.train_micro_batch_size
         steps = list(
@@ -250,10 +264,12 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler, RNG and step into the new folder ``path``, with the
         source model's tokenizer files (an export of it is a complete HF folder)."""
+        require_optimizer(self.policy, "save a training checkpoint")
         checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder (saved at any TP/PP/DP layout)."""
+        require_optimizer(self.policy, "load a training checkpoint")
         self.step = checkpointing.load_training_checkpoint(self.policy, path)
 
     def shutdown(self) -> bool:

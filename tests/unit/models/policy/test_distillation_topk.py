@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.algorithms.loss import DistillationLossFn
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+
+from one_rank_worker import one_rank_worker, token_batch
 
 LENGTHS = (16, 5, 11, 9)
 SEQ, K = 16, 8
@@ -22,34 +22,13 @@ SEQ, K = 16, 8
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama_path: Path) -> Iterator[MegatronPolicyWorker]:
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(find_free_port())}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        cfg = PolicyConfig(
-            model_name=str(tiny_llama_path),
-            train_global_batch_size=len(LENGTHS),
-            train_micro_batch_size=2,
-            logprob_batch_size=2,
-            max_total_sequence_length=SEQ,
-        )
-        yield MegatronPolicyWorker(cfg, str(tiny_llama_path), init_reference_model=False)
-    destroy_megatron_parallel()
+    with one_rank_worker(tiny_llama_path, len(LENGTHS), SEQ) as w:
+        yield w
 
 
 @pytest.fixture(scope="module")
 def batch() -> BatchedDataDict:
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.tensor(LENGTHS)
-    t = torch.arange(SEQ)[None, :]
-    ids = torch.randint(1, 1000, (len(LENGTHS), SEQ), generator=gen)
-    ids[t >= lengths[:, None]] = 0
-    return BatchedDataDict(
-        input_ids=ids,
-        input_lengths=lengths,
-        token_mask=((t >= 1) & (t < lengths[:, None])).float(),
-        sample_mask=torch.ones(len(LENGTHS)),
-    )
+    return token_batch(LENGTHS, SEQ)
 
 
 @pytest.fixture(scope="module")

@@ -57,20 +57,50 @@ class PolicyModel:
     """Everything a trainable rank holds.
 
     Attributes:
-        model: the DDP-wrapped GPTModel stage (``model.module`` is the GPTModel).
-        optimizer: megatron optimizer over ``model``'s parameters.
-        scheduler: learning-rate / weight-decay scheduler stepping once per optimizer step.
+        model: the DDP-wrapped GPTModel stage (``model.module`` is the GPTModel); a
+            :class:`FrozenStage` for a policy built without an optimizer.
+        optimizer: megatron optimizer over ``model``'s parameters; None when frozen.
+        scheduler: learning-rate / weight-decay scheduler stepping once per optimizer step;
+            None when frozen.
         bridge: the HF <-> Megatron description of the model (vocabulary, family).
         layout: parallel sizes of this run.
         dtype: parameter dtype.
     """
 
     model: Any
-    optimizer: Any
-    scheduler: Any
+    optimizer: Any | None
+    scheduler: Any | None
     bridge: BridgeConfig
     layout: ParallelLayout
     dtype: torch.dtype
+
+
+class FrozenStage(torch.nn.Module):
+    """A GPTModel stage that only scores (a distillation teacher): no DDP, so no gradient
+    buffers, and parameters that need no gradient. ``module`` is the GPTModel, as on DDP, so
+    scoring, refit and export read both alike."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module.requires_grad_(False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def require_optimizer(policy: PolicyModel, action: str) -> None:
+    """Refuse ``action`` (train, save a training checkpoint...) on a policy built without an
+    optimizer.
+
+    Raises:
+        RuntimeError: naming the fix.
+    """
+    if policy.optimizer is None:
+        raise RuntimeError(
+            f"cannot {action}: this policy was built with init_optimizer=False (a frozen "
+            "teacher: no optimizer, no gradient buffers) and only scores; build it with "
+            "init_optimizer=True to train it"
+        )
 
 
 def init_parallel_from_env(megatron_cfg: MegatronConfig, seed: int) -> ParallelLayout:
@@ -278,7 +308,10 @@ def build_scheduler(
 
 
 def optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
-    """Per-parameter state dicts of every torch optimizer inside a megatron optimizer."""
+    """Per-parameter state dicts of every torch optimizer inside a megatron optimizer (none
+    for a frozen policy's None)."""
+    if optimizer is None:
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         yield from opt.optimizer.state.values()
 
@@ -344,13 +377,17 @@ def attach_score_head(
     return bridge.as_sequence_classifier(pad)
 
 
-def setup_policy_model(config: PolicyConfig, model_path: str, seed: int) -> PolicyModel:
+def setup_policy_model(
+    config: PolicyConfig, model_path: str, seed: int, init_optimizer: bool = True
+) -> PolicyModel:
     """Process groups, model stage with HF weights, DDP, optimizer and scheduler for this rank.
 
     Args:
         config: the validated ``policy`` section.
         model_path: local HF checkpoint folder.
         seed: base seed of megatron's model-parallel RNG tracker.
+        init_optimizer: False: a frozen stage (:class:`FrozenStage`) without DDP, optimizer or
+            scheduler (a distillation teacher; ``megatron_cfg.optimizer`` is ignored).
     """
     mcfg = config.megatron_cfg
     dtype = dtype_from_name(config.precision)
@@ -358,6 +395,8 @@ def setup_policy_model(config: PolicyConfig, model_path: str, seed: int) -> Poli
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
     if config.reward_model_cfg.enabled:
         bridge = attach_score_head(model, bridge, model_path, seed)
+    if not init_optimizer:
+        return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype)
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel, optimizer_states
+from nemo_rl.models.policy.workers.megatron.model_setup import (
+    FrozenStage,
+    PolicyModel,
+    optimizer_states,
+)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -30,6 +34,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _ddp_buffers(ddp: Any) -> list[Any]:
+    if isinstance(ddp, FrozenStage):  # no DDP: its parameters are plain tensors
+        return []
     return list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
 
 

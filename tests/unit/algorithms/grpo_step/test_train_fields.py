@@ -1,0 +1,112 @@
+"""What the GRPO step adds to its training batch after the logprob passes
+(:func:`~nemo_rl.algorithms.grpo_step.train_fields.train_fields`), against hand-derived values:
+``loss_fn.use_kl_in_reward`` gives REINFORCE++'s per-token advantages with the KL in the
+reward (NeMo RL's semantics), and ``positive_example_nll_weight`` puts the rewards in the batch
+(both stores) so that the loss adds VAPO's NLL of the positive samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_step.train_fields import train_fields
+from nemo_rl.algorithms.loss import ClippedPGLossFn
+from nemo_rl.data_plane import InProcessDataPlane
+from nemo_rl.data_plane.columns import write_columns
+from nemo_rl.experience.data_plane_rollout_actor import store_training_fields
+from nemo_rl.experience.grouped_rollouts import RolloutCarry, training_fields
+from nemo_rl.models.policy.workers.megatron.data_plane_io import fetch_batch
+
+from .test_batch_stores import PAD, in_memory_store, rollout_batch
+
+# one group of two: 2 prompt tokens each; responses of 2 and 1 tokens, rewards 1 and 0
+ROWS = [(2, 2, 1.0), (2, 1, 0.0)]
+
+
+def step_batch():
+    """The in-memory batch after the logprob passes: token_mask is 1 at (0, 2), (0, 3), (1, 2);
+    k1 KL ``prev - ref`` there: 0.2, 0.4 and 0.1."""
+    rollout, group_ids = rollout_batch(ROWS)
+    batch = training_fields(rollout, PAD)
+    assert batch["token_mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    batch["prev_logprobs"] = torch.tensor([[0.0, -1.0, -0.5, -0.7], [0.0, -2.0, -0.3, 0.0]])
+    batch["reference_policy_logprobs"] = batch["prev_logprobs"] - torch.tensor(
+        [[0.0, 0.9, 0.2, 0.4], [0.0, 0.9, 0.1, 0.0]]  # off-mask entries must not count
+    )
+    return batch, RolloutCarry.from_rollout(rollout, group_ids, {}, sampling_step=0)
+
+
+def config(**loss_fn) -> GRPOMasterConfig:
+    return GRPOMasterConfig.model_validate(
+        {
+            "grpo": {"adv_estimator": {"name": "reinforce_plus_plus", "minus_baseline": True}},
+            "loss_fn": loss_fn,
+        }
+    )
+
+
+def test_kl_in_reward_gives_reinforce_plus_plus_per_token_advantages() -> None:
+    batch, carry = step_batch()
+    cfg = config(use_kl_in_reward=True, reference_policy_kl_penalty=0.5, reference_policy_kl_type="k1")
+    fields, _ = train_fields(carry, cfg, batch)
+    assert "rewards" not in fields
+    out = in_memory_store().add_fields(batch, fields)
+    # rewards minus the group mean (0.5): +0.5, -0.5; minus 0.5 * KL per token:
+    # 0.4, 0.3 | -0.55; mean 0.05; deviations 0.35, 0.25 | -0.6; population variance 0.545 / 3
+    scale = math.sqrt(0.545 / 3)
+    want = torch.tensor([[0, 0, 0.35 / scale, 0.25 / scale], [0, 0, -0.6 / scale, 0]])
+    torch.testing.assert_close(out["advantages"], want, rtol=0, atol=1e-6)
+
+
+def test_without_kl_in_reward_advantages_stay_per_sample() -> None:
+    batch, carry = step_batch()
+    fields, _ = train_fields(carry, config(reference_policy_kl_penalty=0.5), batch)
+    assert fields["advantages"].shape == (2,)
+    # +-0.5 on 3 tokens: mean 1/6, deviations 1/3, 1/3 | -2/3, variance 2/9
+    torch.testing.assert_close(fields["advantages"], torch.tensor([1 / 3, -2 / 3]) / math.sqrt(2 / 9))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"grpo": {"adv_estimator": {"name": "grpo"}}}, "grpo.adv_estimator.name=reinforce_plus_plus"),
+        ({"loss_fn": {"use_kl_in_reward": True, "force_on_policy_ratio": True}, "policy": {"train_global_batch_size": 32}}, "force_on_policy_ratio=false"),
+        ({"data_plane": {"enabled": True}}, "data_plane.enabled=false"),
+    ],
+)
+def test_kl_in_reward_refuses_what_cannot_carry_it(change: dict, message: str) -> None:
+    raw = {
+        "grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}},
+        "loss_fn": {"use_kl_in_reward": True},
+    }
+    raw.update(change)
+    raw["loss_fn"]["use_kl_in_reward"] = True
+    with pytest.raises(ValueError, match=rf"loss_fn.use_kl_in_reward=true needs .*{message}"):
+        GRPOMasterConfig.model_validate(raw)
+
+
+def test_vapo_rewards_reach_the_loss_through_both_stores() -> None:
+    batch, carry = step_batch()
+    cfg = config(positive_example_nll_weight=0.1, reference_policy_kl_penalty=0.0)
+    fields, _ = train_fields(carry, cfg, batch)
+    assert torch.equal(fields["rewards"], torch.tensor([1.0, 0.0]))
+    out = in_memory_store().add_fields(batch, fields)
+
+    plane = InProcessDataPlane()
+    plane.register_partition("train")
+    rollout_fields = training_fields(rollout_batch(ROWS)[0], PAD)
+    meta = store_training_fields(plane, "train", ["s0", "s1"], rollout_fields, PAD)
+    fetched = fetch_batch(plane, write_columns(plane, meta, fields))
+    assert torch.equal(fetched["rewards"], fields["rewards"])
+
+    # the loss's VAPO term: 0.1 * mean(-lp) over the positive sample's tokens (0, 2), (0, 3)
+    lp = out["prev_logprobs"].double()
+    data = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    seqs, toks = torch.tensor(2.0), out["token_mask"].sum()
+    with_nll, metrics = ClippedPGLossFn(cfg.loss_fn)(data, seqs, toks, next_token_logprobs=lp)
+    without, _ = ClippedPGLossFn(config(reference_policy_kl_penalty=0.0).loss_fn)(data, seqs, toks, next_token_logprobs=lp)
+    assert metrics["positive_nll_loss"] == pytest.approx((0.5 + 0.7) / 2)
+    assert with_nll.item() - without.item() == pytest.approx(0.1 * (0.5 + 0.7) / 2, rel=1e-6)  # float32 logprobs
