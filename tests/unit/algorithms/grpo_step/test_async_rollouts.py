@@ -85,8 +85,11 @@ class FakeRun:
         self.events.append(("refit", self.weights))
         self.engine_weights = self.weights
 
-    def source(self, max_age: int, start_step: int = 0, timeout_s: float = 30.0) -> AsyncRollouts:
-        self.weights = self.engine_weights = start_step
+    def source(
+        self, max_age: int, start_step: int = 0, timeout_s: float = 30.0, engines_current: bool = True
+    ) -> AsyncRollouts:
+        self.weights = start_step
+        self.engine_weights = start_step if engines_current else -1
         return AsyncRollouts(
             self.roll_out,
             self.refit,
@@ -96,7 +99,7 @@ class FakeRun:
                 enabled=True, max_trajectory_age_steps=max_age, rollout_timeout_s=timeout_s
             ),
             start_step=start_step,
-            engines_current=True,
+            engines_current=engines_current,
             policy_lock=threading.RLock(),
         )
 
@@ -143,6 +146,18 @@ def test_bound_zero_is_the_synchronous_order():
     for step in range(1, 5):
         want += [("refit", step), ("generate", step), ("train", step)]
     assert run.events[: len(want)] == want
+
+
+def test_resumed_run_refits_stale_engines_before_its_first_batch():
+    run = FakeRun()
+    source = run.source(max_age=1, start_step=5, engines_current=False)
+    batches = iter(ResumeCursor(source))
+    try:
+        _, metrics = run.train(source, batches)
+    finally:
+        source.close()
+    assert run.events[:2] == [("refit", 5), ("generate", 0)]
+    assert run.generated_with[0] == 5 and metrics["async/trajectory_age"] == 0
 
 
 def test_buffer_drops_and_counts_batches_older_than_the_bound():
