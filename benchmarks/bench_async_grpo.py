@@ -93,7 +93,6 @@ def run_mode(args: argparse.Namespace, prompts: Path, mode: str) -> dict[str, fl
         "steps_per_s": len(measured) / seconds,
         "gen_tokens_per_s": tokens / seconds,
         "mean_step_s": seconds / len(measured),
-        "max_gen_len": max(train[s]["rollout/max_generation_length"] for s in measured),
         "mean_gen_len": tokens / len(measured) / 32,
         "reward": sum(train[s]["reward"] for s in measured) / len(measured),
         "age": sum(train[s].get("async/trajectory_age", 0.0) for s in measured) / len(measured),
@@ -121,8 +120,7 @@ def main() -> None:
         f"one short prompt in {args.long_every}, max_trajectory_age_steps={args.max_age}, "
         f"mean of {args.steps} steps after {args.warmup}"
     )
-    keys = ("steps_per_s", "gen_tokens_per_s", "mean_step_s", "mean_gen_len", "max_gen_len",
-            "reward", "age")
+    keys = ("steps_per_s", "gen_tokens_per_s", "mean_step_s", "mean_gen_len", "reward", "age")
     print(f"{'mode':<8}" + "".join(f"{k:>18}" for k in keys))
     for mode, figures in results.items():
         print(f"{mode:<8}" + "".join(f"{figures[k]:>18.3f}" for k in keys))
