@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
@@ -103,7 +102,9 @@ class FakeRun:
             policy_lock=threading.RLock(),
         )
 
-    def train(self, source: AsyncRollouts, batches: Iterator[int], train_s: float = 0.0) -> tuple[int, dict[str, float]]:
+    def train(
+        self, source: AsyncRollouts, batches: Iterator[int], train_s: float = 0.0
+    ) -> tuple[int, dict[str, float]]:
         """One trainer step: take, 'train' (the weights move on), return prompt and metrics."""
         prompt, _, metrics = source.take(self, None, batches)
         with source.training(self):
