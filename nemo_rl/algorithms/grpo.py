@@ -14,9 +14,11 @@ checkpoints; :func:`run` is the ``nemo-rl grpo`` entry point.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,11 @@ from typing import Any
 from nemo_rl.algorithms import training_loop
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig, RolloutMasterConfig
 from nemo_rl.algorithms.grpo_inputs import RunInputs, load_run_inputs
+from nemo_rl.algorithms.grpo_step.async_rollouts import (
+    AsyncRollouts,
+    LockedPolicy,
+    ResumeCursor,
+)
 from nemo_rl.algorithms.grpo_step.components import (
     GRPOComponents,
     RolloutComponents,
@@ -37,6 +44,7 @@ from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.algorithms.sft import run_sft_steps
 from nemo_rl.algorithms.training_loop import LoopParts
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.refit import refit_policy_generation
 from nemo_rl.utils.run_stop import RunStopped
 
 # Folder (under checkpointing.checkpoint_dir) of the SFT warm start's policy: the reference policy
@@ -381,6 +389,8 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
         step = restore_checkpoint(components)
         if step == 0 and components.sft_loader is not None:
             sft_warm_start(components)
+        if components.cfg.grpo.async_grpo.enabled:
+            return train_async(components, guard, step)
         store = open_batch_store(components)
         try:
             return training_loop.train_loop(
@@ -393,6 +403,63 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
             )
         finally:
             store.close()
+
+
+def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, float]:
+    """:func:`grpo_train`'s loop with ``grpo.async_grpo.enabled``: the same step over a
+    collector that generates ahead (:mod:`~nemo_rl.algorithms.grpo_step.async_rollouts`).
+
+    From here on the policy is used under one lock (:class:`LockedPolicy`); checkpoints save
+    the loader position and sampling step of the first batch not yet trained on (the buffer is
+    drained by that rule, not saved); validation has the engines to itself, refit to the
+    latest weights.
+    """
+    lock = threading.RLock()
+    components.policy = LockedPolicy(components.policy, lock)
+    store = open_batch_store(components)
+    generation, n = components.generation, components.cfg.grpo.num_generations_per_prompt
+
+    def roll_out(prompts: BatchedDataDict) -> tuple[Any, Any]:
+        generation.prepare_for_generation()
+        out = store.rollout(prompts, num_generations=n, partition="train", greedy=False)
+        generation.finish_generation()
+        return out
+
+    source = AsyncRollouts(
+        roll_out,
+        refit=lambda: refit_policy_generation(components.policy, generation, colocated=False),
+        loader=components.train_loader,
+        sampling_step=lambda: generation.sampling_step,
+        cfg=components.cfg.grpo.async_grpo,
+        start_step=step,
+        engines_current=not components.generation_stale,
+        policy_lock=lock,
+    )
+    components.generation_stale = False  # the source refits from here on
+    parts = dataclasses.replace(loop_parts(components), train_loader=ResumeCursor(source))
+
+    def validate_async() -> dict[str, float]:
+        with source.engines():
+            return validate(components, store)
+
+    def extra_info(metrics: dict[str, float]) -> dict[str, Any]:
+        return {
+            **checkpoint_info(components, metrics),
+            "generation_sampling_step": source.resume_point()[1],
+        }
+
+    try:
+        return training_loop.train_loop(
+            parts,
+            guard,
+            step,
+            step_fn=lambda batches: grpo_step(components, store, batches, source),
+            validate_fn=validate_async if components.val_batches else None,
+            extra_info=extra_info,
+        )
+    finally:
+        source.close()
+        store.close()
 
 
 def shutdown(components: RolloutComponents) -> None:

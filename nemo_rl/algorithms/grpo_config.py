@@ -101,6 +101,32 @@ class RolloutLoopConfig(ConfigModel):
         return self.val_period > 0 or self.val_at_start
 
 
+class AsyncGRPOConfig(ConfigModel):
+    """Async GRPO (``grpo.async_grpo``; NeMo RL's keys): generation runs ahead of training on
+    its own engines (:mod:`nemo_rl.algorithms.grpo_step.async_rollouts`)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Generate the next steps' rollouts while the policy trains (needs "
+        "policy.generation.colocated.enabled=false).",
+    )
+    max_trajectory_age_steps: int = Field(
+        default=1,
+        ge=0,
+        description="Most training steps between the weights that generated a trajectory and "
+        "the step that trains on it; older ones are dropped (metric "
+        "async/stale_groups_dropped). 0: every step trains on its own weights' rollouts (the "
+        "synchronous loop's order).",
+    )
+    rollout_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds one generation batch (rollout and environments) may take; a "
+        "slower one is abandoned and its prompts skipped (metric async/timed_out_rollouts) "
+        "so one hung rollout cannot stall the buffer.",
+    )
+
+
 class GRPOConfig(RolloutLoopConfig):
     """The GRPO loop (``grpo``): the rollout loop's keys plus advantages, dynamic sampling,
     overlong filtering and the environment-error stop."""
@@ -158,6 +184,12 @@ class GRPOConfig(RolloutLoopConfig):
         ge=1,
         description="Consecutive steps over max_env_error_rate that stop the run.",
     )
+    async_grpo: AsyncGRPOConfig = Field(
+        default_factory=AsyncGRPOConfig,
+        description="Async GRPO: rollouts generated ahead of training, at most "
+        "max_trajectory_age_steps old.",
+    )
+
     @property
     def prompts_per_generation_batch(self) -> int:
         """Prompts the data loader yields per generation batch."""
@@ -453,6 +485,7 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 f"{self.policy.train_global_batch_size}"
             )
         self._check_kl_in_reward()
+        self._check_async()
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size
         warmup = self.sft_warmup
@@ -465,3 +498,28 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 f"train_path={self.data.train_path!r}"
             )
         return self
+
+    def _check_async(self) -> None:
+        """Async GRPO needs engines of its own, the in-memory loop, one generation batch per
+        step, and, with trajectories older than the weights they train, the mismatch weight."""
+        a = self.grpo.async_grpo
+        if not a.enabled:
+            return
+        conflicts = [
+            (self.policy.generation.colocated.enabled, "policy.generation.colocated.enabled=false "
+             "(the engines generate while the policy trains: they need their own resources)"),
+            (self.data_plane.enabled, "data_plane.enabled=false (async rollouts pass through "
+             "driver memory)"),
+            (self.grpo.use_dynamic_sampling, "grpo.use_dynamic_sampling=false (one generation "
+             "batch per step)"),
+            (a.max_trajectory_age_steps > 0 and self.loss_fn.force_on_policy_ratio,
+             "loss_fn.force_on_policy_ratio=false or grpo.async_grpo.max_trajectory_age_steps=0 "
+             "(older trajectories are not on-policy)"),
+            (a.max_trajectory_age_steps > 0 and not self.loss_fn.use_importance_sampling_correction,
+             "loss_fn.use_importance_sampling_correction=true or grpo.async_grpo."
+             "max_trajectory_age_steps=0 (the mismatch weight corrects for the older weights "
+             "that generated)"),
+        ]
+        for bad, fix in conflicts:
+            if bad:
+                raise ValueError(f"grpo.async_grpo.enabled needs {fix}")

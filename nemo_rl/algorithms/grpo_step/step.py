@@ -23,14 +23,19 @@
    generation (a step's rollout, or a validation).
 
 The store decides where the samples live (driver memory or the data plane); the step sees
-handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics.
+handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics. A
+:class:`RolloutSource` decides where phase 1's batch comes from and what phase 5 does:
+:class:`SyncRollouts` (generate now, mark the engines stale) or, with
+``grpo.async_grpo.enabled``, :class:`~.async_rollouts.AsyncRollouts` (take a batch generated
+ahead from the replay buffer, publish the new weights version to the collector).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -56,42 +61,78 @@ from nemo_rl.experience.grouped_rollouts import RolloutCarry
 GroupsT = TypeVar("GroupsT")
 
 
+class RolloutSource(Protocol):
+    """Where a step's rollouts come from, and how the engines learn of the new weights."""
+
+    def take(
+        self, components: GRPOComponents, store: BatchStore[Any], batches: Iterator[BatchedDataDict]
+    ) -> tuple[Any, RolloutCarry, dict[str, float]]:
+        """The step's ``(batch, carry, metrics)`` of ``num_prompts_per_step`` groups."""
+
+    def training(self, components: GRPOComponents) -> AbstractContextManager[None]:
+        """Wraps the step's policy phases (logprobs, train); the new weights are published
+        when it exits."""
+
+
+class SyncRollouts:
+    """The synchronous loop's source: generate the step's groups now
+    (:func:`generate`); after training, the engines are stale and refit before their next
+    generation."""
+
+    def take(
+        self, components: GRPOComponents, store: BatchStore[Any], batches: Iterator[BatchedDataDict]
+    ) -> tuple[Any, RolloutCarry, dict[str, float]]:
+        return generate(components, store, batches)
+
+    @contextmanager
+    def training(self, components: GRPOComponents) -> Iterator[None]:
+        yield
+        components.generation_stale = True
+
+
 def grpo_step(
-    components: GRPOComponents, store: BatchStore[Any], batches: Iterator[BatchedDataDict]
+    components: GRPOComponents,
+    store: BatchStore[Any],
+    batches: Iterator[BatchedDataDict],
+    source: RolloutSource | None = None,
 ) -> dict[str, float]:
     """One GRPO step on prompts from ``batches`` (collated DatumSpec rows; one batch, or
-    several with dynamic sampling); returns its metrics (see the module docstring)."""
+    several with dynamic sampling) with the rollouts of ``source`` (None:
+    :class:`SyncRollouts`); returns its metrics (see the module docstring)."""
     cfg, timer, policy = components.cfg, components.timer, components.policy
+    source = source if source is not None else SyncRollouts()
     group_size = cfg.grpo.num_generations_per_prompt
     with store.scope("train", cfg.grpo.num_prompts_per_step * group_size, group_size):
-        # generate: rollouts, scored by the environments as they go
-        batch, carry, sampling_metrics = generate(components, store, batches)
+        # generate: rollouts, scored by the environments as they go (or generated ahead)
+        batch, carry, sampling_metrics = source.take(components, store, batches)
         components.env_error_streak = check_env_errors(
             carry, cfg.grpo, components.env_error_streak
         )
 
-        # logprobs: the policy's before the update, the reference policy's for the KL penalty
-        policy.prepare_for_training()
-        if not cfg.loss_fn.force_on_policy_ratio:
-            with timer.time("policy_logprobs"):
-                batch = store.logprobs(batch)
-        if uses_reference_policy(cfg):
-            with timer.time("reference_logprobs"):
-                batch = store.logprobs(batch, reference=True)
+        with source.training(components):
+            # logprobs: the policy's before the update, the reference policy's for the KL
+            # penalty
+            policy.prepare_for_training()
+            if not cfg.loss_fn.force_on_policy_ratio:
+                with timer.time("policy_logprobs"):
+                    batch = store.logprobs(batch)
+            if uses_reference_policy(cfg):
+                with timer.time("reference_logprobs"):
+                    batch = store.logprobs(batch, reference=True)
 
-        # advantages (per token with the KL in the reward), the loss's sample mask and rewards
-        with timer.time("data_processing"):
-            fields, data_metrics = train_fields(carry, cfg, batch)
-            batch = store.add_fields(batch, fields)
-        data_metrics.update(sampling_metrics)
+            # advantages (per token with the KL in the reward), the loss's sample mask and
+            # rewards
+            with timer.time("data_processing"):
+                fields, data_metrics = train_fields(carry, cfg, batch)
+                batch = store.add_fields(batch, fields)
+            data_metrics.update(sampling_metrics)
 
-        # train
-        with timer.time("policy_training"):
-            train_results = store.train(batch, components.loss_fn)
-        policy.finish_training()
-
-        # refit: the engines take the new weights before their next generation
-        components.generation_stale = True
+            # train
+            with timer.time("policy_training"):
+                train_results = store.train(batch, components.loss_fn)
+            policy.finish_training()
+        # refit: published by the source as it exits (the engines take the new weights
+        # before their next generation)
         store.release(batch)
     return step_metrics(carry.metrics, train_results, data_metrics)
 

@@ -199,3 +199,39 @@ def test_on_policy_ratio_needs_one_optimizer_step_per_rollout() -> None:
     assert "loss_fn.force_on_policy_ratio needs exactly one optimizer step per rollout" in message
     assert "set policy.train_global_batch_size to grpo.num_prompts_per_step" in message
     assert f"({samples}), got {samples // 2}" in message
+
+
+# ------------------------------------------------------------------ async GRPO
+
+ASYNC_OK = (
+    "grpo.async_grpo.enabled=true",
+    "policy.generation.colocated.enabled=false",
+    "loss_fn.use_importance_sampling_correction=true",
+)
+
+
+@pytest.mark.parametrize(
+    "change, fix",
+    [
+        ("policy.generation.colocated.enabled=true", "policy.generation.colocated.enabled=false"),
+        ("data_plane.enabled=true", "data_plane.enabled=false"),
+        ("grpo.use_dynamic_sampling=true", "grpo.use_dynamic_sampling=false"),
+        ("loss_fn.use_importance_sampling_correction=false",
+         "loss_fn.use_importance_sampling_correction=true"),
+        ("loss_fn.force_on_policy_ratio=true", "loss_fn.force_on_policy_ratio=false"),
+    ],
+)
+def test_async_grpo_refuses_what_it_cannot_run(change: str, fix: str) -> None:
+    message = refusal(*ASYNC_OK, change)
+    assert "grpo.async_grpo.enabled needs" in message and fix in message
+
+
+def test_async_grpo_defaults_and_bound_zero_needs_no_mismatch_weight() -> None:
+    cfg = load(*ASYNC_OK)
+    assert cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+    cfg = load(
+        "grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
+        "grpo.async_grpo.max_trajectory_age_steps=0",
+    )
+    assert not cfg.loss_fn.use_importance_sampling_correction
+    assert not load().grpo.async_grpo.enabled
