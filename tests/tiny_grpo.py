@@ -12,6 +12,7 @@ import torch
 from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.distributed.ray_bootstrap import shutdown_ray
+from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
 
 
@@ -61,6 +62,25 @@ def run_grpo(cfg: GRPOMasterConfig) -> dict[str, float]:
     finally:
         shutdown(components)
         shutdown_ray()
+
+
+def run_recipe_cut(recipe: Path, steps: int, log_dir: Path) -> list[dict[str, Any]]:
+    """Run the GRPO ``recipe`` for ``steps`` steps, validating at the start and at the end, no
+    checkpoints, logging only to ``log_dir``; its metric records."""
+    cfg = load_typed_config(
+        recipe,
+        [
+            f"grpo.max_num_steps={steps}",
+            f"grpo.val_period={steps}",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={log_dir}",
+            "logger.console_enabled=false",
+            "logger.tensorboard_enabled=false",
+        ],
+        GRPOMasterConfig,
+    )
+    run_grpo(cfg)
+    return read_metrics_jsonl(log_dir / "metrics.jsonl")
 
 
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:

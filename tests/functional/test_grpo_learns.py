@@ -14,11 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.utils.config import load_typed_config
-from nemo_rl.utils.logger import read_metrics_jsonl
-
-from tiny_grpo import run_grpo
+from tiny_grpo import run_recipe_cut
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +23,7 @@ STEPS = 30
 
 
 def test_demo_recipe_raises_sampled_validation_accuracy(tmp_path):
-    cfg = load_typed_config(
-        RECIPE,
-        [
-            f"grpo.max_num_steps={STEPS}",
-            f"grpo.val_period={STEPS}",
-            "checkpointing.enabled=false",
-            f"logger.log_dir={tmp_path / 'logs'}",
-            "logger.console_enabled=false",
-            "logger.tensorboard_enabled=false",
-        ],
-        GRPOMasterConfig,
-    )
-    run_grpo(cfg)
-    records = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    records = run_recipe_cut(RECIPE, STEPS, tmp_path / "logs")
     accuracy = {r["step"]: r["metrics"]["accuracy"] for r in records if r["prefix"] == "validation"}
     assert sorted(accuracy) == [0, STEPS]
     assert 0.1 < accuracy[0] < 0.8, f"the warm start should leave room to learn: {accuracy}"

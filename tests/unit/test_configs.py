@@ -31,6 +31,14 @@ ARCHITECTURES = {
         "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
         "vocab_size": 152064,
     },
+    "Qwen/Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48, "hidden_size": 2048,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
 }
 # Recipes written for a feature that is not implemented yet: the one field validation refuses,
 # and the override that lets the rest of the recipe be checked.
@@ -44,6 +52,7 @@ MULTI_NODE = {
     "grpo_llama3.1_8b_2n8g.yaml": 2,
     "grpo_qwen2.5_32b_4n8g.yaml": 4,
     "grpo_llama3.1_8b_4n8g_noncolocated.yaml": 4,
+    "grpo_qwen3_30b_a3b_2n8g.yaml": 2,
 }
 
 
@@ -80,3 +89,5 @@ def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Pa
     # Tensor parallelism stays inside a node (NVLink).
     assert cfg.cluster.gpus_per_node % layout.tp == 0
     assert layout.dp * layout.tp * layout.pp * layout.cp == world
+    # Expert parallelism takes its ranks out of DP x CP (megatron-core's expert grid).
+    assert (layout.dp * layout.cp) % cfg.policy.megatron_cfg.expert_model_parallel_size == 0

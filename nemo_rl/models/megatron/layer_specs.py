@@ -13,12 +13,14 @@ tokens only; :func:`gather_from_context_parallel` reassembles them in sequence o
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -59,6 +61,33 @@ def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
     return spec
+
+
+def get_gpt_stage_spec(config: Any, use_te: bool | None = None) -> Any:
+    """The spec of this pipeline stage's layers for a model of ``config``.
+
+    A dense model gets :func:`get_gpt_layer_spec` (one spec for every layer). A
+    mixture-of-experts model (``config.num_moe_experts`` set) gets megatron's decoder block
+    spec (per layer a dense MLP or the experts, from ``config.moe_layer_freq``, for the layers
+    of this rank's stage) with the same attention as the dense spec.
+
+    Args:
+        config: the model's megatron ``TransformerConfig``.
+        use_te: as :func:`get_gpt_layer_spec`.
+    """
+    if config.num_moe_experts is None:
+        return get_gpt_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
+    if use_te is None:
+        use_te = transformer_engine_available()
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=config.normalization
+    )
+    if not use_te:
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = (
+                ContextParallelDotProductAttention
+            )
+    return block
 
 
 def split_for_context_parallel(

@@ -115,6 +115,48 @@ class MegatronConfig(ConfigModel):
         description="Recompute each layer's activations in the backward pass: less memory, "
         "about a third more compute.",
     )
+    expert_model_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks the experts of each mixture-of-experts layer are split over (EP), "
+        "whole experts per rank; taken out of the data-parallel x context-parallel ranks. "
+        "Must divide the model's expert count; > 1 needs a mixture-of-experts model.",
+    )
+    expert_tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ranks each expert's weights are split over (ETP). None: "
+        "tensor_model_parallel_size, the only value supported (the checkpoint bridge splits "
+        "experts like the dense MLP).",
+    )
+    moe_router_dtype: Literal["fp32", "fp64"] | None = Field(
+        default="fp32",
+        description="Dtype of the router's logits, softmax and top-k ('fp64' makes the "
+        "expert choice more reproducible); None: the parameter dtype.",
+    )
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = Field(
+        default="aux_loss",
+        description="Router load-balancing loss: 'aux_loss' (Switch-style, over each "
+        "micro-batch's tokens), 'seq_aux_loss' (per sequence) or 'none'.",
+    )
+    moe_aux_loss_coeff: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="Weight of the load-balancing loss added to the training loss (its "
+        "gradient is averaged over the global batch's tokens as megatron-core's per-token loss "
+        "does). None: the checkpoint's router_aux_loss_coef, 0 when it has none.",
+    )
+    moe_z_loss_coeff: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="Weight of the router z-loss (mean squared logsumexp of the router "
+        "logits) added to the training loss; None: off.",
+    )
+    freeze_moe_router: bool = Field(
+        default=False,
+        description="Keep the routers' weights fixed (no gradient, no update): RL then "
+        "changes the experts but not which tokens reach them.",
+    )
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> MegatronConfig:
@@ -123,7 +165,16 @@ class MegatronConfig(ConfigModel):
                 "sequence_parallel=true splits activations over the TP ranks and needs "
                 "tensor_model_parallel_size > 1; set sequence_parallel=false or raise TP"
             )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tensor_model_parallel_size:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size="
+                f"{self.tensor_model_parallel_size}: only experts split like the dense layers "
+                "are supported; set expert_tensor_parallel_size to null or to "
+                f"{self.tensor_model_parallel_size}"
+            )
         return self
+
     def lr_schedule(
         self, overrides: Mapping[str, Any]
     ) -> tuple[MegatronOptimizerConfig, MegatronSchedulerConfig]:

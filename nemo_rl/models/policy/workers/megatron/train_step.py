@@ -32,6 +32,10 @@ from nemo_rl.models.policy.workers.megatron.forward import (
     run_micro_batches,
 )
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+from nemo_rl.models.policy.workers.megatron.moe import (
+    per_token_coefficients,
+    router_loss_metrics,
+)
 
 
 def micro_batches(
@@ -159,7 +163,9 @@ def train_global_batch(
         ``loss`` (global loss: micro-batch losses summed over micro-batches and DP ranks),
         ``grad_norm`` (global L2 norm before clipping; None in eval mode), ``lr`` (learning
         rate of this step), ``metrics`` (each loss metric summed over micro-batches and DP
-        ranks), ``num_micro_batches`` (this rank's).
+        ranks; a mixture-of-experts model's training step adds its routers' losses
+        ``moe/load_balancing_loss`` / ``moe/z_loss``, means as megatron-core logs them, not
+        included in ``loss``), ``num_micro_batches`` (this rank's).
     """
     from megatron.core import parallel_state
 
@@ -192,10 +198,15 @@ def train_global_batch(
     lr = float(policy.optimizer.param_groups[0]["lr"])
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    with torch.set_grad_enabled(not eval_mode):
+    tconfig = model.config
+    router_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    with torch.set_grad_enabled(not eval_mode), per_token_coefficients(
+        tconfig, [mb.input_ids.numel() for mb in inputs], router_group
+    ):
         outputs = run_micro_batches(model, inputs, eval_mode, on_logits)
-    grad_norm = None
+    grad_norm, router_losses = None, {}
     if not eval_mode:
+        router_losses = router_loss_metrics(tconfig, len(inputs))
         _, grad_norm, _ = policy.optimizer.step()
         policy.scheduler.step(increment=1)
         grad_norm = float(grad_norm)
@@ -210,7 +221,7 @@ def train_global_batch(
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": lr,
-        "metrics": {k.removeprefix("metrics/"): v for k, v in summed.items()},
+        "metrics": {k.removeprefix("metrics/"): v for k, v in summed.items()} | router_losses,
         "num_micro_batches": len(inputs),
     }
 

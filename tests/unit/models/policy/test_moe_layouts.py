@@ -1,0 +1,206 @@
+"""The policy rank on the tiny mixture-of-experts model (tiny-qwen3-moe: 4 experts, top-2) at
+EP=2, TP=2 and PP=2 (two gloo processes) against EP=1: logprobs and the eval loss equal
+transformers' / EP=1's; one NLL step with the router's load-balancing loss and z-loss on gives
+the same loss, grad norm and router-loss metrics at EP=2 and PP=2 (TP=2 trains only with
+sequence parallelism, megatron-core's rule for MoE, which needs TransformerEngine: GPU only); a checkpoint saved at EP=2 and loaded at EP=1 takes the same next step
+as EP=2 itself; a frozen router stays as loaded while the experts train."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+
+pytestmark = pytest.mark.slow
+
+GBS, SEQ = 4, 16
+TOL = 1e-5
+# name: (tp, pp, ep, freeze_moe_router, router loss coefficients); dp2 is the EP=1 reference
+# (the same micro-batches, so the same per-micro-batch router losses), "resume" loads ep2's
+# checkpoint at EP=1.
+COEFFS = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+NO_ROUTER_LOSS = {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None}
+LAYOUTS = {
+    "dp2": (1, 1, 1, False, COEFFS),
+    "ep2": (1, 1, 2, False, COEFFS),
+    "tp2": (2, 1, 1, False, COEFFS),
+    "pp2": (1, 2, 1, False, COEFFS),
+    "resume": (1, 1, 1, False, COEFFS),
+    "frozen": (1, 1, 2, True, COEFFS),
+    "no_router_loss": (1, 1, 2, False, NO_ROUTER_LOSS),
+}
+ROUTER_METRICS = ("moe/load_balancing_loss", "moe/z_loss")
+
+
+def make_batch(seed: int = 0) -> Any:
+    """4 right-padded samples ``[4, 16]`` with NLL loss keys."""
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([16, 7, 12, 10])
+    positions = torch.arange(SEQ)[None, :]
+    ids = torch.randint(3, 1000, (GBS, SEQ), generator=gen)
+    ids[positions >= lengths[:, None]] = 0
+    token_mask = ((positions >= 1) & (positions < lengths[:, None])).float()
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(GBS)
+    )
+
+
+def _router_weights(policy: Any) -> dict[str, torch.Tensor]:
+    return {
+        name: p.detach().clone()
+        for name, p in policy.model.module.named_parameters()
+        if "router" in name
+    }
+
+
+def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+    from nemo_rl.algorithms.loss import NLLLoss
+    from nemo_rl.models.policy.config import PolicyConfig
+    from nemo_rl.models.policy.workers.megatron.checkpointing import (
+        load_training_checkpoint,
+        save_training_checkpoint,
+    )
+    from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+    from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
+
+    ckpt = Path(out_dir) / "ep2_step1"
+    results: dict[str, Any] = {}
+    for name, (tp, pp, ep, frozen, coeffs) in LAYOUTS.items():
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name]))
+        config = PolicyConfig(
+            model_name=model_path,
+            train_global_batch_size=GBS,
+            train_micro_batch_size=1,
+            logprob_batch_size=2,
+            max_total_sequence_length=SEQ,
+            megatron_cfg={
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep,
+                **coeffs,
+                "freeze_moe_router": frozen,
+                "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
+            },
+        )
+        policy = setup_policy_model(config, model_path, seed=3)
+        dp = policy.layout.dp
+
+        def step(seed: int, eval_mode: bool = False) -> dict[str, Any]:
+            batch = make_batch(seed)
+            shard = batch.get_batch(rank, GBS // dp) if dp > 1 else batch
+            (out,) = iterate_steps(policy, shard, NLLLoss(), GBS, 1, False, eval_mode)
+            return out
+
+        out: dict[str, Any] = {}
+        if name == "resume":
+            load_training_checkpoint(policy, ckpt)
+        elif name in ("dp2", "ep2", "tp2", "pp2"):
+            lp = compute_logprobs(policy, make_batch(), 2, False)
+            out["logprobs"] = lp
+            out["eval_loss"] = step(0, eval_mode=True)["loss"]
+        if name not in ("resume", "tp2"):
+            before = _router_weights(policy)
+            out["step1"] = step(0)
+            out["router_after"] = _router_weights(policy)
+            out["router_unchanged"] = all(
+                torch.equal(before[k], v) for k, v in out["router_after"].items()
+            )
+        if name == "ep2":
+            save_training_checkpoint(policy, ckpt, step=1)
+        if name in ("ep2", "resume"):
+            out["step2"] = step(1)
+        results[name] = out
+        destroy_megatron_parallel()
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def moe_path() -> Path:
+    from nemo_rl.models.tiny import resolve_model_path
+
+    return Path(resolve_model_path("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def results(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("moe_layouts")
+    ports = {name: find_free_port() for name in LAYOUTS}
+    mp.spawn(_worker, args=(str(moe_path), str(out), ports), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(moe_path: Path) -> torch.Tensor:
+    """transformers' fp32 logprobs of make_batch() in the worker's convention ``[B, S]``
+    (0 at position 0 and past each length)."""
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch()
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(GBS, 1), lp], dim=1)
+    valid = torch.arange(SEQ)[None, :] < batch["input_lengths"][:, None]
+    return torch.where(valid, lp, torch.zeros(()))
+
+
+def _last_stage(results: list[dict], name: str) -> dict:
+    return results[1][name]  # rank 1 is a last pipeline stage in every layout
+
+
+def _rel_close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("name", ["dp2", "ep2", "tp2", "pp2"])
+def test_logprobs_equal_transformers(results: list[dict], hf_logprobs: torch.Tensor, name: str) -> None:
+    torch.testing.assert_close(_last_stage(results, name)["logprobs"], hf_logprobs, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("name", ["ep2", "tp2", "pp2"])
+def test_eval_loss_matches_ep1(results: list[dict], name: str) -> None:
+    reference = _last_stage(results, "dp2")["eval_loss"]
+    assert _rel_close(_last_stage(results, name)["eval_loss"], reference)
+
+
+@pytest.mark.parametrize("name", ["ep2", "pp2"])
+def test_one_step_matches_ep1(results: list[dict], name: str) -> None:
+    reference = _last_stage(results, "dp2")["step1"]
+    step = _last_stage(results, name)["step1"]
+    for key in ("loss", "grad_norm"):
+        assert _rel_close(step[key], reference[key]), (key, step[key], reference[key])
+    for key in ROUTER_METRICS:
+        assert reference["metrics"][key] > 0
+        assert _rel_close(step["metrics"][key], reference["metrics"][key]), key
+
+
+def test_router_losses_reach_the_update(results: list[dict]) -> None:
+    """The same step without the router losses: same NLL loss, no router-loss metrics, other
+    router weights after the update."""
+    with_losses, without = _last_stage(results, "ep2"), _last_stage(results, "no_router_loss")
+    assert without["step1"]["loss"] == with_losses["step1"]["loss"]
+    assert not set(ROUTER_METRICS) & set(without["step1"]["metrics"])
+    for key, weight in with_losses["router_after"].items():
+        assert (weight - without["router_after"][key]).abs().max() > 1e-6, key
+
+
+def test_frozen_router_keeps_its_weights(results: list[dict]) -> None:
+    assert all(r["frozen"]["router_unchanged"] for r in results)
+    assert not any(r["ep2"]["router_unchanged"] for r in results)
+
+
+def test_ep2_checkpoint_resumes_at_ep1(results: list[dict]) -> None:
+    saved, resumed = _last_stage(results, "ep2")["step2"], _last_stage(results, "resume")["step2"]
+    for key in ("loss", "grad_norm"):
+        assert _rel_close(resumed[key], saved[key]), (key, resumed[key], saved[key])
+    for key in ROUTER_METRICS:
+        assert _rel_close(resumed["metrics"][key], saved["metrics"][key]), key
