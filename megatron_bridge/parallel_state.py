@@ -24,9 +24,20 @@ from megatron_bridge.cpu_compat import (
 
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free when asked (for a rendezvous address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return find_free_ports(1)[0]
+
+
+def find_free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free when asked (every socket is
+    held until all are chosen, so the system cannot hand out one port twice)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def bound_tcp_store(

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
 
 PAIRS, SEQ, VOCAB, TOPK = 4, 12, 1024, 8
 ALGORITHMS = ("rm", "dpo", "distillation")
@@ -86,7 +86,8 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("rm_parallel")
-    ports = {(name, a): find_free_port() for name in LAYOUTS for a in ALGORITHMS}
+    keys = [(name, a) for name in LAYOUTS for a in ALGORITHMS]
+    ports = dict(zip(keys, find_free_ports(len(keys))))  # distinct: one store per run
     mp.spawn(_worker, args=(str(tiny_llama_path), str(out), ports), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def moe_path() -> Path:
 @pytest.fixture(scope="module")
 def results(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("moe_layouts")
-    ports = {name: find_free_port() for name in LAYOUTS}
+    ports = dict(zip(LAYOUTS, find_free_ports(len(LAYOUTS))))  # distinct: one store per run
     mp.spawn(_worker, args=(str(moe_path), str(out), ports), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
