@@ -252,6 +252,7 @@ class RefitReceiver:
         if self.device.type == "cpu":
             self._staging_buffer = buffer
         staging = self._begin(bucket_bytes, buffer)
+        self._attach_s = 0.0  # nothing to map over a broadcast
         tick = time.perf_counter()
         try:
             self._collective.receive(staging)
