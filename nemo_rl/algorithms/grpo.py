@@ -39,7 +39,7 @@ from nemo_rl.algorithms.grpo_step.components import (
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
-from nemo_rl.algorithms.grpo_step.step import grpo_step, validate
+from nemo_rl.algorithms.grpo_step.step import generate_groups, grpo_step, validate
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.algorithms.sft import run_sft_steps
 from nemo_rl.algorithms.training_loop import LoopParts
@@ -417,13 +417,11 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
     lock = threading.RLock()
     components.policy = LockedPolicy(components.policy, lock)
     store = open_batch_store(components)
-    generation, n = components.generation, components.cfg.grpo.num_generations_per_prompt
+    generation = components.generation
 
     def roll_out(prompts: BatchedDataDict) -> tuple[Any, Any]:
-        generation.prepare_for_generation()
-        out = store.rollout(prompts, num_generations=n, partition="train", greedy=False)
-        generation.finish_generation()
-        return out
+        generation.prepare_for_generation()  # the collector has refit the engines already
+        return generate_groups(components, store, prompts)
 
     source = AsyncRollouts(
         roll_out,

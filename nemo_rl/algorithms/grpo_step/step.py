@@ -157,17 +157,24 @@ def rollout_groups(
 ) -> tuple[Any, RolloutCarry]:
     """Refit if stale, then ``num_generations_per_prompt`` responses per prompt into the
     training partition; the handle and the carry."""
-    timer, generation = components.timer, components.generation
-    with timer.time("refit"):
+    with components.timer.time("refit"):
         prepare_generation(components)
-    with timer.time("generation"):
-        out = store.rollout(
-            prompts,
-            num_generations=components.cfg.loop.num_generations_per_prompt,
-            partition="train",
-            greedy=False,
-        )
-        generation.finish_generation()
+    with components.timer.time("generation"):
+        return generate_groups(components, store, prompts)
+
+
+def generate_groups(
+    components: RolloutComponents, store: BatchStore[Any], prompts: BatchedDataDict
+) -> tuple[Any, RolloutCarry]:
+    """``num_generations_per_prompt`` responses per prompt into the training partition, on
+    engines already awake with the weights wanted; the engines are put to sleep after."""
+    out = store.rollout(
+        prompts,
+        num_generations=components.cfg.loop.num_generations_per_prompt,
+        partition="train",
+        greedy=False,
+    )
+    components.generation.finish_generation()
     return out
 
 
