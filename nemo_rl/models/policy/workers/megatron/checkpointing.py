@@ -78,7 +78,9 @@ def _init_empty_adam_state(optimizer: Any) -> None:
             for param in group["params"]:
                 if not inner.state[param]:
                     inner.state[param] = {
-                        "step": torch.tensor(0.0),
+                        # where torch's Adam keeps it: a fused Adam's step on the device
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device)
+                        if group.get("fused") else torch.tensor(0.0),
                         "exp_avg": torch.zeros_like(param),
                         "exp_avg_sq": torch.zeros_like(param),
                     }
