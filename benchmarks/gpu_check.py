@@ -17,6 +17,10 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
   second cycle (the first also pins the host buffers every later refit reuses), GB/s against a
   pinned device-to-host copy of 1 GiB, device memory freed. PASS when every parameter comes
   back bit for bit and one more training step after the restores has a finite loss.
+* ``resume``: after the 1 B worker stops, the tiny Llama in the same precision: one step, an
+  offload cycle, ``save_checkpoint``, one more step; then a fresh worker ``load_checkpoint``s
+  and takes that step again. PASS when both give the same loss and parameters (the fused Adam's
+  state, step counter included, comes back onto the device).
 * ``logprobs``: ``get_logprobs`` of the tiny Llama (fp32, TF32 off) in a CPU process
   (``CUDA_VISIBLE_DEVICES=``) and in a CUDA process on the same batch; PASS when
   max |CPU - CUDA| <= 1e-4.
@@ -52,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("train_step", "offload", "logprobs", "ipc_refit")
+CHECKS = ("train_step", "offload", "resume", "logprobs", "ipc_refit")
 MFU_TARGET = 0.45
 IPC_TARGET = 0.5
 LOGPROB_ATOL = 1e-4
@@ -201,9 +205,60 @@ def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list
             dict(mfu=mfu, peak_flops=peak, step_s=step_s, step_times_s=times, losses=losses,
                  parameters=params, tokens=sum(lengths), profile=profiled),
         )
-        return [train, offload_round_trip(worker, batch, mode)]
+        offload = offload_round_trip(worker, batch, mode)
     finally:
         worker.shutdown()
+    try:
+        resume = resume_step(mode)
+    except Exception as err:  # reported as the check's failure; the two above still count
+        resume = CheckResult("resume", "FAIL", f"{type(err).__name__}: {err}")
+    return [train, offload, resume]
+
+
+def resume_step(mode: Mode) -> CheckResult:
+    """``resume``: the tiny Llama's step after a checkpoint, taken by the worker that saved it
+    and again by a fresh worker that loaded it; the same loss and parameters expected."""
+    import torch
+
+    from benchmarks.bench_megatron_worker_train import make_batch
+    from nemo_rl.algorithms.loss import NLLLoss
+    from nemo_rl.models.tiny import build_tiny_model
+
+    path = str(build_tiny_model("llama"))
+    batch = make_batch((64, 40, 64, 23), 64, seed=2)
+
+    def start() -> Any:
+        torch.manual_seed(0)
+        return start_worker(path, mode.train_precision, 4, 64, 2)
+
+    def step(worker: Any) -> tuple[float, list[Any]]:
+        loss = worker.train(batch, NLLLoss())["loss"][-1]
+        return loss, [p.detach().float().cpu() for p in worker.policy.model.parameters()]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saver = start()
+        try:
+            step(saver)
+            offload_cycle(saver, torch.device(mode.device))  # the path that once left the
+            saver.save_checkpoint(f"{tmp}/ckpt")               # step counters on the host
+            loss_a, params_a = step(saver)
+        finally:
+            saver.shutdown()
+        loader = start()
+        try:
+            loader.load_checkpoint(f"{tmp}/ckpt")
+            loss_b, params_b = step(loader)
+        finally:
+            loader.shutdown()
+    diff = max((a - b).abs().max().item() for a, b in zip(params_a, params_b))
+    ok = math.isfinite(loss_a) and math.isclose(loss_a, loss_b, rel_tol=1e-5) and diff <= 1e-5
+    return CheckResult(
+        "resume", "PASS" if ok else "FAIL",
+        f"{mode.train_precision} tiny Llama on {mode.device}: the step after the checkpoint "
+        f"{loss_a:.6f} in the saving worker, {loss_b:.6f} in a fresh worker that loaded it; "
+        f"parameters after it differ by at most {diff:.1e}",
+        dict(loss_saver=loss_a, loss_loader=loss_b, max_param_diff=diff),
+    )
 
 
 def profile_step(worker: Any, batch: Any, out: Path) -> dict[str, Any]:
@@ -473,7 +528,7 @@ def run_checks(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     results: dict[str, CheckResult] = {}
-    for phase, checks in (("train", ("train_step", "offload")), ("ipc", ("ipc_refit",))):
+    for phase, checks in (("train", ("train_step", "offload", "resume")), ("ipc", ("ipc_refit",))):
         if not only & set(checks):
             continue
         started = time.perf_counter()

@@ -37,11 +37,11 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, An
 @pytest.mark.slow
 def test_every_check_passes_and_says_so(dry_run):
     proc, results = dry_run
-    assert sorted(results) == sorted(["train_step", "offload", "logprobs", "ipc_refit"])
+    assert sorted(results) == sorted(["train_step", "offload", "resume", "logprobs", "ipc_refit"])
     for name, r in results.items():
         assert r["status"] == "PASS", r
         assert f"[PASS] {name}: " in proc.stdout
-    assert "4 passed, 0 failed, 0 skipped" in proc.stdout
+    assert "5 passed, 0 failed, 0 skipped" in proc.stdout
 
 
 @pytest.mark.slow
@@ -60,6 +60,14 @@ def test_offload_restores_parameters_and_counts_bytes(dry_run):
     # Adam keeps two fp32 moments (and fp32 main params) per parameter: more than the params.
     assert numbers["bytes"]["optimizer_and_grads"] > numbers["bytes"]["params"] > 0
     assert math.isfinite(numbers["loss"])
+
+
+@pytest.mark.slow
+def test_resume_repeats_the_step_after_the_checkpoint(dry_run):
+    numbers = dry_run[1]["resume"]["numbers"]
+    assert math.isfinite(numbers["loss_saver"])
+    assert numbers["loss_loader"] == numbers["loss_saver"]  # CPU fp32: bit for bit
+    assert numbers["max_param_diff"] == 0.0
 
 
 @pytest.mark.slow

@@ -23,8 +23,10 @@ through ``make_vocab_size_divisible_by * TP``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +88,56 @@ def _init_empty_adam_state(optimizer: Any) -> None:
                     }
 
 
+@contextlib.contextmanager
+def _keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
+    """Let a distributed optimizer over torch's Adam (megatron's fallback without
+    TransformerEngine or apex, on CPU and on GPU) load its ``fully_reshardable`` state.
+
+    megatron-core 0.16.1 restores torch Adam's ``step`` from the param groups, then copies each
+    parameter's saved state over its current one key by key; the saved parameter state has no
+    ``step``, so that copy raises ``KeyError: 'step'``. Inside this block the copy is given the
+    step already restored (copied onto itself) for the keys the checkpoint lacks.
+    """
+    patched = []
+    for part in _optimizer_parts(optimizer):
+        copy_state = getattr(part, "_set_main_param_and_optimizer_states", None)
+        if copy_state is None or not isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+
+        def with_current_step(model_param: Any, tensors: dict, _part: Any = part,
+                              _copy: Any = copy_state) -> None:
+            current = _part._get_main_param_and_optimizer_states(model_param)
+            _copy(model_param, {**({"step": current["step"]} if "step" in current else {}),
+                                **tensors})
+
+        part._set_main_param_and_optimizer_states = with_current_step
+        patched.append(part)
+    try:
+        yield
+    finally:
+        for part in patched:
+            del part._set_main_param_and_optimizer_states  # the class's method again
+    for part in patched:  # megatron gave every parameter the same step tensor: Adam would
+        for state in part.optimizer.state.values():  # add 1 to it once per parameter
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 def _optimizer_parts(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _common_step(state: Any) -> Any:
-    """The shared Adam step count (megatron's ``common_step``) anywhere in ``state``."""
+def _saved_step(state: Any) -> Any:
+    """The Adam step count anywhere in ``state``: megatron's ``common_step`` (plain optimizer)
+    or the ``step`` of a param group (distributed optimizer over torch's Adam)."""
     if isinstance(state, dict):
         if "common_step" in state:
             return state["common_step"]
+        for group in state.get("param_groups") or ():
+            if isinstance(group, dict) and "step" in group:
+                return group["step"]
         for value in state.values():
-            found = _common_step(value)
+            found = _saved_step(value)
             if found is not None:
                 return found
     return None
@@ -107,15 +148,23 @@ def _in_current_split(loaded: dict[Any, Any], optimizer: Any) -> Any:
     optimizer was split differently) in the structure ``optimizer.load_state_dict`` takes.
 
     Expert parallelism splits megatron's optimizer into a dense and an expert part (EP = 1 has
-    one): the per-parameter tensors load by parameter name whatever the split (no
-    ``chained_<i>`` prefix), but the saved param groups and step count follow the saved split.
-    The param groups are taken from ``optimizer`` itself (the same config; the learning rate
-    comes back with the scheduler's state) and the common step count from the checkpoint.
+    one): the per-parameter tensors (a plain optimizer's ``state``, a distributed optimizer's
+    ``param_state``) load by parameter name whatever the split (no ``chained_<i>`` prefix), but
+    the saved param groups and step count follow the saved split. The param groups are taken
+    from ``optimizer`` itself (the same config; the learning rate comes back with the
+    scheduler's state) and the step count from the checkpoint.
     """
-    step = _common_step(loaded)
+    step = _saved_step(loaded)
     parts = _optimizer_parts(optimizer)
 
     def part(loaded_part: dict[Any, Any], opt: Any) -> dict[str, Any]:
+        if "param_state" in loaded_part:  # megatron's distributed optimizer
+            own = opt.state_dict()
+            for group in own["optimizer"]["param_groups"]:
+                if step is not None and "step" in group:
+                    group["step"] = step
+            return {**own, "param_state": loaded_part["param_state"],
+                    "param_state_sharding_type": _OPTIMIZER_FORMAT["distrib_optim_sharding_type"]}
         state = {k: v for k, v in loaded_part["state"].items() if isinstance(k, int)}
         if step is not None:
             state["common_step"] = step
@@ -219,7 +268,8 @@ def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
     saved_ep = saved_layout.get("ep", _LAYOUT_DEFAULTS["ep"])
     if policy.bridge.is_moe and (saved_ep > 1) != (policy.layout.ep > 1):
         loaded["optimizer"] = _in_current_split(loaded["optimizer"], policy.optimizer)
-    policy.optimizer.load_state_dict(loaded["optimizer"])
+    with _keeping_torch_adam_step(policy.optimizer):
+        policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(loaded["scheduler"])
     record = _layout_record(policy)
     if all(saved_layout.get(k, _LAYOUT_DEFAULTS.get(k)) == v for k, v in record.items()):

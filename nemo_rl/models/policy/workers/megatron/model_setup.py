@@ -15,7 +15,6 @@ DDP sums gradients over the data-parallel (and CP) ranks instead of averaging th
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
-from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
@@ -38,8 +36,6 @@ if TYPE_CHECKING:
         MegatronSchedulerConfig,
         PolicyConfig,
     )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -346,27 +342,6 @@ def restart_optimizer(
     policy.scheduler = build_scheduler(policy.optimizer, opt_cfg, sched_cfg)
 
 
-def effective_optimizer_config(
-    opt_cfg: MegatronOptimizerConfig, announce: bool = True
-) -> MegatronOptimizerConfig:
-    """``opt_cfg`` as this process runs it: as given, except ``use_distributed_optimizer`` on
-    the CPU path.
-
-    megatron-core 0.16.1 without TransformerEngine/Apex cannot load a distributed optimizer's
-    checkpoint (its torch-Adam "step" handling raises KeyError 'step'), so a CPU run uses the
-    plain optimizer and, with ``announce`` (one rank of the group), says so in one warning line.
-    """
-    if is_cpu_run() and opt_cfg.use_distributed_optimizer:
-        if announce:
-            logger.warning(
-                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true overridden to "
-                "false on CPU (megatron-core cannot restore a distributed optimizer without "
-                "TransformerEngine/Apex)"
-            )
-        return opt_cfg.model_copy(update={"use_distributed_optimizer": False})
-    return opt_cfg
-
-
 def attach_score_head(
     model: torch.nn.Module, bridge: BridgeConfig, model_path: str, seed: int
 ) -> BridgeConfig:
@@ -407,7 +382,7 @@ def setup_policy_model(
         bridge = attach_score_head(model, bridge, model_path, seed)
     if not init_optimizer:
         return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype)
-    opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
+    opt_cfg = mcfg.optimizer
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
