@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.checkpoint import write_bridge_files
-from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
+from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel, optimizer_parts
 from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
 
 LAYOUT_FILE = "layout.json"
@@ -72,7 +72,7 @@ def _init_empty_adam_state(optimizer: Any) -> None:
     distributed optimizer reads with the Adam step count of every parameter: a fresh optimizer
     has none. Loading then overwrites these zeros.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in optimizer_parts(optimizer):
         inner = opt.optimizer
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
@@ -99,7 +99,7 @@ def _keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
     step already restored (copied onto itself) for the keys the checkpoint lacks.
     """
     patched = []
-    for part in _optimizer_parts(optimizer):
+    for part in optimizer_parts(optimizer):
         copy_state = getattr(part, "_set_main_param_and_optimizer_states", None)
         if copy_state is None or not isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW):
             continue
@@ -121,10 +121,6 @@ def _keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
         for state in part.optimizer.state.values():  # add 1 to it once per parameter
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-
-
-def _optimizer_parts(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _saved_step(state: Any) -> Any:
@@ -155,7 +151,7 @@ def _in_current_split(loaded: dict[Any, Any], optimizer: Any) -> Any:
     scheduler's state) and the step count from the checkpoint.
     """
     step = _saved_step(loaded)
-    parts = _optimizer_parts(optimizer)
+    parts = optimizer_parts(optimizer)
 
     def part(loaded_part: dict[Any, Any], opt: Any) -> dict[str, Any]:
         if "param_state" in loaded_part:  # megatron's distributed optimizer

@@ -313,12 +313,19 @@ def build_scheduler(
     )
 
 
+def optimizer_parts(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside ``optimizer``: the parts of a chained one (expert
+    parallelism splits dense and expert parameters), else ``optimizer`` itself. Each holds its
+    torch optimizer as ``.optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
     """Per-parameter state dicts of every torch optimizer inside a megatron optimizer (none
     for a frozen policy's None)."""
     if optimizer is None:
         return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in optimizer_parts(optimizer):
         yield from opt.optimizer.state.values()
 
 
@@ -336,7 +343,7 @@ def restart_optimizer(
             if isinstance(value, torch.Tensor):
                 value.zero_()
     # megatron's scheduler reads each param group's own max_lr/min_lr before its arguments
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+    for opt in optimizer_parts(policy.optimizer):
         for group in opt.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = opt_cfg.lr, opt_cfg.min_lr
     policy.scheduler = build_scheduler(policy.optimizer, opt_cfg, sched_cfg)
