@@ -49,7 +49,9 @@ def test_train_step_reports_mfu_of_real_steps(dry_run):
     numbers = dry_run[1]["train_step"]["numbers"]
     assert len(numbers["step_times_s"]) == 3  # one warm-up + --steps 2
     assert len(numbers["losses"]) == 3 and all(math.isfinite(x) for x in numbers["losses"])
-    assert 0 < numbers["mfu"] < 1
+    # positive and finite; not < 1: the dry run's toy matmul peak, measured on a loaded CI
+    # machine, can be below what the step reached a moment later
+    assert 0 < numbers["mfu"] < math.inf
     assert numbers["tokens"] == 4 * 64
 
 
