@@ -93,9 +93,9 @@ def refuse_experts(bridge: BridgeConfig) -> None:
     if bridge.is_moe:
         raise ValueError(
             f"streamed dist-checkpoint conversion does not support mixture-of-experts models "
-            f"({bridge.family.architecture}) yet; load the HF checkpoint into the model "
-            f"(load_hf_into_megatron) and save it with save_megatron_checkpoint, or export a "
-            f"loaded model with export_hf_weights"
+            f"({bridge.family.architecture}); `megatron-bridge convert` converts them through "
+            f"the model, as load_hf_into_megatron + save_megatron_checkpoint (or "
+            f"load_megatron_checkpoint + export_hf_weights) do"
         )
 
 

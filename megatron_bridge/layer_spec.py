@@ -1,4 +1,9 @@
-"""Per-linear-layer biases in a megatron-core layer spec.
+"""The megatron-core layer spec of a model stage, and its per-linear-layer biases.
+
+:func:`gpt_stage_spec` chooses the spec every Megatron model here is built from (the bridge's
+converter and the policy worker alike): megatron's decoder block spec for a mixture-of-experts
+model (per layer a dense MLP or the experts), the TransformerEngine layer spec where
+TransformerEngine is importable, the local spec otherwise.
 
 megatron-core has two bias switches: ``add_qkv_bias`` (the fused q/k/v projection) and
 ``add_bias_linear`` (every linear layer: q/k/v, the attention output projection, and both MLP
@@ -15,9 +20,72 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 from typing import Any
 
 from megatron_bridge.families import Features
+
+
+def transformer_engine_available() -> bool:
+    """True when the ``transformer_engine`` package can be imported."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_use_te(use_te: bool | None) -> bool:
+    """Whether to build TransformerEngine modules: ``use_te``, or (None) whether
+    TransformerEngine is importable.
+
+    Raises:
+        ValueError: ``use_te=True`` but TransformerEngine is not installed.
+    """
+    have_te = transformer_engine_available()
+    if use_te and not have_te:
+        raise ValueError(
+            "use_te=True but transformer_engine is not installed: install it (GPU only) or "
+            "pass use_te=None/False for the local spec"
+        )
+    return have_te if use_te is None else use_te
+
+
+def gpt_stage_spec(
+    config: Any, use_te: bool | None = None, core_attention: type | None = None
+) -> Any:
+    """The layer spec of this pipeline stage's layers for a model of ``config``.
+
+    A mixture-of-experts model (``config.num_moe_experts`` set) gets megatron's decoder block
+    spec (per layer a dense MLP or the experts, from ``config.moe_layer_freq``, for the layers
+    of this rank's stage); a dense model one layer spec for every layer: TransformerEngine's
+    or the local one (with ``config.normalization``).
+
+    Args:
+        config: the model's megatron ``TransformerConfig``.
+        use_te: as :func:`resolve_use_te`.
+        core_attention: replaces the local spec's attention kernel in every layer (e.g. a
+            context-parallel one); TransformerEngine's spec keeps its own.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = resolve_use_te(use_te)
+    if config.num_moe_experts is not None:
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=config.normalization
+        )
+        layers = spec.layer_specs
+    elif use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm
+        )
+        layers = [spec]
+    if core_attention is not None and not use_te:
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
 
 
 @functools.cache

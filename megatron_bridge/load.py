@@ -22,7 +22,7 @@ import torch
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
 from megatron_bridge.families.base import TE_NORM_NAMES
-from megatron_bridge.layer_spec import with_model_biases
+from megatron_bridge.layer_spec import gpt_stage_spec, with_model_biases
 from megatron_bridge.tensor_check import check_hf_tensors
 
 SINGLE_FILE = "model.safetensors"
@@ -34,14 +34,6 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-
-
-def _have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class SafetensorsReader:
@@ -299,26 +291,7 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     config = bridge.transformer_config(tp, pp, dtype, ep=ep)
-    if bridge.is_moe:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        # Per-layer specs (dense or experts, from config.moe_layer_freq) of this stage.
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=_have_transformer_engine(), normalization="RMSNorm"
-        )
-    elif _have_transformer_engine():
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        spec = get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=config.qk_layernorm
-        )
-    return gpt_model_stage(bridge, config, spec, tp).eval()
+    return gpt_model_stage(bridge, config, gpt_stage_spec(config), tp).eval()
 
 
 def gpt_model_stage(bridge: BridgeConfig, config: Any, spec: Any, tp: int) -> torch.nn.Module:

@@ -275,9 +275,11 @@ def _validate_sizes(overrides: dict[str, Any]) -> dict[str, int]:
     return sizes
 
 
-def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_size: int) -> Any:
+def _model_config(
+    family: Family, sizes: dict[str, int], moe: dict[str, Any], tokenizer: Any, vocab_size: int
+) -> Any:
     """The transformers config for ``family``: qwen2 ties embeddings, llama and qwen3_moe do
-    not; qwen3_moe has the experts of :data:`MOE_SETTINGS` in every layer.
+    not; qwen3_moe has the experts of ``moe`` (:data:`MOE_SETTINGS`) in every layer.
 
     Args:
         vocab_size: embedding rows, >= ``len(tokenizer)``.
@@ -306,11 +308,13 @@ def _model_config(family: Family, sizes: dict[str, int], tokenizer: Any, vocab_s
         # Qwen2 always has a bias on the q/k/v projections.
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(**common, **MOE_SETTINGS, use_sliding_window=False)
+        return Qwen3MoeConfig(**common, **moe, use_sliding_window=False)
     raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
 
 
-def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_dir: Path) -> None:
+def _write_checkpoint(
+    family: Family, vocab: Vocab, sizes: dict[str, int], moe: dict[str, Any], out_dir: Path
+) -> None:
     """Build the tokenizer and randomly initialised model and save both into ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
@@ -322,7 +326,7 @@ def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_d
         vocab_size = QWEN2_EMBEDDING_ROWS
     else:
         raise ValueError(f"vocab must be 'bpe' or 'qwen', got {vocab!r}")
-    config = _model_config(family, sizes, tokenizer, vocab_size)
+    config = _model_config(family, sizes, moe, tokenizer, vocab_size)
     # fork_rng keeps the caller's global RNG state untouched by the fixed-seed initialisation.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sizes["seed"])
@@ -337,11 +341,13 @@ def _write_checkpoint(family: Family, vocab: Vocab, sizes: dict[str, int], out_d
     tokenizer.save_pretrained(out_dir)
 
 
-def _settings_key(family: Family, vocab: Vocab, sizes: dict[str, int]) -> str:
+def _settings_key(
+    family: Family, vocab: Vocab, sizes: dict[str, int], moe: dict[str, Any]
+) -> str:
     """A short hash naming one exact build (family, vocab, sizes, seed, builder version)."""
     settings = {"version": _BUILD_VERSION, "family": family, "vocab": vocab, **sizes}
     if family == "qwen3_moe":
-        settings.update(MOE_SETTINGS)
+        settings.update(moe)
     if vocab == "qwen":
         settings.pop("bpe_vocab_size")
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -369,6 +375,7 @@ def build_tiny_model(
     family: Family,
     cache_dir: Path | None = None,
     vocab: Vocab = "bpe",
+    experts: tuple[int, int] | None = None,
     **size_overrides: int,
 ) -> Path:
     """Build (or reuse from cache) a tiny random checkpoint with its tokenizer.
@@ -382,6 +389,8 @@ def build_tiny_model(
         **size_overrides: any key of :data:`DEFAULT_SIZES` (hidden_size, num_hidden_layers,
             num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
             max_position_embeddings, bpe_vocab_size, seed).
+        experts: qwen3_moe only: ``(num_experts, moe_intermediate_size)`` in place of
+            :data:`MOE_SETTINGS`' 4 experts of 64.
 
     Returns:
         Path of a folder with config.json, model.safetensors (float32), tokenizer files and
@@ -392,15 +401,23 @@ def build_tiny_model(
     if vocab not in ("bpe", "qwen"):
         raise ValueError(f"vocab must be 'bpe' or 'qwen', got {vocab!r}")
     sizes = _validate_sizes(size_overrides)
+    moe = dict(MOE_SETTINGS)
+    if experts is not None:
+        if family != "qwen3_moe" or len(experts) != 2 or min(experts) < 1:
+            raise ValueError(
+                f"experts={experts!r}: give (num_experts, moe_intermediate_size), both "
+                "positive, for the qwen3_moe family only"
+            )
+        moe.update(num_experts=int(experts[0]), moe_intermediate_size=int(experts[1]))
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    final_dir = root / f"{family}-{vocab}-{_settings_key(family, vocab, sizes)}"
+    final_dir = root / f"{family}-{vocab}-{_settings_key(family, vocab, sizes, moe)}"
     # Only complete builds are ever renamed into place, so an existing folder is complete.
     if final_dir.is_dir():
         return final_dir
     root.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{final_dir.name}-", dir=root))
     try:
-        _write_checkpoint(family, vocab, sizes, tmp_dir)
+        _write_checkpoint(family, vocab, sizes, moe, tmp_dir)
         os.rename(tmp_dir, final_dir)
     except OSError:
         # A concurrent builder renamed its identical build into place first: use that one.

@@ -19,15 +19,18 @@ def hf_src(tmp_path_factory) -> Path:
     return build_tiny_model("llama", cache_dir=tmp_path_factory.mktemp("cli_tiny"))
 
 
-@pytest.fixture(scope="module")
-def converted(hf_src, tmp_path_factory):
-    """HF -> Megatron at TP=2, then Megatron -> HF in ~100 KB shards."""
-    root = tmp_path_factory.mktemp("cli_convert")
+def _convert_both_ways(hf_src: Path, root: Path, layout: list[str]) -> tuple[Path, Path]:
+    """HF -> Megatron at ``layout`` (CLI flags), then Megatron -> HF in ~100 KB shards."""
     mg, hf = root / "megatron", root / "hf"
-    assert main(["convert", "--from", "hf", "--to", "megatron", "--tp", "2", str(hf_src), str(mg)]) == 0
+    assert main(["convert", "--from", "hf", "--to", "megatron", *layout, str(hf_src), str(mg)]) == 0
     assert main(["convert", "--from", "megatron", "--to", "hf",
                  "--max-shard-gb", str(100_000 / 1024**3), str(mg), str(hf)]) == 0
     return mg, hf
+
+
+@pytest.fixture(scope="module")
+def converted(hf_src, tmp_path_factory):
+    return _convert_both_ways(hf_src, tmp_path_factory.mktemp("cli_convert"), ["--tp", "2"])
 
 
 def _load_sharded(path: Path) -> dict[str, torch.Tensor]:
@@ -39,9 +42,9 @@ def _load_sharded(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.slow
-def test_roundtrip_is_bitwise_with_same_config_and_tokenizer(hf_src, converted):
-    _, hf = converted
+def _assert_bitwise_roundtrip(hf_src: Path, hf: Path) -> None:
+    """``hf`` holds ``hf_src``'s tensors bit for bit in several shards, its config and its
+    tokenizer files, and no partial output is left."""
     original = load_file(str(hf_src / "model.safetensors"))
     roundtrip = _load_sharded(hf)
     assert len(list(hf.glob("model-*.safetensors"))) > 1
@@ -53,6 +56,22 @@ def test_roundtrip_is_bitwise_with_same_config_and_tokenizer(hf_src, converted):
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (hf / name).read_bytes() == (hf_src / name).read_bytes()
     assert not list(hf.parent.glob(".*partial*"))
+
+
+@pytest.mark.slow
+def test_roundtrip_is_bitwise_with_same_config_and_tokenizer(hf_src, converted):
+    _assert_bitwise_roundtrip(hf_src, converted[1])
+
+
+@pytest.mark.slow
+def test_moe_roundtrip_through_expert_parallel_ranks_is_bitwise(tmp_path_factory):
+    # The experts are converted through the model: 2 spawned ranks at EP=2 save each half of
+    # them, and the export loads the checkpoint at EP=1 in the command's process.
+    root = tmp_path_factory.mktemp("cli_moe")
+    hf_src = build_tiny_model("qwen3_moe", cache_dir=root / "tiny")
+    mg, hf = _convert_both_ways(hf_src, root, ["--ep", "2"])
+    _assert_bitwise_roundtrip(hf_src, hf)
+    assert main(["info", "--json", str(mg)]) == 0
 
 
 @pytest.mark.slow
@@ -80,6 +99,13 @@ def test_info_describes_both_formats(converted, capsys):
 def _error(argv: list[str], capsys) -> str:
     assert main(argv) == 2
     return capsys.readouterr().err
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused(hf_src, tmp_path, capsys):
+    err = _error(["convert", "--from", "hf", "--to", "megatron", "--ep", "2",
+                  str(hf_src), str(tmp_path / "out")], capsys)
+    assert "--ep 2: expert parallelism needs a mixture-of-experts model" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ tokens only; :func:`gather_from_context_parallel` reassembles them in sequence o
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -20,25 +19,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_bridge.layer_spec import gpt_stage_spec, resolve_use_te
 from nemo_rl.models.megatron.context_parallel_attention import (
     ContextParallelDotProductAttention,
     context_parallel_positions,
 )
 
 
-def transformer_engine_available() -> bool:
-    """True when the ``transformer_engine`` package can be imported."""
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> ModuleSpec:
-    """The transformer-layer spec for a GPT model.
+    """The transformer-layer spec for a dense GPT model.
 
     Args:
         use_te: use TransformerEngine modules; None picks them when TransformerEngine is
@@ -48,15 +42,7 @@ def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -
     Raises:
         ValueError: ``use_te=True`` but TransformerEngine is not installed.
     """
-    have_te = transformer_engine_available()
-    if use_te and not have_te:
-        raise ValueError(
-            "use_te=True but transformer_engine is not installed: install it (GPU only) or "
-            "pass use_te=None/False for the local spec"
-        )
-    if use_te is None:
-        use_te = have_te
-    if use_te:
+    if resolve_use_te(use_te):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
@@ -64,30 +50,16 @@ def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -
 
 
 def get_gpt_stage_spec(config: Any, use_te: bool | None = None) -> Any:
-    """The spec of this pipeline stage's layers for a model of ``config``.
-
-    A dense model gets :func:`get_gpt_layer_spec` (one spec for every layer). A
-    mixture-of-experts model (``config.num_moe_experts`` set) gets megatron's decoder block
-    spec (per layer a dense MLP or the experts, from ``config.moe_layer_freq``, for the layers
-    of this rank's stage) with the same attention as the dense spec.
+    """The spec of this pipeline stage's layers for a model of ``config``: the bridge's
+    :func:`~megatron_bridge.layer_spec.gpt_stage_spec` (dense or mixture-of-experts,
+    TransformerEngine or local), the local spec's attention being
+    :class:`ContextParallelDotProductAttention`.
 
     Args:
         config: the model's megatron ``TransformerConfig``.
         use_te: as :func:`get_gpt_layer_spec`.
     """
-    if config.num_moe_experts is None:
-        return get_gpt_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
-    if use_te is None:
-        use_te = transformer_engine_available()
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, normalization=config.normalization
-    )
-    if not use_te:
-        for layer in block.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = (
-                ContextParallelDotProductAttention
-            )
-    return block
+    return gpt_stage_spec(config, use_te, core_attention=ContextParallelDotProductAttention)
 
 
 def split_for_context_parallel(

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 import torch
 
+from megatron_bridge.layer_spec import transformer_engine_available
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
-from nemo_rl.models.megatron.layer_specs import transformer_engine_available
 from nemo_rl.models.policy.interfaces import (
     ColocatablePolicyInterface,
     LogprobOutputSpec,

@@ -99,6 +99,17 @@ def test_settings_change_the_cache_key(tiny_dir: Path) -> None:
     assert AutoConfig.from_pretrained(bigger).num_hidden_layers == 3
 
 
+def test_experts_override_builds_another_moe_model(tiny_dir: Path) -> None:
+    default = build_tiny_model("qwen3_moe", cache_dir=tiny_dir)
+    wider = build_tiny_model("qwen3_moe", cache_dir=tiny_dir, experts=(8, 32))
+    assert wider != default
+    config = AutoConfig.from_pretrained(wider)
+    assert (config.num_experts, config.moe_intermediate_size) == (8, 32)
+    assert AutoConfig.from_pretrained(default).num_experts == 4
+    with pytest.raises(ValueError, match="qwen3_moe family only"):
+        build_tiny_model("llama", cache_dir=tiny_dir, experts=(8, 32))
+
+
 def test_env_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path))
     path = build_tiny_model("qwen2")

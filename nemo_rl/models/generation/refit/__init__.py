@@ -3,6 +3,7 @@
 Modules, one concern each:
     interfaces: the weight-sync protocol (sender and receiver verbs), its settings.
     buckets: stream layout, bucket packing (sender) and checking (receiver), checksums.
+    expert_groups: each MoE layer's experts stacked into the tensors vLLM's loader takes.
     shared_memory / cuda_ipc / ipc: the colocated transport (one shared buffer of the stream).
     collective: the non-colocated transport (a broadcast group of its own).
     sender / receiver: what a policy rank and an engine do (the workers only wire them up).

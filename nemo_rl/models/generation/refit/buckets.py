@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.expert_groups import StackedTensor
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
 
 # Byte alignment of every tensor in the stream (and of bucket sizes): covers every dtype's
@@ -253,12 +254,47 @@ class PackTimings:
         return dataclasses.asdict(self)
 
 
+# A tensor's bytes as ``(offset in the tensor, flat uint8 bytes)`` runs, in order.
+ByteRuns = tuple[tuple[int, torch.Tensor], ...]
+
+
+def byte_runs(tensor: torch.Tensor | StackedTensor) -> ByteRuns:
+    """The bytes of an exported tensor: one run, or one per part of a :class:`StackedTensor`
+    (the parts are copied straight into the stream, never stacked in memory first).
+
+    Raises:
+        RefitError: a part but the last is not a whole number of 8-byte words (the bucket
+            checksum sums 8-byte words at 8-byte aligned offsets).
+    """
+    parts = tensor.parts if isinstance(tensor, StackedTensor) else (tensor,)
+    runs, offset = [], 0
+    for part in parts:
+        flat = part.contiguous().reshape(-1).view(torch.uint8)
+        runs.append((offset, flat))
+        offset += flat.numel()
+    if any(flat.numel() % 8 for _, flat in runs[:-1]):
+        raise RefitError(
+            f"a stacked tensor's parts must be multiples of 8 bytes, got "
+            f"{[flat.numel() for _, flat in runs]}"
+        )
+    return tuple(runs)
+
+
+def _slice_runs(runs: ByteRuns, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Bytes ``[lo, hi)`` of the tensor ``runs`` describe, as ``(offset from lo, bytes)``."""
+    for start, flat in runs:
+        a, b = max(lo, start), min(hi, start + flat.numel())
+        if a < b:
+            yield a - lo, flat[a - start : b - start]
+
+
 class BucketPacker:
     """Sender side: fills buckets, in order, from the exported ``(name, tensor)`` stream.
 
     Args:
         layout: the stream layout (from the same refit info the receiver got).
-        stream: the exported tensors, in layout order (e.g. ``export_hf_weights(...)``).
+        stream: the exported tensors, in layout order (e.g. ``export_hf_weights(...)``, its
+            experts stacked by :func:`~.expert_groups.group_experts`).
         version: refit version stamped on every header.
         checksums: stamp every header with the bucket's :func:`bucket_checksum` (else None).
     """
@@ -266,7 +302,7 @@ class BucketPacker:
     def __init__(
         self,
         layout: StreamLayout,
-        stream: Iterable[tuple[str, torch.Tensor]],
+        stream: Iterable[tuple[str, torch.Tensor | StackedTensor]],
         version: int,
         checksums: bool = True,
     ) -> None:
@@ -277,7 +313,7 @@ class BucketPacker:
         self._iter = iter(stream)
         self._next_index = 0
         self._slot = 0
-        self._current: torch.Tensor | None = None  # bytes of the tensor now being packed
+        self._current: ByteRuns | None = None  # bytes of the tensor now being packed
 
     @property
     def next_index(self) -> int:
@@ -327,8 +363,10 @@ class BucketPacker:
                 if entry.bucket_offset > cursor:  # padding is zero: checksums are repeatable
                     dest[cursor : entry.bucket_offset].zero_()
                 cursor = entry.bucket_offset + entry.length
-                piece = source[entry.tensor_offset : entry.tensor_offset + entry.length]
-                pieces.append((entry.bucket_offset, piece))
+                for at, piece in _slice_runs(
+                    source, entry.tensor_offset, entry.tensor_offset + entry.length
+                ):
+                    pieces.append((entry.bucket_offset + at, piece))
             if cursor < dest.numel():
                 dest[cursor:].zero_()
             tick = time.perf_counter()
@@ -342,8 +380,9 @@ class BucketPacker:
             dest.numel(), checksum, self.layout.manifest(index),
         )
 
-    def _tensor_bytes(self, entry: ManifestEntry) -> torch.Tensor:
-        """Flat bytes of ``entry``'s tensor, pulling it from the export at its first piece."""
+    def _tensor_bytes(self, entry: ManifestEntry) -> ByteRuns:
+        """Bytes of ``entry``'s tensor (:func:`byte_runs`), pulling it from the export at its
+        first piece."""
         if entry.tensor_offset == 0:
             slot = self.layout.slots[self._slot]
             self._slot += 1
@@ -361,7 +400,7 @@ class BucketPacker:
                     f"the export yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} where the "
                     f"refit info has {slot.name!r} {slot.shape} {slot.dtype}"
                 )
-            self._current = tensor.contiguous().reshape(-1).view(torch.uint8)
+            self._current = byte_runs(tensor)
         assert self._current is not None
         return self._current
 

@@ -32,6 +32,7 @@ import torch
 from nemo_rl.models.generation.refit.buckets import BucketHeader, StagingArea, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.expert_groups import group_expert_shapes
 from nemo_rl.models.generation.refit.interfaces import RefitInfo, SenderOutcome
 from nemo_rl.models.generation.refit.ipc import (
     BucketRecords,
@@ -71,7 +72,8 @@ class RefitReceiver:
         load_weights: loads a complete set of HF-named tensors into the engine.
         device: the engine's device (where broadcast staging is allocated).
         expected_shapes: ``{hf_name: shape}`` of the checkpoint the engine was built from;
-            the refit info must name the same tensors with the same shapes. None skips
+            the refit info must name the same tensors with the same shapes, each MoE
+            layer's experts stacked (:func:`~.expert_groups.group_expert_shapes`). None skips
             that check.
     """
 
@@ -83,7 +85,10 @@ class RefitReceiver:
     ) -> None:
         self._load_weights = load_weights
         self.device = device
-        self.expected_shapes = expected_shapes
+        # as the sender streams them: each MoE layer's experts stacked (expert_groups)
+        self.expected_shapes = (
+            None if expected_shapes is None else group_expert_shapes(expected_shapes)
+        )
         self.version = 0  # version of the weights the engine holds (0: its checkpoint)
         self.info: RefitInfo | None = None
         self._layouts: dict[int, StreamLayout] = {}

@@ -26,6 +26,7 @@ from megatron_bridge import dtype_from_name
 from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.expert_groups import StackedTensor, group_experts
 from nemo_rl.models.generation.refit.interfaces import RefitInfo, RefitSettings
 from nemo_rl.models.generation.refit.ipc import (
     BucketRecords,
@@ -87,8 +88,13 @@ class RefitSender:
         ranks; None elsewhere), in the settings' dtype. Runs one export."""
         if not self.exports:
             return None
-        self.info = {name: (tuple(t.shape), t.dtype) for name, t in self._export(self._dtype)}
+        self.info = {name: (tuple(t.shape), t.dtype) for name, t in self._stream()}
         return self.info
+
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor | StackedTensor]]:
+        """A fresh export, each MoE layer's experts stacked as vLLM loads them
+        (:mod:`~.expert_groups`: 2 tensors per layer instead of 3 per expert)."""
+        return group_experts(self._export(self._dtype))
 
     def _layout(self) -> StreamLayout:
         if self.info is None:
@@ -98,7 +104,7 @@ class RefitSender:
     def _packer(self, layout: StreamLayout) -> BucketPacker:
         self.version += 1
         return BucketPacker(
-            layout, self._export(self._dtype), self.version, self.settings.checksums
+            layout, self._stream(), self.version, self.settings.checksums
         )
 
     # ------------------------------------------------------------------ colocated (IPC)

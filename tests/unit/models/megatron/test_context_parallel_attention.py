@@ -24,8 +24,8 @@ from nemo_rl.models.megatron.layer_specs import (
     gather_from_context_parallel,
     get_gpt_layer_spec,
     split_for_context_parallel,
-    transformer_engine_available,
 )
+from megatron_bridge.layer_spec import transformer_engine_available
 from megatron_bridge.parallel_state import (
     destroy_megatron_parallel,
     find_free_port,
