@@ -19,8 +19,9 @@ import torch
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface
+from nemo_rl.experience.async_rollouts import run_async_multi_turn_rollout
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.generation.interfaces import AsyncGenerationInterface, GenerationInterface
 
 # The fields of :func:`training_fields` that hold right-padded token rows ``[B, S]``.
 TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
@@ -170,7 +171,13 @@ class RolloutRunner:
             and the carry (group id = prompt index).
         """
         batch, group_ids = repeat_prompts(prompts, num_generations)
-        rollout, metrics = run_multi_turn_rollout(
+        # an engine that generates per sample (vllm_cfg.async_engine) rolls samples out alone
+        rollout_fn = (
+            run_async_multi_turn_rollout
+            if isinstance(self.generation, AsyncGenerationInterface)
+            else run_multi_turn_rollout
+        )
+        rollout, metrics = rollout_fn(
             self.generation,
             batch,
             self.tokenizer,
