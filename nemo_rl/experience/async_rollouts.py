@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface
@@ -35,9 +35,10 @@ from nemo_rl.experience.rollouts import (
     calculate_rewards,
     finish_samples,
     generation_input,
+    run_multi_turn_rollout,
     start_samples,
 )
-from nemo_rl.models.generation.interfaces import AsyncGenerationInterface
+from nemo_rl.models.generation.interfaces import AsyncGenerationInterface, GenerationInterface
 
 # Most environment steps in flight at once (threads blocked on their Ray answers).
 ENV_STEP_THREADS = 128
@@ -116,3 +117,14 @@ def run_async_multi_turn_rollout(
     return finish_samples(
         batch, samples, env_time=clocks["env"].seconds, gen_time=clocks["generation"].seconds
     )
+
+
+def multi_turn_rollout_for(
+    generation: GenerationInterface,
+) -> Callable[..., tuple[BatchedDataDict, dict[str, float]]]:
+    """The rollout for ``generation``: :func:`run_async_multi_turn_rollout` for an engine that
+    generates per sample (``vllm_cfg.async_engine``), else the batched
+    :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` (same arguments)."""
+    if isinstance(generation, AsyncGenerationInterface):
+        return run_async_multi_turn_rollout
+    return run_multi_turn_rollout

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,13 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from nemo_rl.experience.async_rollouts import run_async_multi_turn_rollout
-from nemo_rl.experience.grouped_rollouts import RolloutRunner
+from nemo_rl.experience.async_rollouts import (
+    multi_turn_rollout_for,
+    run_async_multi_turn_rollout,
+)
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.vllm import VllmGeneration
 from nemo_rl.models.generation.vllm.async_generation import AsyncVllmGeneration, vllm_generation
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
 
@@ -135,6 +139,29 @@ def per_request(generation: AsyncVllmGeneration, data: BatchedDataDict) -> list[
     return asyncio.run(all_rows())
 
 
+def start_generate_then_sleep(worker: Any, data: BatchedDataDict) -> None:
+    """Inside the actor: start a greedy generate, then a sleep, on the event loop (in that
+    order; neither is awaited here)."""
+    loop = asyncio.get_running_loop()
+    worker.probe = (loop.create_task(worker.generate(data, True)), loop.create_task(worker.sleep()))
+
+
+def wait_for_both(worker: Any) -> tuple[Any, bool]:
+    """The results of :func:`start_generate_then_sleep`'s two calls, once both are done."""
+
+    def results(w: Any) -> Any:
+        generate, sleep = w.probe
+        return (generate.result(), sleep.result(), w.asleep) if sleep.done() else None
+
+    for _ in range(600):
+        done = ray.get(worker.__ray_call__.remote(results))
+        if done is not None:
+            generated, slept, asleep = done
+            return generated, slept and asleep
+        time.sleep(0.1)
+    raise TimeoutError("generate + sleep did not finish within 60 s")
+
+
 def assert_rows_equal(reference: Any, rows: list[Any]) -> None:
     for r, out in enumerate(rows):
         n = int(out["unpadded_sequence_lengths"][0])
@@ -144,9 +171,12 @@ def assert_rows_equal(reference: Any, rows: list[Any]) -> None:
         assert bool(out["truncated"][0]) == bool(reference["truncated"][r])
 
 
-def test_config_picks_the_async_facade(engine):
+def test_config_picks_the_async_facade_and_rollout(engine):
     generation = engine["generation"]
     assert isinstance(generation, AsyncVllmGeneration)
+    assert multi_turn_rollout_for(generation) is run_async_multi_turn_rollout
+    batched = VllmGeneration.__new__(VllmGeneration)  # the batched facade (not started)
+    assert multi_turn_rollout_for(batched) is run_multi_turn_rollout
     step = generation.sampling_step
     assert generation.reserve_sampling_step() == step and generation.sampling_step == step + 1
 
@@ -159,8 +189,12 @@ def test_per_request_greedy_equals_batched_before_and_after_a_reload(engine, tin
     # the facade's batched generate goes through the same per-request path
     assert torch.equal(generation.generate(data, greedy=True)["output_ids"], reference["output_ids"])
 
-    # sleep (CPU: prefix cache reset) refuses generation until woken
-    generation.finish_generation()
+    # sleep (CPU: prefix cache reset) waits for the requests in flight, then refuses
+    # generation until woken
+    worker = generation.worker_group.workers[0]
+    ray.get(worker.__ray_call__.remote(start_generate_then_sleep, data))
+    generated, slept = wait_for_both(worker)
+    assert torch.equal(generated["output_ids"], reference["output_ids"]) and slept
     with pytest.raises(RuntimeError, match="asleep"):
         per_request(generation, data)
     generation.prepare_for_generation()
@@ -236,22 +270,3 @@ def test_async_rollout_equals_the_batched_rollout_for_greedy(rollouts):
         k: v for k, v in ref_metrics.items() if k not in timed
     }
     assert all(fast_metrics[k] > 0 for k in timed)
-
-
-def test_rollout_runner_takes_the_async_rollout_for_an_async_engine(engine, monkeypatch):
-    import nemo_rl.experience.grouped_rollouts as grouped
-
-    class Taken(Exception):
-        pass
-
-    def async_rollout(generation, *args, **kwargs):
-        raise Taken(generation)
-
-    monkeypatch.setattr(grouped, "run_async_multi_turn_rollout", async_rollout)
-    runner = RolloutRunner(
-        generation=engine["generation"], tokenizer=engine["tokenizer"], task_to_env={},
-        max_seq_len=128, max_rollout_turns=1, pad_token_id=0,
-    )
-    with pytest.raises(Taken) as taken:
-        runner.run(BatchedDataDict(message_log=[[]], task_name=["t"]), 1)
-    assert taken.value.args == (engine["generation"],)
