@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,27 +138,32 @@ def per_request(generation: AsyncVllmGeneration, data: BatchedDataDict) -> list[
     return asyncio.run(all_rows())
 
 
-def start_generate_then_sleep(worker: Any, data: BatchedDataDict) -> None:
-    """Inside the actor: start a greedy generate, then a sleep, on the event loop (in that
-    order; neither is awaited here)."""
-    loop = asyncio.get_running_loop()
-    worker.probe = (loop.create_task(worker.generate(data, True)), loop.create_task(worker.sleep()))
+def generate_then_sleep(worker: Any, data: BatchedDataDict) -> tuple[Any, list[bool], bool]:
+    """Inside the actor, on its event loop: start a greedy generate and sleep before awaiting
+    it. Returns the generate's result, whether requests were queued or unfinished when sleep
+    reset the engine (CPU sleep: a prefix-cache reset), and whether the worker is asleep after
+    both."""
+    llm = worker.llm
+    busy_at_reset: list[bool] = []
 
+    def reset_prefix_cache() -> bool:
+        queued = bool(worker._incoming or worker._running)
+        busy_at_reset.append(queued or llm.llm_engine.has_unfinished_requests())
+        return type(llm).reset_prefix_cache(llm)
 
-def wait_for_both(worker: Any) -> tuple[Any, bool]:
-    """The results of :func:`start_generate_then_sleep`'s two calls, once both are done."""
+    async def both() -> tuple[Any, list[bool], bool]:
+        generate = asyncio.ensure_future(worker.generate(data, True))
+        await asyncio.sleep(0)  # generate has queued its requests
+        await worker.sleep()
+        return await generate, busy_at_reset, worker.asleep
 
-    def results(w: Any) -> Any:
-        generate, sleep = w.probe
-        return (generate.result(), sleep.result(), w.asleep) if sleep.done() else None
-
-    for _ in range(600):
-        done = ray.get(worker.__ray_call__.remote(results))
-        if done is not None:
-            generated, slept, asleep = done
-            return generated, slept and asleep
-        time.sleep(0.1)
-    raise TimeoutError("generate + sleep did not finish within 60 s")
+    llm.reset_prefix_cache = reset_prefix_cache
+    try:
+        # a synchronous method runs off the event loop (the one the last stepper ran on)
+        loop = worker._stepper.get_loop()
+        return asyncio.run_coroutine_threadsafe(both(), loop).result(timeout=120)
+    finally:
+        del llm.reset_prefix_cache
 
 
 def assert_rows_equal(reference: Any, rows: list[Any]) -> None:
@@ -192,9 +196,11 @@ def test_per_request_greedy_equals_batched_before_and_after_a_reload(engine, tin
     # sleep (CPU: prefix cache reset) waits for the requests in flight, then refuses
     # generation until woken
     worker = generation.worker_group.workers[0]
-    ray.get(worker.__ray_call__.remote(start_generate_then_sleep, data))
-    generated, slept = wait_for_both(worker)
-    assert torch.equal(generated["output_ids"], reference["output_ids"]) and slept
+    generated, busy_at_reset, asleep = ray.get(
+        worker.__ray_call__.remote(generate_then_sleep, data)
+    )
+    assert torch.equal(generated["output_ids"], reference["output_ids"]) and asleep
+    assert busy_at_reset == [False]
     with pytest.raises(RuntimeError, match="asleep"):
         per_request(generation, data)
     generation.prepare_for_generation()
