@@ -247,7 +247,8 @@ def run_multi_turn_rollout(
         gen_time += time.perf_counter() - start
         at_limit = [
             sample.take_response(
-                int(gen_input["input_lengths"][i]), bool(sub["truncated"][i]), max_seq_len, tokenizer
+                int(gen_input["input_lengths"][i]), bool(sub["truncated"][i]), max_seq_len,
+                tokenizer,
             )
             for i, sample in enumerate(current)
         ]

@@ -123,7 +123,9 @@ def prompt_batch(tokenizer, texts: list[str]) -> BatchedDataDict:
 def batched_llm_generate(generation: AsyncVllmGeneration, data: BatchedDataDict) -> Any:
     """The batched worker's ``LLM.generate`` path, run on the async engine itself."""
     worker = generation.worker_group.workers[0]
-    return ray.get(worker.__ray_call__.remote(lambda w: VllmGenerationWorker.generate(w, data, True)))
+    return ray.get(
+        worker.__ray_call__.remote(lambda w: VllmGenerationWorker.generate(w, data, True))
+    )
 
 
 def per_request(generation: AsyncVllmGeneration, data: BatchedDataDict) -> list[Any]:
@@ -191,7 +193,8 @@ def test_per_request_greedy_equals_batched_before_and_after_a_reload(engine, tin
     reference = batched_llm_generate(generation, data)
     assert_rows_equal(reference, per_request(generation, data))
     # the facade's batched generate goes through the same per-request path
-    assert torch.equal(generation.generate(data, greedy=True)["output_ids"], reference["output_ids"])
+    batched = generation.generate(data, greedy=True)
+    assert torch.equal(batched["output_ids"], reference["output_ids"])
 
     # sleep (CPU: prefix cache reset) waits for the requests in flight, then refuses
     # generation until woken

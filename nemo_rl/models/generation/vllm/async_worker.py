@@ -12,9 +12,10 @@ generating (:func:`nemo_rl.experience.async_rollouts.run_async_multi_turn_rollou
 Why not ``vllm.v1.engine.async_llm.AsyncLLM``: in vLLM 0.32 it always runs the engine core in a
 spawned process (``AsyncMPClient``; there is no in-process async client), which costs a second
 vLLM import and model load per engine and puts the model out of the refit layer's reach:
-weights would be pickled over ZMQ instead of loaded by reference from the refit buffer. Driving the in-process v1 engine
-(``LLM.llm_engine``: ``add_request``/``step``, the calls ``LLM.generate`` makes) from the
-event loop gives the same per-request scheduling and keeps refit and sleep as they are.
+weights would be pickled over ZMQ instead of loaded by reference from the refit buffer.
+Driving the in-process v1 engine (``LLM.llm_engine``: ``add_request``/``step``, the calls
+``LLM.generate`` makes) from the event loop gives the same per-request scheduling and keeps
+refit and sleep as they are.
 
 Everything that touches the engine is asynchronous and runs on the event loop, between two
 engine steps: ``generate``, ``sleep`` and ``refit`` (Ray runs an async actor's synchronous
