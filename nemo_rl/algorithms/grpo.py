@@ -118,6 +118,7 @@ def start_rollout_run(
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
+    from nemo_rl.models.generation.vllm.async_generation import vllm_generation
     from nemo_rl.models.policy.lm_policy import Policy
     from nemo_rl.utils.logger import Logger
 
@@ -152,7 +153,7 @@ def start_rollout_run(
         )
 
     def start_generation() -> VllmGeneration:
-        return VllmGeneration(
+        return vllm_generation(
             clusters[-1],
             cfg.policy.generation,
             inputs.model_path,

@@ -121,8 +121,8 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments, shutdown_environments
     from nemo_rl.experience.grouped_rollouts import repeat_prompts
-    from nemo_rl.experience.rollouts import run_multi_turn_rollout
-    from nemo_rl.models.generation.vllm import VllmGeneration
+    from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+    from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -140,14 +140,14 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
     task_to_env = create_environments(cfg.env)
     generation = None
     try:
-        generation = VllmGeneration(
+        generation = vllm_generation(
             cluster, cfg.generation, model_path, pad_token_id=pad, seed=cfg.eval.seed
         )
         generation.prepare_for_generation()
         records: list[dict[str, Any]] = []
         for prompts in batches:
             repeated, _ = repeat_prompts(prompts, n)
-            rollout, _ = run_multi_turn_rollout(
+            rollout, _ = multi_turn_rollout_for(generation)(
                 generation,
                 repeated,
                 tokenizer,

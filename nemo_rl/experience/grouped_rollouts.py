@@ -19,7 +19,7 @@ import torch
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface
-from nemo_rl.experience.rollouts import run_multi_turn_rollout
+from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 # The fields of :func:`training_fields` that hold right-padded token rows ``[B, S]``.
@@ -39,7 +39,8 @@ def repeat_prompts(
 
 
 def training_fields(rollout: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:
-    """The conversations of a :func:`run_multi_turn_rollout` batch as training fields.
+    """The conversations of a :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` batch
+    as training fields.
 
     Returns:
         ``input_ids`` ``[B, S]`` int64 (padded with ``pad_token_id``), ``token_mask`` ``[B, S]``
@@ -87,7 +88,8 @@ class RolloutCarry:
         metrics: dict[str, float],
         sampling_step: int,
     ) -> RolloutCarry:
-        """The carry of a :func:`run_multi_turn_rollout` batch whose rows are in ``group_ids``."""
+        """The carry of a :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` batch
+        whose rows are in ``group_ids``."""
         return RolloutCarry(
             group_ids=group_ids,
             rewards=rollout["total_reward"].float(),
@@ -170,7 +172,7 @@ class RolloutRunner:
             and the carry (group id = prompt index).
         """
         batch, group_ids = repeat_prompts(prompts, num_generations)
-        rollout, metrics = run_multi_turn_rollout(
+        rollout, metrics = multi_turn_rollout_for(self.generation)(
             self.generation,
             batch,
             self.tokenizer,

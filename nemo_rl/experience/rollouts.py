@@ -14,6 +14,7 @@ messages, and the environment's stop strings apply to the sample's next turn.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -30,7 +31,7 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 ENV_STEP_TIMEOUT_S = 300.0
 
 
-def _generation_input(
+def generation_input(
     message_logs: list[LLMMessageLogType],
     stop_strings: list[Optional[list[str]]],
     pad_token_id: int,
@@ -73,6 +74,20 @@ def generate_responses(
         metrics: ``mean_generation_length`` (tokens) and ``max_generation_length``.
     """
     output = policy_generation.generate(generation_input_data, greedy=greedy)
+    generated, metrics = append_responses(batch, output, tokenizer, input_lengths, include_logprobs)
+    return batch, generated, metrics
+
+
+def append_responses(
+    batch: BatchedDataDict,
+    output: BatchedDataDict,
+    tokenizer: Any,
+    input_lengths: torch.Tensor,
+    include_logprobs: bool = True,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Append each row's generated turn (a GenerationOutputSpec ``output``) to
+    ``batch["message_log"]``; the rest of :func:`generate_responses` (same arguments and
+    results, less the batch)."""
     generated: list[torch.Tensor] = []
     for row, log in enumerate(batch["message_log"]):
         start = int(input_lengths[row])
@@ -93,11 +108,21 @@ def generate_responses(
         "mean_generation_length": float(lengths.mean()) if lengths.numel() else 0.0,
         "max_generation_length": float(lengths.max()) if lengths.numel() else 0.0,
     }
-    return batch, generated, metrics
+    return generated, metrics
 
 
 def _metadata(batch: BatchedDataDict, row: int) -> dict[str, Any]:
     return dict(batch["extra_env_info"][row] or {})
+
+
+def check_tasks(task_names: list[str], task_to_env: dict[str, EnvironmentInterface]) -> None:
+    """Raise KeyError naming the first row whose task has no environment, and the known tasks."""
+    for row, task in enumerate(task_names):
+        if task not in task_to_env:
+            raise KeyError(
+                f"row {row} has task_name {task!r} but no environment is configured for it; "
+                f"known tasks: {sorted(task_to_env)}"
+            )
 
 
 def calculate_rewards(
@@ -124,13 +149,9 @@ def calculate_rewards(
     """
     size = len(batch["message_log"])
     metadata = metadata if metadata is not None else [_metadata(batch, r) for r in range(size)]
+    check_tasks(batch["task_name"], task_to_env)
     rows_by_task: dict[str, list[int]] = {}
     for row, task in enumerate(batch["task_name"]):
-        if task not in task_to_env:
-            raise KeyError(
-                f"row {row} has task_name {task!r} but no environment is configured for it; "
-                f"known tasks: {sorted(task_to_env)}"
-            )
         rows_by_task.setdefault(task, []).append(row)
 
     observations: list[Any] = [None] * size
@@ -207,8 +228,143 @@ def run_multi_turn_rollout(
 
     Raises:
         ValueError: a prompt already holds ``max_seq_len`` tokens or more (names the row).
+        KeyError: a row's ``task_name`` has no environment (names the row and the known tasks).
     """
-    size = len(input_batch["message_log"])
+    batch, samples, pad = start_samples(input_batch, tokenizer, task_to_env, max_seq_len)
+    env_time = gen_time = 0.0
+    active = list(range(len(samples)))
+    for _turn in range(max_rollout_turns):
+        if not active:
+            break
+        current = [samples[r] for r in active]
+        logs = [sample.log for sample in current]
+        gen_input = generation_input(logs, [sample.stop_strings for sample in current], pad)
+        sub = BatchedDataDict(message_log=logs)
+        start = time.perf_counter()
+        sub, _, _ = generate_responses(
+            policy_generation, gen_input, sub, tokenizer, gen_input["input_lengths"], greedy=greedy
+        )
+        gen_time += time.perf_counter() - start
+        at_limit = [
+            sample.take_response(
+                int(gen_input["input_lengths"][i]), bool(sub["truncated"][i]), max_seq_len,
+                tokenizer,
+            )
+            for i, sample in enumerate(current)
+        ]
+        env_batch = BatchedDataDict(message_log=logs, task_name=[s.task for s in current])
+        start = time.perf_counter()
+        env_return, errors = calculate_rewards(
+            env_batch, task_to_env, [sample.metadata for sample in current]
+        )
+        env_time += time.perf_counter() - start
+        active = [
+            row
+            for i, (row, sample) in enumerate(zip(active, current))
+            if sample.take_env_answer(
+                env_return, i, errors[i], at_limit[i], max_seq_len, tokenizer
+            )
+        ]
+    return finish_samples(batch, samples, env_time=env_time, gen_time=gen_time)
+
+
+@dataclass
+class SampleRollout:
+    """One sample's rollout so far (the state both rollout loops keep per sample).
+
+    Attributes:
+        log: the conversation; the rollout batch's own list, appended in place.
+        task: the sample's ``task_name``.
+        metadata: the environment's state for the sample (``extra_env_info`` at the start).
+        stop_strings: stop strings of the sample's next turn.
+        generated_tokens: assistant tokens so far (after cuts to ``max_seq_len``).
+        turns_at_token_limit: turns whose generation stopped at ``max_new_tokens``.
+        The rest: the per-sample fields of :func:`run_multi_turn_rollout`'s result.
+    """
+
+    log: LLMMessageLogType
+    task: str
+    metadata: dict[str, Any]
+    stop_strings: Optional[list[str]]
+    total_reward: float = 0.0
+    num_turns: int = 0
+    truncated: bool = False
+    response_truncated: bool = False
+    terminated: bool = False
+    answer: Optional[str] = None
+    env_error: Optional[str] = None
+    generated_tokens: int = 0
+    turns_at_token_limit: int = 0
+
+    def take_response(
+        self, prompt_len: int, engine_truncated: bool, max_seq_len: int, tokenizer: Any
+    ) -> bool:
+        """Account for the assistant turn just appended to :attr:`log` (generated after a
+        ``prompt_len``-token prompt; ``engine_truncated``: it stopped at ``max_new_tokens``),
+        cutting it to the room left under ``max_seq_len``; True when the conversation is now
+        ``max_seq_len`` tokens long."""
+        self.num_turns += 1
+        message = self.log[-1]
+        room = max_seq_len - prompt_len
+        if message["token_ids"].numel() > room:
+            message["token_ids"] = message["token_ids"][:room]
+            message["generation_logprobs"] = message["generation_logprobs"][:room]
+            message["content"] = tokenizer.decode(message["token_ids"].tolist())
+        tokens = int(message["token_ids"].numel())
+        self.generated_tokens += tokens
+        self.turns_at_token_limit += int(engine_truncated)
+        at_limit = prompt_len + tokens >= max_seq_len
+        self.response_truncated = engine_truncated or at_limit
+        return at_limit
+
+    def take_env_answer(
+        self,
+        env_return: EnvironmentReturn,
+        i: int,
+        error: Optional[str],
+        at_limit: bool,
+        max_seq_len: int,
+        tokenizer: Any,
+    ) -> bool:
+        """Apply row ``i`` of the environment's answer to the last turn (``error``: its
+        failure, if any; ``at_limit``: :meth:`take_response`'s result); True when the sample
+        goes on to another turn (the observation, if any, appended to :attr:`log`)."""
+        if error is not None and self.env_error is None:
+            self.env_error = error
+        self.total_reward += float(env_return.rewards[i])
+        self.answer = env_return.answers[i]
+        self.metadata = env_return.metadata[i] or {}
+        if env_return.terminateds[i]:
+            self.terminated = True
+            return False
+        if at_limit:
+            self.truncated = True
+            return False
+        observation = env_return.observations[i]
+        if observation and observation.get("content"):
+            obs_message = _observation_message(observation, tokenizer)
+            length = message_log_length(self.log) + int(obs_message["token_ids"].numel())
+            if length >= max_seq_len:
+                self.truncated = True
+                return False
+            self.log.append(obs_message)
+        self.stop_strings = env_return.next_stop_strings[i]
+        return True
+
+
+def start_samples(
+    input_batch: BatchedDataDict,
+    tokenizer: Any,
+    task_to_env: dict[str, EnvironmentInterface],
+    max_seq_len: int,
+) -> tuple[BatchedDataDict, list[SampleRollout], int]:
+    """The rollout batch (a copy of ``input_batch`` whose message logs the rollout extends),
+    one :class:`SampleRollout` per row and the pad token id.
+
+    Raises:
+        ValueError: a prompt already holds ``max_seq_len`` tokens or more (names the row).
+        KeyError: a row's task has no environment.
+    """
     batch = BatchedDataDict(
         {
             key: ([list(log) for log in value] if key == "message_log" else value)
@@ -223,97 +379,46 @@ def run_multi_turn_rollout(
                 "raise policy.max_total_sequence_length or shorten the prompt "
                 "(data.max_input_seq_length)"
             )
+    check_tasks(batch["task_name"], task_to_env)
+    size = len(batch["message_log"])
+    stop_strings = list(batch.get("stop_strings", [None] * size))
+    samples = [
+        SampleRollout(log, batch["task_name"][r], _metadata(batch, r), stop_strings[r])
+        for r, log in enumerate(batch["message_log"])
+    ]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    metadata = [_metadata(batch, r) for r in range(size)]
-    stop_strings: list[Optional[list[str]]] = list(batch.get("stop_strings", [None] * size))
-    total_reward = torch.zeros(size, dtype=torch.float32)
-    truncated = torch.zeros(size, dtype=torch.bool)
-    response_truncated = torch.zeros(size, dtype=torch.bool)
-    terminated = torch.zeros(size, dtype=torch.bool)
-    num_turns = torch.zeros(size, dtype=torch.long)
-    answers: list[Optional[str]] = [None] * size
-    env_error: list[Optional[str]] = [None] * size
-    generated_tokens = 0
-    env_time = gen_time = 0.0
-    turns_at_token_limit = total_turns = 0
-    active = list(range(size))
+    return batch, samples, pad
 
-    for _turn in range(max_rollout_turns):
-        if not active:
-            break
-        logs = [batch["message_log"][r] for r in active]
-        gen_input = _generation_input(logs, [stop_strings[r] for r in active], pad)
-        sub = BatchedDataDict(message_log=logs)
-        start = time.perf_counter()
-        sub, _, _ = generate_responses(
-            policy_generation, gen_input, sub, tokenizer, gen_input["input_lengths"], greedy=greedy
-        )
-        gen_time += time.perf_counter() - start
-        at_limit = []
-        for i, row in enumerate(active):
-            num_turns[row] += 1
-            prompt_len = int(gen_input["input_lengths"][i])
-            room = max_seq_len - prompt_len
-            message = logs[i][-1]
-            if message["token_ids"].numel() > room:
-                message["token_ids"] = message["token_ids"][:room]
-                message["generation_logprobs"] = message["generation_logprobs"][:room]
-                message["content"] = tokenizer.decode(message["token_ids"].tolist())
-            generated_tokens += int(message["token_ids"].numel())
-            at_limit.append(prompt_len + int(message["token_ids"].numel()) >= max_seq_len)
-            response_truncated[row] = bool(sub["truncated"][i]) or at_limit[-1]
-        turns_at_token_limit += int(sub["truncated"].sum())
-        total_turns += len(active)
 
-        env_batch = BatchedDataDict(
-            message_log=logs, task_name=[batch["task_name"][r] for r in active]
-        )
-        start = time.perf_counter()
-        env_return, errors = calculate_rewards(
-            env_batch, task_to_env, [metadata[r] for r in active]
-        )
-        env_time += time.perf_counter() - start
-        for i, row in enumerate(active):
-            if errors[i] is not None and env_error[row] is None:
-                env_error[row] = errors[i]
-
-        still_active = []
-        for i, row in enumerate(active):
-            total_reward[row] += float(env_return.rewards[i])
-            answers[row] = env_return.answers[i]
-            metadata[row] = env_return.metadata[i] or {}
-            if env_return.terminateds[i]:
-                terminated[row] = True
-                continue
-            if at_limit[i]:
-                truncated[row] = True
-                continue
-            observation = env_return.observations[i]
-            if observation and observation.get("content"):
-                obs_message = _observation_message(observation, tokenizer)
-                length = message_log_length(logs[i]) + int(obs_message["token_ids"].numel())
-                if length >= max_seq_len:
-                    truncated[row] = True
-                    continue
-                logs[i].append(obs_message)
-            stop_strings[row] = env_return.next_stop_strings[i]
-            still_active.append(row)
-        active = still_active
-
+def finish_samples(
+    batch: BatchedDataDict, samples: list[SampleRollout], *, env_time: float, gen_time: float
+) -> tuple[BatchedDataDict, dict[str, float]]:
+    """:func:`run_multi_turn_rollout`'s result from the rollout batch and its samples;
+    ``env_time`` / ``gen_time``: seconds the rollout spent waiting on environments /
+    generation."""
+    size = len(samples)
+    total_reward = torch.tensor([s.total_reward for s in samples], dtype=torch.float32)
+    truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
+    terminated = torch.tensor([s.terminated for s in samples], dtype=torch.bool)
+    num_turns = torch.tensor([s.num_turns for s in samples], dtype=torch.long)
     batch["total_reward"] = total_reward
     batch["truncated"] = truncated
-    batch["response_truncated"] = response_truncated
+    batch["response_truncated"] = torch.tensor(
+        [s.response_truncated for s in samples], dtype=torch.bool
+    )
     batch["terminated"] = terminated
     batch["num_turns"] = num_turns
-    batch["answers"] = answers
-    batch["env_error"] = env_error
-    env_errors = sum(error is not None for error in env_error)
+    batch["answers"] = [s.answer for s in samples]
+    batch["env_error"] = [s.env_error for s in samples]
+    generated_tokens = sum(s.generated_tokens for s in samples)
+    env_errors = sum(s.env_error is not None for s in samples)
     metrics = {
         "mean_turns_per_sample": float(num_turns.float().mean()),
         "total_generated_tokens": float(generated_tokens),
         "mean_generated_tokens_per_sample": generated_tokens / max(size, 1),
         "truncation_rate": float(truncated.float().mean()),
-        "max_new_tokens_hit_rate": turns_at_token_limit / max(total_turns, 1),
+        "max_new_tokens_hit_rate": sum(s.turns_at_token_limit for s in samples)
+        / max(int(num_turns.sum()), 1),
         "natural_termination_rate": float(terminated.float().mean()),
         "env_time_s": env_time,
         "generation_time_s": gen_time,

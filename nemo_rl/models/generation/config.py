@@ -57,7 +57,15 @@ class VllmConfig(ConfigModel):
         "policy.precision: a lower engine precision than the trainer's widens the gap between "
         "their logprobs (which the importance-sampling terms of the loss then see).",
     )
-
+    async_engine: bool = Field(
+        default=False,
+        description="Serve every sample's turn as its own request on a continuously batched "
+        "engine, so that in multi-turn rollouts a sample goes on to its next turn as soon as "
+        "its environment answers instead of waiting for the whole batch's turn "
+        "(nemo_rl.experience.async_rollouts). Greedy results equal the batched path's. Worth it "
+        "when environment answers or response lengths vary across samples; single-turn "
+        "rollouts gain nothing.",
+    )
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -19,6 +19,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
 
 __all__ = [
+    "AsyncGenerationInterface",
     "GenerationConfig",
     "GenerationDatumSpec",
     "GenerationInterface",
@@ -86,3 +87,27 @@ class GenerationInterface(ABC):
     @abstractmethod
     def shutdown(self) -> bool:
         """Stop the engines and their workers; True if they shut down cleanly."""
+
+
+class AsyncGenerationInterface(GenerationInterface):
+    """A backend that can also generate for a few rows without waiting for other calls, so
+    each sample of a rollout advances on its own (``vllm_cfg.async_engine``)."""
+
+    @abstractmethod
+    async def generate_async(
+        self,
+        data: BatchedDataDict[GenerationDatumSpec],
+        greedy: bool = False,
+        *,
+        seed_key: tuple[int, ...],
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """:meth:`GenerationInterface.generate` for ``data`` (typically one sample's turn),
+        concurrently with other calls. ``seed_key`` names the call for sampling: calls with
+        equal keys under the same base seed sample alike; its first entry picks the replica,
+        so a sample whose key starts with its index stays on one engine (and its prefix cache)
+        across turns."""
+
+    @abstractmethod
+    def reserve_sampling_step(self) -> int:
+        """The next sampling step, now counted as used (a rollout made of many
+        :meth:`generate_async` calls takes one step, as one :meth:`generate` call does)."""

@@ -52,6 +52,9 @@ class VllmGeneration(GenerationInterface):
             bundles needs vLLM's Ray executor placed on them, which is not wired up yet).
     """
 
+    # The replica class each bundle runs.
+    worker_class: type[VllmGenerationWorker] = VllmGenerationWorker
+
     def __init__(
         self,
         cluster: RayVirtualCluster,
@@ -94,7 +97,7 @@ class VllmGeneration(GenerationInterface):
         # Public for the weight-refit layer, which talks to the workers directly.
         self.worker_group = RayWorkerGroup(
             cluster,
-            VllmGenerationWorker,
+            self.worker_class,
             {"dp": bundles // tp},
             actor_kwargs={
                 "model_path": str(model_path),
@@ -241,7 +244,8 @@ def _chunk_sizes(size: int, parts: int) -> list[int]:
     return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
-def _request_seed(seed: int, step: int, row: int) -> int:
-    """A 63-bit seed for request ``row`` of generate call ``step`` under base ``seed``."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{row}".encode(), digest_size=8).digest()
+def _request_seed(seed: int, *key: int) -> int:
+    """A 63-bit seed for the request named ``key`` under base ``seed``: ``(step, row)`` for
+    row ``row`` of generate call ``step``."""
+    digest = hashlib.blake2b(":".join(map(str, (seed, *key))).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

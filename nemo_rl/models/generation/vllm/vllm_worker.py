@@ -142,6 +142,21 @@ class VllmGenerationWorker:
         """
         from vllm import TokensPrompt
 
+        prompts, params = self._requests(data, greedy, seeds)
+        results = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        return _assemble_outputs(prompts, results, data["input_ids"].shape[1], self.pad_token_id)
+
+    def _requests(
+        self, data: BatchedDataDict[Any], greedy: bool, seeds: Sequence[int] | None
+    ) -> tuple[list[list[int]], list[Any]]:
+        """The unpadded prompt token ids and ``SamplingParams`` of every row of ``data`` (the
+        arguments of :meth:`generate`).
+
+        Raises:
+            RuntimeError: the worker is asleep.
+        """
         if self.asleep:
             raise RuntimeError(
                 "the vLLM worker is asleep; call prepare_for_generation() before generate()"
@@ -162,10 +177,7 @@ class VllmGenerationWorker:
             )
             for i, prompt in enumerate(prompts)
         ]
-        results = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        return _assemble_outputs(prompts, results, input_ids.shape[1], self.pad_token_id)
+        return prompts, params
 
     def _sampling_params(
         self,
