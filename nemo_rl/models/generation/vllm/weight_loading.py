@@ -76,9 +76,10 @@ def load_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadP
             different ways.
     """
     if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
-        # The ranks are other processes: the tensors travel to each of them pickled (copied),
-        # so they are gathered first (an iterator cannot be pickled).
-        weights = list(weights)
+        # The ranks are other processes: the tensors travel to each of them pickled, so they
+        # are gathered first (an iterator cannot be pickled) as compact copies (a pickled view
+        # carries its whole storage: the refit's entire stream buffer, once per tensor).
+        weights = [(name, tensor.clone()) for name, tensor in weights]
     paths = llm.collective_rpc(_load_on_worker, args=(weights,))
     if len(set(paths)) != 1:
         raise RuntimeError(f"the engine's ranks loaded the refit in different ways: {paths}")

@@ -27,10 +27,12 @@ def test_worker_group_rank_order_puts_each_replica_on_its_bundles():
         assert bundles[0] // 8 == bundles[-1] // 8  # one node
 
 
-@pytest.mark.parametrize(("per_node", "tp", "fits"), [([8, 8], 3, "[1, 2, 4, 8]"), ([2, 4], 4, "[1, 2]")])
+@pytest.mark.parametrize(
+    ("per_node", "tp", "fits"), [([8, 8], 3, "[1, 2, 4, 8]"), ([2, 4], 4, "[1, 2]")]
+)
 def test_engine_that_would_cross_a_node_is_refused_with_the_values_that_fit(per_node, tp, fits):
     with pytest.raises(ValueError) as info:
-        plan_generation_layout(per_node, tp, "cluster.gpus_per_node = 8", field="x.tensor_parallel_size")
+        plan_generation_layout(per_node, tp, "a source", field="x.tensor_parallel_size")
     message = str(info.value)
     assert message.startswith(f"x.tensor_parallel_size={tp} does not divide")
     assert f"Set it to one of {fits}" in message
