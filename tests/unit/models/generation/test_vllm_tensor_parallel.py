@@ -11,8 +11,8 @@ transformers on the perturbed weights is the oracle for the refitted engines' lo
 from __future__ import annotations
 
 import time
-from operator import attrgetter
 from collections.abc import Iterator
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
+from vllm_engine_state import colocated_refit
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +55,10 @@ def _batch() -> BatchedDataDict[Any]:
     return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p) for p in PROMPTS]))
 
 
-def _refit(sender: RefitSender, generation: VllmGeneration) -> float:
-    """One colocated refit (as refit_policy_generation runs it); its wall time in seconds."""
+def _timed_refit(sender: RefitSender, generation: VllmGeneration) -> float:
+    """One colocated refit; its wall time in seconds."""
     start = time.perf_counter()
-    checks = []
-    for keys in sender.prepare_weights_for_ipc().plan:
-        bucket = sender.get_weights_ipc_handles(keys)
-        checks += generation.refit("update_weights_from_ipc_handles", bucket)
-    ray.get(checks)
-    ray.get(generation.refit("commit_weight_update"))
-    sender.finish_weights_ipc()
+    colocated_refit(sender, generation)
     return time.perf_counter() - start
 
 
@@ -121,7 +116,7 @@ def run(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
             out["refit_s"] = []
             for g in gens:
                 g.prepare_refit_info(info)
-                out["refit_s"].append(_refit(sender, g))
+                out["refit_s"].append(_timed_refit(sender, g))
             tp1_s, tp2_s = out["refit_s"]
             print(f"refit of the tiny model: TP=1 {tp1_s:.3f} s, TP=2 {tp2_s:.3f} s")
             out["versions"] = [g.weight_version() for g in gens]
