@@ -1,5 +1,5 @@
-"""What a vLLM engine holds, read inside its actor: the refit tests compare it bitwise.
-Importable as ``vllm_engine_state``."""
+"""What a vLLM engine holds, read inside its actor: the refit tests compare it bitwise; and the
+colocated refit those tests drive from the test process. Importable as ``vllm_engine_state``."""
 
 from __future__ import annotations
 
@@ -33,3 +33,15 @@ def engine_state(generation: VllmGeneration) -> dict[str, Any]:
         return {"load_path": worker.last_load_path, **worker.llm.apply_model(sums)[0]}
 
     return ray.get(generation.worker_group.workers[0].__ray_call__.remote(state))
+
+
+def colocated_refit(sender: Any, generation: VllmGeneration) -> None:
+    """One colocated refit with the sender (a ``RefitSender``) in this process, as
+    refit_policy_generation runs it: the bucket stream, every engine's checks, the commit."""
+    checks = []
+    for keys in sender.prepare_weights_for_ipc().plan:
+        bucket = sender.get_weights_ipc_handles(keys)
+        checks += generation.refit("update_weights_from_ipc_handles", bucket)
+    ray.get(checks)
+    ray.get(generation.refit("commit_weight_update"))
+    sender.finish_weights_ipc()

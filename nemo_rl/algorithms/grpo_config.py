@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from nemo_rl.algorithms.loop_config import (
     ClusterConfig,
     check_checkpoint_metric,
+    check_generation_layout,
     check_parallel_layout,
     check_reward_head,
     derive_lr_decay_iters,
@@ -25,6 +26,7 @@ from nemo_rl.data.files import FILE_READERS, check_data_file
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.environments.config import EnvConfigs
+from nemo_rl.models.generation.placement import TP_FIELD
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
@@ -410,6 +412,9 @@ class RolloutMasterConfig(ConfigModel):
                 f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})"
             )
         check_parallel_layout(self.policy, self.cluster)
+        check_generation_layout(
+            self.policy.generation.vllm_cfg.tensor_parallel_size, self.cluster, TP_FIELD
+        )
         check_reward_head(self.policy, "grpo", trains_reward_model=False)
         self._check_task()
         check_checkpoint_metric(

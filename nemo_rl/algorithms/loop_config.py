@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.data.config import SyntheticArithmeticConfig
 from nemo_rl.data.files import check_data_file
+from nemo_rl.models.generation.placement import GenerationLayout, plan_generation_layout
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
 from nemo_rl.models.tiny import local_model_path
@@ -40,14 +41,17 @@ class ClusterConfig(ConfigModel):
     )
 
     @property
+    def slots_per_node(self) -> tuple[int, str]:
+        """(worker slots, i.e. bundles, per node; the field that gives them)."""
+        if self.gpus_per_node:
+            return self.gpus_per_node, "cluster.gpus_per_node"
+        return self.cpu_bundles_per_node, "cluster.cpu_bundles_per_node"
+
+    @property
     def ranks(self) -> tuple[int, str]:
         """(policy ranks the cluster holds, where that number comes from)."""
-        slots, name = (
-            (self.gpus_per_node, "gpus_per_node")
-            if self.gpus_per_node
-            else (self.cpu_bundles_per_node, "cpu_bundles_per_node")
-        )
-        return self.num_nodes * slots, f"cluster.num_nodes x cluster.{name} = {self.num_nodes} x {slots}"
+        slots, name = self.slots_per_node
+        return self.num_nodes * slots, f"cluster.num_nodes x {name} = {self.num_nodes} x {slots}"
 
 
 def check_parallel_layout(policy: PolicyConfig, cluster: ClusterConfig) -> ParallelLayout:
@@ -58,6 +62,17 @@ def check_parallel_layout(policy: PolicyConfig, cluster: ClusterConfig) -> Paral
     world, source = cluster.ranks
     return plan_parallel_layout(
         policy, local_model_path(policy.model_name), world, world_source=source
+    )
+
+
+def check_generation_layout(
+    tensor_parallel_size: int, cluster: ClusterConfig, field: str
+) -> GenerationLayout:
+    """Generation engines of ``tensor_parallel_size`` bundles (``field``) against the bundles
+    of each node the cluster section gives; returns the replicas x ranks layout."""
+    slots, name = cluster.slots_per_node
+    return plan_generation_layout(
+        [slots] * cluster.num_nodes, tensor_parallel_size, f"{name} = {slots}", field
     )
 
 

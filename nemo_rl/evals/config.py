@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.grpo_config import ClusterConfig, DataConfig, GRPOMasterConfig
+from nemo_rl.algorithms.loop_config import check_generation_layout
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.utils.config import ConfigModel
@@ -103,4 +104,9 @@ class EvalMasterConfig(ConfigModel):
         if self.data.max_input_seq_length is None:
             self.data.max_input_seq_length = max_len
         GRPOMasterConfig._check_task(self)  # type: ignore[arg-type]  # reads .data and .env
+        check_generation_layout(
+            self.generation.vllm_cfg.tensor_parallel_size,
+            self.cluster,
+            "generation.vllm_cfg.tensor_parallel_size",
+        )
         return self

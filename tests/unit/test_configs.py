@@ -13,8 +13,9 @@ import pytest
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.commands import RECIPE_COMMANDS
 from nemo_rl.launch.recipe import grpo_shape
+from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
-from nemo_rl.utils.config import ConfigError, load_typed_config
+from nemo_rl.utils.config import load_typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
@@ -40,14 +41,6 @@ ARCHITECTURES = {
         "vocab_size": 151936,
     },
 }
-# Recipes written for a feature that is not implemented yet: the one field validation refuses,
-# and the override that lets the rest of the recipe be checked.
-REFUSED = {
-    "grpo_qwen2.5_32b_4n8g.yaml": (
-        "policy.generation.vllm_cfg.tensor_parallel_size",
-        "policy.generation.vllm_cfg.tensor_parallel_size=1",
-    ),
-}
 MULTI_NODE = {
     "grpo_llama3.1_8b_2n8g.yaml": 2,
     "grpo_qwen2.5_32b_4n8g.yaml": 4,
@@ -57,18 +50,12 @@ MULTI_NODE = {
 
 
 def test_the_multi_node_recipes_exist() -> None:
-    assert set(MULTI_NODE) | set(REFUSED) <= {p.name for p in RECIPES}
+    assert set(MULTI_NODE) <= {p.name for p in RECIPES}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(CONFIGS.parent)  # recipes' data paths are relative to the repository
-    if recipe.name in REFUSED:
-        field, _ = REFUSED[recipe.name]
-        with pytest.raises(ConfigError, match="1 problem:") as info:
-            load_typed_config(recipe, [], GRPOMasterConfig)
-        assert f"  - {field}: got " in str(info.value)
-        return
     cfg = load_typed_config(recipe, [], RECIPE_COMMANDS[recipe.name.split("_")[0]].schema)
     if isinstance(cfg, GRPOMasterConfig):
         samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
@@ -77,8 +64,7 @@ def test_recipe_validates(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize("name", sorted(MULTI_NODE))
 def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Path) -> None:
-    overrides = [REFUSED[name][1]] if name in REFUSED else []
-    cfg = load_typed_config(CONFIGS / name, overrides, GRPOMasterConfig)
+    cfg = load_typed_config(CONFIGS / name, [], GRPOMasterConfig)
     assert grpo_shape(cfg).nodes == MULTI_NODE[name]
     assert cfg.cluster.gpus_per_node == 8 and cfg.policy.precision == "bfloat16"
     # The hub model is not downloaded here, so validation skipped the model checks: run them
@@ -91,3 +77,21 @@ def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Pa
     assert layout.dp * layout.tp * layout.pp * layout.cp == world
     # Expert parallelism takes its ranks out of DP x CP (megatron-core's expert grid).
     assert (layout.dp * layout.cp) % cfg.policy.megatron_cfg.expert_model_parallel_size == 0
+
+
+def test_32b_recipe_generation_engines_span_four_gpus_of_one_node() -> None:
+    """65.6 GB of bf16 weights do not fit one GPU next to the training state: the recipe's
+    engines are TP=4, two per node, each on four GPUs of one node."""
+    cfg = load_typed_config(CONFIGS / "grpo_qwen2.5_32b_4n8g.yaml", [], GRPOMasterConfig)
+    tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    layout = plan_generation_layout([cfg.cluster.gpus_per_node] * cfg.cluster.num_nodes, tp)
+    assert (layout.replicas, layout.tensor_parallel_size) == (8, 4)
+    assert layout.sharding_axes == {"dp": 8, "tp": 4}
+    # Replica r's ranks are bundles 4r .. 4r+3: never across a node boundary (8 per node).
+    for replica in range(layout.replicas):
+        bundles = layout.engine_bundles(replica)
+        assert list(bundles) == list(range(4 * replica, 4 * replica + 4))
+        assert len({b // cfg.cluster.gpus_per_node for b in bundles}) == 1
+    # Query and KV heads divide over the engine's ranks (vLLM shards them like Megatron's TP).
+    arch = ARCHITECTURES[cfg.policy.model_name]
+    assert arch["num_attention_heads"] % tp == 0 and arch["num_key_value_heads"] % tp == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from nemo_rl.utils.config import ConfigModel
 
@@ -22,8 +22,10 @@ class VllmConfig(ConfigModel):
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
-        description="GPUs one vLLM engine is sharded over. Only 1 is implemented (one engine "
-        "per GPU or CPU bundle); larger values are refused until generation TP lands.",
+        description="Bundles (GPUs, or CPU worker slots) one vLLM engine is sharded over, all on "
+        "one node: it must divide the bundles of every node. Replicas = bundles / this. Each "
+        "engine runs its ranks with vLLM's multiprocessing executor (nemo_rl.models.generation."
+        "placement).",
     )
     gpu_memory_utilization: float = Field(
         default=0.6,
@@ -66,18 +68,6 @@ class VllmConfig(ConfigModel):
         "when environment answers or response lengths vary across samples; single-turn "
         "rollouts gain nothing.",
     )
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _check_tensor_parallel(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"tensor_parallel_size={value} is not implemented yet (an engine spanning "
-                "several bundles needs vLLM's Ray executor placed on them); set "
-                "policy.generation.vllm_cfg.tensor_parallel_size=1: one engine per bundle"
-            )
-        return value
-
 
 class ColocatedConfig(ConfigModel):
     """Placement of the generation engines relative to the policy workers."""

@@ -139,11 +139,21 @@ def test_checkpoint_metric_must_be_one_the_loop_records() -> None:
     assert load("checkpointing.metric_name=reward", "checkpointing.keep_top_k=null")
 
 
-def test_generation_tensor_parallel_is_refused_until_implemented() -> None:
-    message = refusal("policy.generation.vllm_cfg.tensor_parallel_size=2")
+def test_generation_engines_must_fit_the_bundles_of_a_node() -> None:
+    tp2 = "policy.generation.vllm_cfg.tensor_parallel_size=2"
+    message = refusal(tp2)
     assert "1 problem:" in message
-    assert "policy.generation.vllm_cfg.tensor_parallel_size: got 2" in message
-    assert "set policy.generation.vllm_cfg.tensor_parallel_size=1" in message
+    assert (
+        "policy.generation.vllm_cfg.tensor_parallel_size=2 does not divide the 1 bundles of a "
+        "node (cluster.cpu_bundles_per_node = 1)" in message
+    )
+    assert "Set it to one of [1]" in message
+    # Colocated policy TP=2 and generation TP=2 share the same two bundles.
+    cfg = load(
+        tp2, "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.cpu_bundles_per_node=2"
+    )
+    assert cfg.policy.generation.vllm_cfg.tensor_parallel_size == 2
+    assert cfg.policy.generation.colocated.enabled
 
 
 # ------------------------------------------------------------------ sections on their own

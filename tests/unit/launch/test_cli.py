@@ -81,8 +81,9 @@ def test_recipe_errors_surface_before_submission(capsys: pytest.CaptureFixture[s
         (TINY, ["policy.megatron_cfg.tensor_model_parallel_size=2"], "cluster.cpu_bundles_per_node"),
         (TINY, ["grpo.max_num_steps=2", "policy.megatron_cfg.scheduler.lr_decay_style=cosine"],
          "lr_warmup_iters (5)"),
-        (str(REPO / "configs/grpo_qwen2.5_32b_4n8g.yaml"), [],
-         "policy.generation.vllm_cfg.tensor_parallel_size: got 4"),
+        (str(REPO / "configs/grpo_qwen2.5_32b_4n8g.yaml"),
+         ["policy.generation.vllm_cfg.tensor_parallel_size=3"],
+         "policy.generation.vllm_cfg.tensor_parallel_size=3 does not divide the 8 bundles"),
     ],
 )
 def test_dry_run_refuses_what_would_fail_after_ray_starts(

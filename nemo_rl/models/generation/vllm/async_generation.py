@@ -52,7 +52,7 @@ class AsyncVllmGeneration(VllmGeneration, AsyncGenerationInterface):
         size = _validate_batch(data)
         if not seed_key:
             raise ValueError("seed_key must name the call, e.g. (sampling_step, sample, turn)")
-        worker = self.worker_group.workers[seed_key[0] % self.num_replicas]
+        worker = self.engines[seed_key[0] % self.num_replicas]
         seeds = [_request_seed(self.seed, *seed_key, row) for row in range(size)]
         return await asyncio.wait_for(
             worker.generate.remote(data, greedy, seeds), self.generate_timeout_s

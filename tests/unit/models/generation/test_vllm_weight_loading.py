@@ -29,7 +29,7 @@ from nemo_rl.models.generation.vllm.weight_loading import (
     _quiet_expected_reload_warnings,
     in_checkpoint_format,
 )
-from vllm_engine_state import engine_state
+from vllm_engine_state import colocated_refit, engine_state
 
 
 def test_reload_warns_only_for_layers_that_should_have_loaded(caplog):
@@ -69,17 +69,6 @@ def test_a_parameter_repacked_after_loading_is_not_in_checkpoint_format():
     assert in_checkpoint_format(model)
 
 
-def _refit(sender: RefitSender, generation: VllmGeneration) -> None:
-    """One colocated refit, the sender in this process (as refit_policy_generation runs it)."""
-    checks = []
-    for keys in sender.prepare_weights_for_ipc().plan:
-        bucket = sender.get_weights_ipc_handles(keys)
-        checks += generation.refit("update_weights_from_ipc_handles", bucket)
-    ray.get(checks)
-    ray.get(generation.refit("commit_weight_update"))
-    sender.finish_weights_ipc()
-
-
 def _reload_with_vllm(generation: VllmGeneration, weights: dict[str, torch.Tensor]) -> None:
     """vLLM's own layerwise ``reload_weights`` on engine 0, bypassing the refit."""
 
@@ -117,12 +106,12 @@ def states(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
             generation.prepare_refit_info(sender.prepare_refit_info())
             out["checkpoint"] = engine_state(generation)
             current.update(b)
-            _refit(sender, generation)
+            colocated_refit(sender, generation)
             out["refit_b"] = engine_state(generation)
             _reload_with_vllm(generation, b)
             out["reload_b"] = engine_state(generation)
             current.update(a)
-            _refit(sender, generation)
+            colocated_refit(sender, generation)
             out["refit_a"] = engine_state(generation)
             yield out
         finally:
