@@ -4,6 +4,7 @@ on their own mean what they mean inside a recipe."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,21 @@ def test_generation_config_alone_means_what_it_means_in_a_recipe() -> None:
 def test_engine_length_must_cover_the_policy_length() -> None:
     with pytest.raises(ValueError, match=r"max_model_len \(128\) must be >= max_total_sequence_length \(256\)"):
         PolicyConfig(generation=GenerationConfig(vllm_cfg=VllmConfig(max_model_len=128)))
+
+
+def test_cpu_override_of_the_distributed_optimizer_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from nemo_rl.models.policy.workers.megatron.model_setup import effective_optimizer_config
+
+    given = MegatronOptimizerConfig(use_distributed_optimizer=True)
+    with caplog.at_level(logging.WARNING):
+        used = effective_optimizer_config(given)
+        quiet = effective_optimizer_config(given, announce=False)
+    assert used.use_distributed_optimizer is False and quiet == used
+    assert given.use_distributed_optimizer is True  # the config object is not changed
+    lines = [r.getMessage() for r in caplog.records if "use_distributed_optimizer" in r.getMessage()]
+    assert len(lines) == 1 and "overridden to false on CPU" in lines[0]
 
 
 def test_mixture_task_names_are_checked_at_config_time() -> None:

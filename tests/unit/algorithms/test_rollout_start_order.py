@@ -38,7 +38,7 @@ def install_fakes(monkeypatch: pytest.MonkeyPatch, cfg: DistillationMasterConfig
     import nemo_rl.distributed.ray_bootstrap as ray_bootstrap
     import nemo_rl.distributed.virtual_cluster as virtual_cluster
     import nemo_rl.environments.utils as env_utils
-    import nemo_rl.models.generation.vllm as vllm
+    import nemo_rl.models.generation.vllm.async_generation as async_generation
     import nemo_rl.models.policy.lm_policy as lm_policy
     import nemo_rl.utils.logger as logger
 
@@ -72,7 +72,7 @@ def install_fakes(monkeypatch: pytest.MonkeyPatch, cfg: DistillationMasterConfig
     monkeypatch.setattr(ray_bootstrap, "init_ray", lambda **_: None)
     monkeypatch.setattr(virtual_cluster, "RayVirtualCluster", lambda *a, **k: object())
     monkeypatch.setattr(lm_policy, "Policy", FakePolicy)
-    monkeypatch.setattr(vllm, "VllmGeneration", FakeEngines)
+    monkeypatch.setattr(async_generation, "vllm_generation", FakeEngines)  # the facade GRPO builds
     monkeypatch.setattr(env_utils, "create_environments", lambda _cfg: {})
     monkeypatch.setattr(logger, "Logger", FakeLogger)
     return rec
