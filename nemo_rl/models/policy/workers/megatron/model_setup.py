@@ -360,9 +360,10 @@ def effective_optimizer_config(
     the CPU path.
 
     CPU runs (the test bench) keep the plain optimizer, with which every CPU learning test was
-    calibrated: with megatron's distributed optimizer over gloo the tiny MoE GRPO recipe
-    (EP=2) learned visibly less in its 20 steps, not yet explained. GPU runs keep the
-    distributed optimizer; loading its checkpoints without TransformerEngine/Apex is
+    calibrated: the distributed optimizer sums gradients in another order (two steps of the
+    tiny MoE model at EP=2: the same losses to 1e-7, parameters within 4e-5), and the tiny MoE
+    GRPO recipe's 20-step learning check did not hold on the trajectory that followed. GPU runs
+    keep the distributed optimizer; loading its checkpoints without TransformerEngine/Apex is
     handled in ``checkpointing`` (checked by ``gpu_check``'s ``resume``). With ``announce``
     (one rank of the group) the override is said in one warning line.
     """
