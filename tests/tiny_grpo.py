@@ -22,10 +22,13 @@ def tiny_grpo_config(
     *,
     grpo: dict[str, Any] | None = None,
     colocated: bool = True,
+    tensor_parallel: int = 1,
     **sections: Any,
 ) -> GRPOMasterConfig:
     """The tiny run logging to ``log_dir``; ``grpo`` keys override the loop's, ``sections``
-    add whole top-level sections (``sft_warmup``, ``checkpointing``, ``data_plane``...)."""
+    add whole top-level sections (``sft_warmup``, ``checkpointing``, ``data_plane``...);
+    ``tensor_parallel`` is both the policy's and each vLLM engine's TP size, on that many
+    CPU bundles."""
     return GRPOMasterConfig.model_validate(
         {
             "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, **(grpo or {})},
@@ -36,17 +39,19 @@ def tiny_grpo_config(
                 "logprob_batch_size": 4,
                 "max_total_sequence_length": 64,
                 "precision": "float32",
-                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4}},
+                "megatron_cfg": {"optimizer": {"lr": 1e-4, "min_lr": 1e-4},
+                                 "tensor_model_parallel_size": tensor_parallel},
                 "generation": {
                     "max_new_tokens": 8,
                     "colocated": {"enabled": colocated},
                     "vllm_cfg": {
                         "precision": "float32", "max_model_len": 64,
                         "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
+                        "tensor_parallel_size": tensor_parallel,
                     },
                 },
             },
-            "cluster": {"cpus_per_node": 8},
+            "cluster": {"cpus_per_node": 8, "cpu_bundles_per_node": tensor_parallel},
             "logger": {"log_dir": str(log_dir), "console_enabled": False},
             **sections,
         }

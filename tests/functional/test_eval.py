@@ -1,11 +1,14 @@
 """Export and evaluation of a trained checkpoint, end to end on CPU.
 
 A tiny GRPO run (an SFT warm start on the synthetic task, then one GRPO step validated with
-greedy decoding, checkpointed) is evaluated with ``nemo-rl eval``'s code on its checkpoint
+greedy decoding, checkpointed), colocated at policy TP=2 with generation TP=2 (each vLLM engine
+spans both CPU bundles), is evaluated with ``nemo-rl eval``'s code on its checkpoint
 folder (exported to HF on the fly, served by vLLM): with the validation's sampling settings
 (greedy, the same prompts in the same batches) the accuracy is the one the validation logged,
 and every response equals the greedy continuation of the Megatron model loaded from the saved
-policy folder (the trained weights as the policy holds them).
+policy folder (the trained weights as the policy holds them). The run's first step also shows
+that the refit of the warm-started weights reached both engine ranks: vLLM's logprobs agree with
+the TP=2 policy's (token_mult_prob_error ~ 1) and the step is on-policy (ratio 1).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ VAL_PROMPTS, VAL_BATCH, MAX_NEW_TOKENS = 16, 8, 8
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama_path) -> Path:
-    """The run's folder: logs/ and ckpt/ (step_1 after warm start + one GRPO step)."""
+    """The run's folder: logs/ and ckpt/ (step_1 after warm start + one GRPO step), trained
+    at policy TP=2 / generation TP=2."""
     tmp = tmp_path_factory.mktemp("trained")
     cfg = tiny_grpo_config(
         tmp / "logs",
@@ -39,6 +43,7 @@ def trained(tmp_path_factory, tiny_llama_path) -> Path:
         sft_warmup={"enabled": True, "num_steps": 60},
         data={"synthetic": {"max_operand": 4, "num_val": VAL_PROMPTS}},
         checkpointing={"enabled": True, "checkpoint_dir": str(tmp / "ckpt"), "save_period": 1},
+        tensor_parallel=2,
     )
     run_grpo(cfg)
     (tmp / "data.json").write_text(cfg.data.model_dump_json())
@@ -65,6 +70,17 @@ def eval_config(trained: Path) -> EvalMasterConfig:
 @pytest.fixture(scope="module")
 def evaluated(trained) -> dict[str, float]:
     return run_eval(eval_config(trained))
+
+
+def test_tp2_engines_after_refit_agree_with_the_tp2_policy(trained):
+    (train,) = [
+        r["metrics"] for r in read_metrics_jsonl(trained / "logs" / "metrics.jsonl")
+        if r["prefix"] == "train"
+    ]
+    assert abs(train["probs_ratio"] - 1.0) < 1e-5
+    assert abs(train["token_mult_prob_error"] - 1.0) < 1e-3
+    layout = json.loads((trained / "ckpt" / "step_1" / "policy" / "layout.json").read_text())
+    assert layout["tp"] == 2, layout
 
 
 def test_eval_of_the_checkpoint_reproduces_its_last_validation(trained, evaluated):
