@@ -137,16 +137,20 @@ def start_rollout_run(
     init_ray(num_cpus=None if os.environ.get("RAY_ADDRESS") else local_cpus)
     bundles, use_gpus, cpus = _cluster_shape(cfg)
     colocated = cfg.policy.generation.colocated.enabled
+    # not colocated: the generation cluster's bundles compute beside the policy's
+    beside = 0 if colocated else bundles[0]
     train_cluster = RayVirtualCluster(
         bundles,
         use_gpus,
         cpus,
         max_colocated_worker_groups=(2 if colocated else 1) + len(extra_train_workers),
         name="policy",
+        other_bundles_per_node=beside,
     )
     clusters = [train_cluster]
     if not colocated:
-        clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation"))
+        clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation",
+                                          other_bundles_per_node=beside))
     def start_policy() -> Any:
         return (policy_factory or Policy)(
             train_cluster, cfg.policy, init_reference_model=init_reference_model, seed=loop.seed

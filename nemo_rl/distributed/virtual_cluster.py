@@ -22,6 +22,8 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from nemo_rl.distributed.cpu_threads import bundle_threads, node_cores
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,6 +66,9 @@ class RayVirtualCluster:
             workers asks for ``1 / max_colocated_worker_groups`` of the bundle's resources.
         name: prefix of the placement group names (``{name}-node{i}``); empty for unnamed.
         placement_timeout_s: seconds to wait for all placement groups to be placed.
+        other_bundles_per_node: bundles of other clusters on each node that compute at the same
+            time as this one's (a separate generation cluster): CPU workers split a node's
+            cores over all of them (:mod:`nemo_rl.distributed.cpu_threads`).
 
     Raises:
         ValueError: a malformed argument (the message names it).
@@ -78,6 +83,7 @@ class RayVirtualCluster:
         max_colocated_worker_groups: int = 1,
         name: str = "",
         placement_timeout_s: float = 180.0,
+        other_bundles_per_node: int = 0,
     ) -> None:
         counts = list(bundle_ct_per_node_list)
         if not counts or any(
@@ -98,6 +104,12 @@ class RayVirtualCluster:
                 f"max_colocated_worker_groups must be a positive int, got "
                 f"{max_colocated_worker_groups!r}"
             )
+        if isinstance(other_bundles_per_node, bool) or not isinstance(
+            other_bundles_per_node, int
+        ) or other_bundles_per_node < 0:
+            raise ValueError(
+                f"other_bundles_per_node must be an int >= 0, got {other_bundles_per_node!r}"
+            )
         if not placement_timeout_s > 0:
             raise ValueError(f"placement_timeout_s must be > 0, got {placement_timeout_s!r}")
         if not ray.is_initialized():
@@ -109,6 +121,8 @@ class RayVirtualCluster:
         self.num_cpus_per_bundle = float(num_cpus_per_bundle)
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.name = name
+        self.other_bundles_per_node = other_bundles_per_node
+        self._node_cores: dict[Any, int] = {}  # placement group id -> its node's cores
         self._placement_groups: list[PlacementGroup] = []
         self._locations: list[BundleLocation] | None = None
         # Worker groups currently placed on each bundle (see claim_bundles); worker groups may
@@ -175,6 +189,20 @@ class RayVirtualCluster:
                     locations.append(BundleLocation(pg, index, nodes[index]))
             self._locations = locations
         return list(self._locations)
+
+    def cpu_threads(self, location: BundleLocation) -> int | None:
+        """Threads of a CPU worker on ``location``: its node's cores split over the bundles
+        computing there at once (this cluster's and ``other_bundles_per_node``, see
+        :mod:`nemo_rl.distributed.cpu_threads`); None on a GPU cluster."""
+        if self.use_gpus:
+            return None
+        pg = location.placement_group
+        if pg.id not in self._node_cores:
+            strategy = PlacementGroupSchedulingStrategy(pg, location.bundle_index)
+            self._node_cores[pg.id] = ray.get(
+                node_cores.options(scheduling_strategy=strategy).remote(), timeout=60
+            )
+        return bundle_threads(self._node_cores[pg.id], pg.bundle_count + self.other_bundles_per_node)
 
     def __getstate__(self) -> dict[str, Any]:
         # Handles travel to actors (the rollout actor holds the engines' worker group): the

@@ -182,6 +182,9 @@ class RayWorkerGroup:
             )
             coords = self.sharding.get_rank_coords(rank)
             env.update({f"NEMO_RL_{n.upper()}_RANK": str(c) for n, c in coords.items()})
+            threads = self.cluster.cpu_threads(location)
+            if threads is not None and "OMP_NUM_THREADS" not in env_vars:
+                env["OMP_NUM_THREADS"] = str(threads)
             options = remote_cls.options(
                 **self.cluster.worker_resources(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

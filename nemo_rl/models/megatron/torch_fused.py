@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
+
 
 def foreach_l2_norm(
     chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
@@ -73,7 +75,7 @@ def use_fused_adam(optimizer: Any, device_type: str = "cuda") -> int:
     tensor on a ``device_type`` device (CUDA; CPU runs keep the default implementation). Call it before the first step (the state's ``step`` counters of a
     fused Adam live on the device). Returns the number of torch optimizers switched."""
     switched = 0
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for wrapper in optimizer_parts(optimizer):
         inner = getattr(wrapper, "optimizer", None)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue

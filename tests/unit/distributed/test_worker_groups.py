@@ -48,6 +48,9 @@ class EchoWorker:
     def env(self, names: list[str]) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
 
+    def threads(self) -> tuple[int, str | None]:
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
 
 class GlooWorker(EchoWorker):
     """Joins a gloo process group from the RayWorkerGroup environment and builds TP subgroups."""
@@ -194,6 +197,30 @@ def test_worker_environment(gloo_group: RayWorkerGroup) -> None:
         assert env["EXTRA_FLAG"] == "on"
         assert env["NEMO_RL_TEST_NOT_FORWARDED"] is None
     assert gloo_group.dp_size == 2 and gloo_group.world_size == 4
+
+
+def test_cpu_workers_split_the_cores_over_the_bundles_computing_on_the_node(
+    ray_env: None,
+) -> None:
+    # one bundle of 2 logical CPUs beside one bundle of another cluster: Ray alone would give
+    # the worker 2 threads (OMP_NUM_THREADS = its CPUs, capped at the cores)
+    cores = len(os.sched_getaffinity(0))
+    expected = max(1, cores // 2)
+    cluster = RayVirtualCluster(
+        [1], use_gpus=False, num_cpus_per_bundle=2.0, name="beside", other_bundles_per_node=1
+    )
+    try:
+        assert cluster.cpu_threads(cluster.get_bundle_locations()[0]) == expected
+        group = RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, actor_kwargs={"tag": "threads"})
+        try:
+            (threads,) = ray.get(group.run_all_workers_single_data("threads"))
+        finally:
+            group.shutdown()
+    finally:
+        cluster.shutdown()
+    assert threads == (expected, str(expected))
+    with pytest.raises(ValueError, match="other_bundles_per_node"):
+        RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, other_bundles_per_node=-1)
 
 
 def test_tp_subgroup_all_reduce(gloo_group: RayWorkerGroup) -> None:

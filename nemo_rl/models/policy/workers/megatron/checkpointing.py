@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.checkpoint import write_bridge_files
-from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel, optimizer_parts
+from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
+from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
 
 LAYOUT_FILE = "layout.json"

@@ -29,6 +29,7 @@ from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
 from nemo_rl.models.megatron.layer_specs import get_gpt_stage_spec
+from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
 
 if TYPE_CHECKING:
@@ -315,13 +316,6 @@ def build_scheduler(
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
-
-
-def optimizer_parts(optimizer: Any) -> list[Any]:
-    """The megatron optimizers inside ``optimizer``: the parts of a chained one (expert
-    parallelism splits dense and expert parameters), else ``optimizer`` itself. Each holds its
-    torch optimizer as ``.optimizer``."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def optimizer_states(optimizer: Any) -> Iterator[dict[str, Any]]:
