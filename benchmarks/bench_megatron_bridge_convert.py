@@ -52,35 +52,18 @@ import sys
 import time
 from pathlib import Path
 
-# Sizes of the random checkpoint of each --family (config.json fields).
+# config.json of the random checkpoint of each --family (with COMMON's fields).
 FAMILIES = {
-    "llama": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=1024,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=4096,
-    ),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=24,
+                  num_key_value_heads=8, intermediate_size=4096),
     # ~0.29 B parameters, 0.58 GB bf16: 8 layers of 16 experts (top 4), 86 % of it experts.
-    "qwen3_moe": dict(
-        architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe",
-        hidden_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=2048,
-        moe_intermediate_size=512,
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-    ),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      num_hidden_layers=8, num_key_value_heads=4, intermediate_size=2048,
+                      moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+                      norm_topk_prob=True),
 }
-COMMON = dict(vocab_size=32000, tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
+COMMON = dict(hidden_size=1024, num_attention_heads=16, head_dim=64, vocab_size=32000,
+              tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
               max_position_embeddings=4096)
 
 
