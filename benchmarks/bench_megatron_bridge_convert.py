@@ -1,8 +1,10 @@
 """Wall time and peak memory of HF -> Megatron -> HF conversion vs transformers load + save.
 
-Workload: a random Llama of about 0.45 B parameters (hidden 1024, 24 layers, 16 heads / 8 KV
-heads, FFN 4096, vocabulary 32,000, untied) stored as bf16 safetensors (~0.9 GB), written once
-into ``--work-dir`` directly with safetensors (random normal weights, std 0.02, fixed seed).
+Workload (``--family``): a random Llama of about 0.45 B parameters (hidden 1024, 24 layers, 16
+heads / 8 KV heads, FFN 4096, vocabulary 32,000, untied), ~0.9 GB of bf16 safetensors, or a
+random Qwen3-MoE of about 0.29 B (8 layers of 16 experts of FFN 512, top 4), ~0.58 GB; written
+once into ``--work-dir/<family>`` directly with safetensors (random normal weights, std 0.02,
+fixed seed; the tensors are those the bridge's conversion plan names).
 
 Phases, each in a fresh subprocess so its peak RSS is its own; every wall time includes the
 interpreter start and all imports of that side (torch + transformers for the baseline, torch +
@@ -10,16 +12,18 @@ torch.distributed.checkpoint for the CLI), so both sides are measured the same w
 
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained(dtype=bfloat16)`` + ``save_pretrained``
   (the baseline a user would otherwise run to re-save a checkpoint).
-* ``hf->megatron``: ``megatron-bridge convert --from hf --to megatron --tp TP --dtype bfloat16``.
-* ``megatron->hf``: ``megatron-bridge convert --from megatron --to hf --pp PP``.
+* ``hf->megatron``: ``megatron-bridge convert --from hf --to megatron --tp TP --pp PP [--ep EP]
+  --dtype bfloat16``.
+* ``megatron->hf``: ``megatron-bridge convert --from megatron --to hf``.
 
 Memory: peak RSS from ``os.wait4`` on the phase's process (the CLI converts in its own
-process for any TP/PP; it spawns no ranks). Reported as bytes and as a multiple of the
+process for any TP/PP/EP; it spawns no ranks). Reported as bytes and as a multiple of the
 checkpoint size on disk.
 
 Run (under a minute on 2 cores, ~2 GB of RAM):
 
-    PYTHONPATH=. python benchmarks/bench_megatron_bridge_convert.py [--tp 1] [--pp 1]
+    PYTHONPATH=. python benchmarks/bench_megatron_bridge_convert.py [--tp 1] [--pp 1] \
+        [--family qwen3_moe --ep 2]
 
 Measured on 2 CPU cores shared with other jobs, tp=1, pp=1, 0.89 GB checkpoint, before (the
 previous converter, which built a GPTModel) and after (streamed conversion) run back to back at
@@ -48,41 +52,38 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = dict(
-    hidden_size=1024,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=64,
-    intermediate_size=4096,
-    vocab_size=32000,
-)
+# config.json of the random checkpoint of each --family (with COMMON's fields).
+FAMILIES = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=24,
+                  num_key_value_heads=8, intermediate_size=4096),
+    # ~0.29 B parameters, 0.58 GB bf16: 8 layers of 16 experts (top 4), 86 % of it experts.
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      num_hidden_layers=8, num_key_value_heads=4, intermediate_size=2048,
+                      moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+                      norm_topk_prob=True),
+}
+COMMON = dict(hidden_size=1024, num_attention_heads=16, head_dim=64, vocab_size=32000,
+              tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
+              max_position_embeddings=4096)
 
 
-def write_random_checkpoint(out: Path, seed: int = 0) -> int:
-    """Write config.json + bf16 model.safetensors shards; returns total tensor bytes."""
+def write_random_checkpoint(out: Path, family: str, seed: int = 0) -> int:
+    """Write config.json + bf16 safetensors shards (every tensor the bridge's plan names:
+    norms 1, the rest normal with std 0.02); returns total tensor bytes."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+
+    from megatron_bridge import BridgeConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**SIZES, tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
-                         max_position_embeddings=4096)
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(out)
-    h, d, f = SIZES["hidden_size"], SIZES["head_dim"], SIZES["intermediate_size"]
-    q, kv = SIZES["num_attention_heads"] * d, SIZES["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (SIZES["vocab_size"], h),
-              "lm_head.weight": (SIZES["vocab_size"], h), "model.norm.weight": (h,)}
-    for i in range(SIZES["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
+    (out / "config.json").write_text(json.dumps({**FAMILIES[family], **COMMON}, indent=2))
+    bridge = BridgeConfig.from_hf(out)
+    dims = bridge.dims(1)
+    shapes = {
+        name: shape
+        for mapping in bridge.plan()
+        for name, shape in zip(mapping.hf_names, mapping.hf_shapes(dims))
+    }
     gen = torch.Generator().manual_seed(seed)
     total, shard, shard_bytes, files, weight_map = 0, {}, 0, [], {}
 
@@ -125,12 +126,22 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/bench_megatron_bridge")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size the Megatron checkpoint is written for")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    parser.add_argument("--write-checkpoint", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    work = Path(args.work_dir)
+    if args.write_checkpoint:
+        write_random_checkpoint(Path(args.write_checkpoint), args.family)
+        return
+    work = Path(args.work_dir) / args.family
     src = work / "hf_src"
     if not (src / "model.safetensors.index.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
-        write_random_checkpoint(src)
+        # In a child: a process forked from this one starts with this one's resident pages,
+        # which its peak RSS (ru_maxrss) would count.
+        subprocess.run([sys.executable, __file__, "--family", args.family,
+                        "--write-checkpoint", str(src)], check=True)
     ckpt_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     for name in ("hf_baseline", "megatron", "hf_roundtrip"):
         shutil.rmtree(work / name, ignore_errors=True)
@@ -145,8 +156,10 @@ def main() -> None:
     phases = {
         "transformers load+save": [py, "-c", baseline, str(src), str(work / "hf_baseline")],
         "hf->megatron": cli + ["--from", "hf", "--to", "megatron", "--tp", str(args.tp),
+                               "--pp", str(args.pp), *(["--ep", str(args.ep)] if args.ep > 1
+                                                       else []),
                                "--dtype", "bfloat16", str(src), str(work / "megatron")],
-        "megatron->hf": cli + ["--from", "megatron", "--to", "hf", "--pp", str(args.pp),
+        "megatron->hf": cli + ["--from", "megatron", "--to", "hf",
                                str(work / "megatron"), str(work / "hf_roundtrip")],
     }
     results = {name: run_phase(cmd) for name, cmd in phases.items()}
@@ -167,7 +180,8 @@ def main() -> None:
                 safe_open(str(src / src_index[name]), "pt") as b:
             mismatched += not bool((a.get_tensor(name) == b.get_tensor(name)).all())
 
-    print(f"checkpoint: {ckpt_bytes / 1e9:.2f} GB bf16, tp={args.tp} pp={args.pp}")
+    print(f"{args.family} checkpoint: {ckpt_bytes / 1e9:.2f} GB bf16, tp={args.tp} "
+          f"pp={args.pp} ep={args.ep}")
     print(f"{'phase':<24} {'wall s':>8} {'peak RSS GB':>12} {'x ckpt':>7}")
     for name, (wall, rss) in results.items():
         print(f"{name:<24} {wall:>8.1f} {rss / 1e9:>12.2f} {rss / ckpt_bytes:>7.2f}")

@@ -10,16 +10,14 @@ An HF checkpoint may be given as a local folder or as a Hugging Face Hub name
 cache (``HF_HOME``), downloaded on first use (config, tokenizer and safetensors files only;
 ``HF_HUB_OFFLINE=1`` uses the cache alone). Megatron checkpoints are local folders.
 
-``convert`` streams a dense model's tensors from one format into the other in the command's
-own process, without building a model or starting process groups (the dist checkpoint is laid
-out as a ``--tp`` x ``--pp`` model would save it; it loads at any layout). A mixture-of-experts
-model (whose experts megatron-core lays out its own way) is converted through the model
-instead: ``tp * pp * ep`` ranks load it and save it (``--ep``: expert parallelism, over ``ep``
-data-parallel ranks; megatron -> hf loads at ``--ep``, default 1). ``verify`` builds the model
-on ``tp * pp * ep`` ranks too. Ranks are spawned (gloo on CPU, nccl with one GPU per rank); a
-single rank runs in the command's own process. Every argument is checked before any
-work starts; the output is written to a temporary sibling folder and renamed into place only
-on success.
+``convert`` streams a model's tensors (a mixture-of-experts model's experts and routers too)
+from one format into the other in the command's own process, without building a model or
+starting process groups (the dist checkpoint is laid out as a ``--tp`` x ``--pp`` model would
+save it, the same at every ``--ep``; it loads at any layout). ``verify`` builds the model on
+``tp * pp * ep`` ranks (``--ep``: expert parallelism, over ``ep`` data-parallel ranks), spawned
+(gloo on CPU, nccl with one GPU per rank); a single rank runs in the command's own process.
+Every argument is checked before any work starts; the output is written to a temporary
+sibling folder and renamed into place only on success.
 """
 
 from __future__ import annotations
@@ -154,11 +152,7 @@ def _progress(items: Any, total: int, description: str) -> Any:
 
 
 def _convert(opts: dict[str, Any]) -> None:
-    """Stream one checkpoint into the other format, in this process (no model is built); a
-    mixture-of-experts model through the model, on spawned ranks (:func:`_convert_rank`)."""
-    if opts["moe"]:
-        _run_ranks(_convert_rank, opts["tp"] * opts["pp"] * opts["ep"], opts)
-        return
+    """Stream one checkpoint into the other format, in this process (no model is built)."""
     if opts["from"] == "hf":
         from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
 
@@ -238,38 +232,6 @@ def _logits_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None
         destroy_megatron_parallel()
 
 
-def _convert_rank(rank: int, world: int, port: int, opts: dict[str, Any]) -> None:
-    """One rank of a conversion through the model: load the source into this rank's stage
-    (its experts' share at EP > 1) and save it in the other format (collective; rank 0
-    writes)."""
-    from megatron_bridge.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
-    from megatron_bridge.export import export_hf_weights
-    from megatron_bridge.load import load_hf_into_megatron
-    from megatron_bridge.parallel_state import destroy_megatron_parallel, initialize_megatron_parallel
-
-    initialize_megatron_parallel(
-        rank, world, tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], master_port=port
-    )
-    try:
-        if opts["from"] == "hf":
-            dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else torch.float32
-            model, bridge = load_hf_into_megatron(opts["src"], dtype)
-            save_megatron_checkpoint(model, bridge, opts["tmp"], assets_dir=opts["src"])
-            return
-        model, bridge = load_megatron_checkpoint(opts["src"])
-        dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else export_dtype(opts["src"])
-        assets = Path(opts["src"]) / HF_ASSETS_DIR
-        save_hf_checkpoint(
-            export_hf_weights(model, bridge, dtype),
-            bridge,
-            opts["tmp"],
-            assets_dir=assets if assets.is_dir() else None,
-            max_shard_bytes=opts["max_shard_bytes"],
-        )
-    finally:
-        destroy_megatron_parallel()
-
-
 # ---- commands --------------------------------------------------------------------------------
 
 
@@ -283,10 +245,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             dtype_from_name(args.dtype)
         except ValueError as err:
             raise CliError(f"--dtype: {err}") from err
-    if args.from_ == "megatron" and (args.tp or args.pp):
+    if args.from_ == "megatron" and (args.tp or args.pp or args.ep):
         raise CliError(
-            "--tp/--pp set the layout of a Megatron checkpoint being written (--to megatron); "
-            "a Megatron checkpoint exports the same whatever layout wrote it: drop them"
+            "--tp/--pp/--ep set the layout of a Megatron checkpoint being written (--to "
+            "megatron); a Megatron checkpoint exports the same whatever layout wrote it: drop "
+            "them"
         )
     args.tp, args.pp, args.ep = args.tp or 1, args.pp or 1, args.ep or 1
     bridge = _check_source(src, args.from_)
@@ -303,8 +266,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         "tmp": str(tmp),
         "tp": args.tp,
         "pp": args.pp,
-        "ep": args.ep,
-        "moe": bridge.is_moe,
         "dtype": args.dtype,
         "max_shard_bytes": int(args.max_shard_gb * 1024**3),
         "fsync": args.fsync,
@@ -510,9 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--to megatron: pipeline-parallel size the checkpoint is laid "
                               "out for; default 1")
     convert.add_argument("--ep", type=int, default=None,
-                         help="mixture-of-experts models: expert-parallel size the model is "
-                              "built at to convert (spawns tp*pp*ep ranks; for megatron->hf "
-                              "the layout it is loaded at); default 1")
+                         help="--to megatron, mixture-of-experts models: expert-parallel size "
+                              "the checkpoint is checked to fit (it is the same at every EP "
+                              "and loads at any); default 1")
     convert.add_argument("--dtype", default=None,
                          help="output dtype (float32, bfloat16, float16); default: float32 for "
                               "hf->megatron; for megatron->hf the dtype of the HF checkpoint "

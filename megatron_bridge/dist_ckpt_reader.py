@@ -1,11 +1,11 @@
 """Stream HF-layout tensors out of a Megatron distributed checkpoint, one tensor at a time.
 
-A ``torch_dist`` checkpoint stores every Megatron tensor whole (TP slices and pipeline stages
-are chunks of one global tensor), so the HF tensors can be rebuilt from it without building a
-model: :func:`checkpoint_hf_weights` reads one Megatron tensor (one layer of a layer-stacked
-tensor) at a time, whatever TP/PP layout wrote it, turns it into HF tensors with the TP=1
-transforms and yields them. Peak memory: one Megatron tensor; no process group and no
-megatron-core import.
+A ``torch_dist`` checkpoint stores every Megatron tensor whole (TP slices, pipeline stages and
+expert-parallel ranks' experts are chunks of one global tensor), so the HF tensors can be
+rebuilt from it without building a model: :func:`checkpoint_hf_weights` reads one Megatron
+tensor (one layer or one expert of a stacked tensor) at a time, whatever TP/PP/EP layout wrote
+it, turns it into HF tensors with the TP=1 transforms and yields them. Peak memory: one
+Megatron tensor; no process group and no megatron-core import.
 
 The files are torch DCP's: ``.metadata`` (read with DCP's ``FileSystemReader``) maps each chunk
 to a byte range of a ``.distcp`` file holding it as ``torch.save`` output. Chunks are loaded
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from megatron_bridge.config import BridgeConfig
-from megatron_bridge.dist_ckpt_layout import global_region, refuse_experts
+from megatron_bridge.dist_ckpt_layout import tensor_chunks
 
 # Prefix of the keys megatron-core's optimizers give their sharded state (Adam moments, fp32
 # master copies) in a dist checkpoint saved with the model.
@@ -197,20 +197,20 @@ def checkpoint_hf_weights(
         where the HF tensor is a contiguous piece of it).
 
     Raises:
-        ValueError: a stored tensor's shape differs from the one ``bridge`` implies, the
-            checkpoint holds tensors ``bridge`` does not produce, or a mixture-of-experts model.
+        ValueError: a stored tensor's shape differs from the one ``bridge`` implies, or the
+            checkpoint holds tensors ``bridge`` does not produce.
         KeyError: a tensor missing from the checkpoint.
     """
-    refuse_experts(bridge)
     reader = DistCheckpointReader(ckpt_dir)
     dims = bridge.dims(1)
-    plan = bridge.plan()
+    # Each Megatron tensor's whole region: one chunk at TP=1 (two for a fused gate/up).
+    plan = [(mapping, tensor_chunks(mapping, bridge, 1, 0)) for mapping in bridge.plan()]
     stored = {
         k
         for k, md in reader.metadata.state_dict_metadata.items()
         if hasattr(md, "chunks") and not k.startswith(OPTIMIZER_KEY_PREFIX)
     }
-    leftover = sorted(stored - {global_region(m, bridge)[0] for m in plan})
+    leftover = sorted(stored - {chunks[0].key for _, chunks in plan})
     if leftover:
         reader.close()
         raise ValueError(
@@ -218,27 +218,18 @@ def checkpoint_hf_weights(
             f"export would drop them: {leftover}"
         )
     try:
-        for mapping in plan:
-            key, offset, shape = global_region(mapping, bridge)
-            expected = shape if mapping.layer is None else (bridge.num_layers, *shape[1:])
+        for mapping, chunks in plan:
+            key, expected = chunks[0].key, chunks[0].global_shape
             if reader.shape(key) != expected:
                 raise ValueError(
                     f"{ckpt_dir}: tensor {key} has shape {reader.shape(key)}, the config in "
                     f"bridge.json implies {expected}"
                 )
-            if mapping.kind == "gate_up":
-                # Gate and up rows are stored as separate chunks: read each on its own (at
-                # TP=1 each is one stored chunk, loaded without a copy).
-                half = (shape[0], shape[1] // 2, *shape[2:])
-                tensors = [
-                    reader.read(key, (offset[0], part * half[1], *offset[2:]), half)[0]
-                    for part in (0, 1)
-                ]
-            else:
-                tensor = reader.read(key, offset, shape)
-                if mapping.layer is not None:
-                    tensor = tensor[0]
-                tensors = mapping.unshard([tensor], dims)
+            # Without the stacking axis; at TP=1 a region is often one stored chunk, loaded
+            # without a copy (a fused gate/up's halves are stored as separate chunks).
+            parts = [reader.read(key, c.offset, c.shape).reshape(c.shape[c.stacked :])
+                     for c in chunks]
+            tensors = parts if mapping.kind == "gate_up" else mapping.unshard(parts, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]
             yield from zip(mapping.hf_names, tensors)

@@ -1,17 +1,17 @@
 """Write a Megatron distributed checkpoint straight from an HF checkpoint, one chunk at a time.
 
 :func:`convert_hf_to_dist_checkpoint` produces the checkpoint that every rank of a TP x PP
-GPTModel loaded from ``hf_path`` would write with :func:`~megatron_bridge.checkpoint.
-save_megatron_checkpoint` (same keys, chunks, dtypes and values; see
-:mod:`megatron_bridge.dist_ckpt_layout`), in this one process, without building the model,
-without torch.distributed and without importing megatron-core.
+(x EP, for a mixture-of-experts model) GPTModel loaded from ``hf_path`` would write with
+:func:`~megatron_bridge.checkpoint.save_megatron_checkpoint` (same keys, chunks, dtypes and
+values; see :mod:`megatron_bridge.dist_ckpt_layout`), in this one process, without building
+the model, without torch.distributed and without importing megatron-core.
 
 It runs torch's own DCP writer (``FileSystemWriter``: ``__0_0.distcp`` + ``.metadata``) with a
 planner whose write items come from the layout. DCP asks the planner for each item's data
 (``resolve_data``) right before writing it; the planner then reads that chunk's rows of the
 HF tensors, applies the transform (QKV interleave, vocabulary padding), casts it and hands it
 over, and nothing keeps it afterwards. Peak memory: one chunk (the largest is a TP slice of
-the embedding) plus its HF source rows.
+the embedding; an expert's chunk is one expert's TP slice) plus its HF source rows.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def convert_hf_to_dist_checkpoint(
     sync_files: bool = True,
     **bridge_kwargs: Any,
 ) -> BridgeConfig:
-    """Write the dist checkpoint of ``hf_path`` as a TP x PP GPTModel would save it.
+    """Write the dist checkpoint of ``hf_path`` as a TP x PP GPTModel would save it (at any
+    expert-parallel size: every expert is its own chunk, whichever rank holds it).
 
     Args:
         hf_path: HF checkpoint folder (config.json + safetensors).

@@ -219,3 +219,55 @@ def checkpoint_contents(path: Path) -> tuple[dict, dict]:
         offset = None if index.offset is None else tuple(index.offset)
         data[(index.fqn, offset)] = torch.load(io.BytesIO(raw), weights_only=True)
     return layout, data
+
+
+def assert_same_checkpoint(mine: Path, built: Path, label: str) -> None:
+    """``mine`` holds the same tensors (keys, shapes, dtypes, chunks, bytes) and objects as
+    ``built``, and the same megatron-core ``metadata.json``."""
+    built_md, built_data = checkpoint_contents(built)
+    my_md, my_data = checkpoint_contents(mine)
+    assert my_md == built_md, label
+    assert sorted(my_data, key=str) == sorted(built_data, key=str), label
+    for index, value in built_data.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(my_data[index], value), f"{label}: {index}"
+        else:
+            assert my_data[index] == value, f"{label}: {index}"
+    assert (mine / "metadata.json").read_text() == (built / "metadata.json").read_text()
+
+
+def main_replica_layout(model: torch.nn.Module) -> list[tuple]:
+    """What this rank writes to a dist checkpoint, per megatron-core: tensor chunks as
+    ``("T", key, global shape, offset, chunk shape)`` and objects as ``("O", unique key)``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        apply_factories,
+        is_main_replica,
+    )
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    return sorted(
+        ("T", v.key, tuple(v.global_shape), tuple(v.global_offset),
+         (1,) * v.prepend_axis_num + tuple(v.local_shape))
+        if isinstance(v, ShardedTensor) else ("O", v.unique_key)
+        for v in nested_values(state)
+        if is_main_replica(v.replica_id)
+    )
+
+
+def expected_rank_layout(
+    bridge: "BridgeConfig", tp: int, pp: int, rank: int, ep: int = 1
+) -> list[tuple]:
+    """:func:`~megatron_bridge.dist_ckpt_layout.rank_layout` of global rank ``rank`` of a
+    ``tp * ep * pp`` world (megatron's rank order: TP fastest, then EP, then PP), in
+    :func:`main_replica_layout`'s form."""
+    from megatron_bridge.dist_ckpt_layout import TensorChunk, rank_layout
+
+    tp_rank, ep_rank, pp_rank = rank % tp, rank // tp % ep, rank // (tp * ep)
+    return sorted(
+        ("T", e.key, e.global_shape, e.offset, e.shape) if isinstance(e, TensorChunk)
+        else ("O", e.unique_key)
+        for e in rank_layout(bridge, tp, pp, tp_rank, pp_rank, ep, ep_rank)
+    )

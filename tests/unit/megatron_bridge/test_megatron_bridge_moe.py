@@ -2,9 +2,11 @@
 
 One spawn of 2 ranks runs every layout in turn (re-initialising megatron's groups in the same
 process group; spawning costs more than converting the tiny models): EP=2, then EP=1 (2
-data-parallel ranks, which also loads the checkpoint saved at EP=2), TP=2 and PP=2. Each
-layout's logits are compared with transformers' and with EP=1's, and its export with the
-original safetensors files, bit for bit.
+data-parallel ranks, which also loads the checkpoint saved at EP=2 and the one streamed from
+HF), TP=2 and PP=2. Each layout's logits are compared with transformers' and with EP=1's, its
+export with the original safetensors files, bit for bit, and what each rank writes to a dist
+checkpoint with :func:`~megatron_bridge.dist_ckpt_layout.rank_layout`, the streamed
+conversion's layout (its checkpoint equals the one saved at EP=2, byte for byte).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from mb_fixtures import hf_reference_logits, sample_input_ids
+from mb_fixtures import (
+    assert_same_checkpoint,
+    expected_rank_layout,
+    hf_reference_logits,
+    main_replica_layout,
+    sample_input_ids,
+)
+from megatron_bridge.checkpoint import checkpoint_bridge
+from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
+from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
 from megatron_bridge.parallel_state import find_free_port
 
 ATOL = 1e-5
@@ -26,9 +37,11 @@ LAYOUTS = [(1, 1, 2), (1, 1, 1), (2, 1, 1), (1, 2, 1)]
 EP1 = (1, 1, 1)
 
 
-def _worker(rank: int, paths: dict, port: int, out_dir: str) -> None:
-    """Run every layout of :data:`LAYOUTS` on this rank; save logits, the export's checksums
-    and (rank 0) the exported tensors to ``out_dir/rank<rank>.pt``."""
+def _worker(rank: int, paths: dict, streamed: dict, port: int, out_dir: str) -> None:
+    """Run every layout of :data:`LAYOUTS` on this rank; save logits, the export's checksums,
+    what the rank writes to a checkpoint and (rank 0) the exported tensors to
+    ``out_dir/rank<rank>.pt``. At EP=1, also the logits of the checkpoint saved at EP=2 and
+    of the streamed one (``streamed``: family -> folder)."""
     from megatron.core import parallel_state
 
     from megatron_bridge import (
@@ -54,6 +67,7 @@ def _worker(rank: int, paths: dict, port: int, out_dir: str) -> None:
                 "logits": megatron_logits(model, ids, bridge.vocab_size),
                 "checksum": [(n, float(t.double().sum())) for n, t in exported],
                 "local_params": sorted(n for n, _ in model.named_parameters()),
+                "layout": main_replica_layout(model),
             }
             if rank == 0:
                 result["exported"] = dict(exported)
@@ -63,6 +77,8 @@ def _worker(rank: int, paths: dict, port: int, out_dir: str) -> None:
             if (tp, pp, ep) == EP1:
                 loaded, _ = load_megatron_checkpoint(ckpt)
                 result["ckpt_logits"] = megatron_logits(loaded, ids, bridge.vocab_size)
+                loaded, _ = load_megatron_checkpoint(streamed[name])
+                result["streamed_logits"] = megatron_logits(loaded, ids, bridge.vocab_size)
             results[(tp, pp, ep, name)] = result
         parallel_state.destroy_model_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -70,12 +86,30 @@ def _worker(rank: int, paths: dict, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(moe_checkpoints, tmp_path_factory) -> list[dict]:
-    """Per-rank results of :func:`_worker`, keyed ``(tp, pp, ep, family)``."""
+def streamed(moe_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """family -> dist checkpoint streamed from HF (no model built)."""
+    root = tmp_path_factory.mktemp("moe_streamed")
+    for name, path in moe_checkpoints.items():
+        convert_hf_to_dist_checkpoint(path, root / name, sync_files=False)
+    return {name: root / name for name in moe_checkpoints}
+
+
+@pytest.fixture(scope="module")
+def run_dir(moe_checkpoints, streamed, tmp_path_factory) -> Path:
+    """The folder of :func:`_worker`'s results and of the checkpoints saved at EP=2
+    (``<family>_ep2``)."""
     out = tmp_path_factory.mktemp("moe_layouts")
     paths = {k: str(v) for k, v in moe_checkpoints.items()}
-    mp.spawn(_worker, args=(paths, find_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    streamed_paths = {k: str(v) for k, v in streamed.items()}
+    mp.spawn(_worker, args=(paths, streamed_paths, find_free_port(), str(out)), nprocs=WORLD,
+             join=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(run_dir) -> list[dict]:
+    """Per-rank results of :func:`_worker`, keyed ``(tp, pp, ep, family)``."""
+    return [torch.load(run_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +160,40 @@ def test_ep2_holds_half_the_experts_and_its_checkpoint_loads_at_ep1(runs, moe_ch
         assert ep2[0] == ep2[1]
         diff = (runs[0][(*EP1, name)]["ckpt_logits"] - runs[0][(*EP1, name)]["logits"])
         assert diff.abs().max().item() <= ATOL, f"{name}: EP=2 checkpoint loaded at EP=1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}_pp{}_ep{}".format(*l))
+def test_layout_is_megatrons_sharded_state_dict(runs, moe_checkpoints, layout):
+    from megatron_bridge import BridgeConfig
+
+    tp, pp, ep = layout
+    for name, path in moe_checkpoints.items():
+        bridge = BridgeConfig.from_hf(path)
+        for rank, results in enumerate(runs):
+            expected = expected_rank_layout(bridge, tp, pp, rank, ep)
+            assert expected == results[(*layout, name)]["layout"], f"{name} rank {rank}"
+
+
+@pytest.mark.slow
+def test_streamed_checkpoint_equals_the_one_saved_at_ep2(run_dir, runs, streamed):
+    for name, mine in streamed.items():
+        assert_same_checkpoint(mine, run_dir / f"{name}_ep2", name)
+        ep1 = runs[0][(*EP1, name)]
+        assert torch.equal(ep1["streamed_logits"], ep1["ckpt_logits"]), name
+
+
+@pytest.mark.slow
+def test_streamed_export_of_the_ep2_checkpoint_is_bitwise(run_dir, moe_checkpoints):
+    # Each expert-parallel rank wrote its own experts' chunks into its own file.
+    for name, path in moe_checkpoints.items():
+        ckpt = run_dir / f"{name}_ep2"
+        assert len(list(ckpt.glob("*.distcp"))) == WORLD
+        exported = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
+        original = load_file(str(path / "model.safetensors"))
+        assert sorted(exported) == sorted(original), name
+        for key, tensor in original.items():
+            assert torch.equal(exported[key], tensor), f"{name}: {key} changed"
 
 
 # ---- config time: fields, sparse layers, parallel sizes ---------------------------------------
@@ -238,10 +306,3 @@ def test_verify_at_ep2(moe_checkpoints, capsys):
     assert "OK: max abs diff" in capsys.readouterr().out
     assert main(["verify", path, "--ep", "3"]) == 2
     assert "--ep 3: num_local_experts (8) must be divisible" in capsys.readouterr().err
-
-
-def test_streamed_conversion_refuses_experts(moe_checkpoints, tmp_path):
-    from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
-
-    with pytest.raises(ValueError, match="does not support mixture-of-experts models"):
-        convert_hf_to_dist_checkpoint(moe_checkpoints["mixtral"], tmp_path / "out")

@@ -19,39 +19,19 @@ from safetensors.torch import load_file
 
 from mb_fixtures import (
     SEQ_LEN,
-    checkpoint_contents,
+    assert_same_checkpoint,
+    expected_rank_layout,
     hf_reference_logits,
+    main_replica_layout,
     sample_input_ids,
 )
 from megatron_bridge import BridgeConfig
 from megatron_bridge.checkpoint import checkpoint_bridge
-from megatron_bridge.dist_ckpt_layout import TensorChunk, rank_layout
 from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
 from megatron_bridge.dist_ckpt_writer import convert_hf_to_dist_checkpoint
 from megatron_bridge.parallel_state import find_free_port
 
 ATOL = 1e-5
-
-
-def _main_replica_layout(model: torch.nn.Module) -> list[tuple]:
-    """What this rank writes to a dist checkpoint, per megatron-core: tensor chunks as
-    ``("T", key, global shape, offset, chunk shape)`` and objects as ``("O", unique key)``."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        apply_factories,
-        is_main_replica,
-    )
-
-    state = model.sharded_state_dict()
-    apply_factories(state)
-    return sorted(
-        ("T", v.key, tuple(v.global_shape), tuple(v.global_offset),
-         (1,) * v.prepend_axis_num + tuple(v.local_shape))
-        if isinstance(v, ShardedTensor) else ("O", v.unique_key)
-        for v in nested_values(state)
-        if is_main_replica(v.replica_id)
-    )
 
 
 def _worker(rank: int, world: int, tp: int, pp: int, port: int, paths: dict, out_dir: str,
@@ -71,7 +51,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, paths: dict, out
     results = {}
     for name, path in paths.items():
         model, bridge = load_hf_into_megatron(path)
-        results[name] = {"layout": _main_replica_layout(model)}
+        results[name] = {"layout": main_replica_layout(model)}
         save_megatron_checkpoint(model, bridge, Path(out_dir) / name, assets_dir=path)
         if not convert:
             continue
@@ -186,12 +166,7 @@ def test_layout_is_megatrons_sharded_state_dict(layouts, family_checkpoints, tp,
     for name, path in family_checkpoints.items():
         bridge = BridgeConfig.from_hf(path)
         for rank, result in enumerate(results):
-            # megatron's rank order within a model replica: TP fastest, then PP.
-            expected = sorted(
-                ("T", e.key, e.global_shape, e.offset, e.shape) if isinstance(e, TensorChunk)
-                else ("O", e.unique_key)
-                for e in rank_layout(bridge, tp, pp, rank % tp, rank // tp)
-            )
+            expected = expected_rank_layout(bridge, tp, pp, rank)
             assert expected == result[name]["layout"], f"{name} rank {rank}"
 
 
@@ -203,16 +178,7 @@ def test_streamed_checkpoint_equals_the_built_models(
     for name, path in family_checkpoints.items():
         convert_hf_to_dist_checkpoint(path, tmp_path / name, tp=tp, pp=pp, sync_files=False)
         built, mine = built_root / name, tmp_path / name
-        built_md, built_data = checkpoint_contents(built)
-        my_md, my_data = checkpoint_contents(mine)
-        assert my_md == built_md, name
-        assert sorted(my_data, key=str) == sorted(built_data, key=str), name
-        for index, value in built_data.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(my_data[index], value), f"{name}: {index}"
-            else:
-                assert my_data[index] == value, f"{name}: {index}"
-        assert (mine / "metadata.json").read_text() == (built / "metadata.json").read_text()
+        assert_same_checkpoint(mine, built, name)
         # The streamed checkpoint also knows its source's dtype (a built model does not).
         my_meta, built_meta = (json.loads((d / "bridge.json").read_text()) for d in (mine, built))
         assert my_meta.pop("source_dtype") == "float32" and built_meta.pop("source_dtype") is None

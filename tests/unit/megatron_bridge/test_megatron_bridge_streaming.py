@@ -35,8 +35,10 @@ def test_stream_writer_writes_the_header_first_and_checks_each_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
-def test_streamed_roundtrip_is_bitwise_for_every_family(family_checkpoints, tmp_path, tp, pp):
-    for name, path in family_checkpoints.items():
+def test_streamed_roundtrip_is_bitwise_for_every_family(
+    family_checkpoints, moe_checkpoints, tmp_path, tp, pp
+):
+    for name, path in {**family_checkpoints, **moe_checkpoints}.items():
         ckpt = tmp_path / name
         convert_hf_to_dist_checkpoint(path, ckpt, tp=tp, pp=pp, sync_files=False)
         assert json.loads((ckpt / "bridge.json").read_text())["dtype"] == "float32"
