@@ -1,7 +1,8 @@
-"""The trained algorithms at TP=2 and PP=2 (two gloo processes) against TP=1: one step of the
-reward model (Bradley-Terry) gives the same loss, metrics, grad norm and rewards; one DPO step
-and one top-k distillation step (mixed KL against fixed teacher top-k logprobs) the same loss,
-metrics and grad norm (1e-5)."""
+"""The trained algorithms at TP=2 (with and without sequence parallelism) and PP=2 (two gloo
+processes) against TP=1: one step of the reward model (Bradley-Terry) gives the same loss,
+metrics, grad norm and rewards; one DPO step and one top-k distillation step (mixed KL against
+fixed teacher top-k logprobs) the same loss, metrics and grad norm (1e-5). The sequence length
+is odd, so sequence parallelism pads every row to a multiple of TP."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch.multiprocessing as mp
 
 from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
 
-PAIRS, SEQ, VOCAB, TOPK = 4, 12, 1024, 8
+PAIRS, SEQ, VOCAB, TOPK = 4, 13, 1024, 8
 ALGORITHMS = ("rm", "dpo", "distillation")
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name: (tp, pp); dp2 is a TP=1 model
+# name: (tp, pp, sequence_parallel); dp2 is a TP=1 model
+LAYOUTS = {"dp2": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}
 
 
 def make_batch() -> Any:
@@ -47,7 +49,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
     from nemo_rl.models.policy.workers.megatron.train_step import compute_rewards, iterate_steps
 
     results = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    for name, (tp, pp, sp) in LAYOUTS.items():
         for algorithm in ALGORITHMS:
             os.environ.update(
                 RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name, algorithm])
@@ -62,6 +64,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
                 megatron_cfg={
                     "tensor_model_parallel_size": tp,
                     "pipeline_model_parallel_size": pp,
+                    "sequence_parallel": sp,
                     "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
                 },
             )
@@ -94,7 +97,7 @@ def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2sp", "pp2"])
 def test_one_step_matches_tp1(results: list[dict], name: str, algorithm: str) -> None:
     reference = results[0]["dp2", algorithm]["step"]  # both DP ranks hold the global sums
     last = results[1][name, algorithm]  # rank 1 is a last pipeline stage in every layout
