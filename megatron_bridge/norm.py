@@ -9,7 +9,7 @@ gradient finalisation (``finalize_model_grads._allreduce_non_tensor_model_parall
 sums over the TP group the gradients of parameters that carry ``sequence_parallel=True`` when
 the config has ``sequence_parallel`` on; :class:`LocalNorm` tags its parameters so, as
 TransformerEngine's norm does. The arithmetic is torch's, so without sequence parallelism the
-model computes bit for bit what it computes with megatron's local norm.
+model computes bit for bit what it computes with ``WrappedTorchNorm``.
 
 The q/k norms of attention (Qwen3's ``q_layernorm`` / ``k_layernorm``) are the same module:
 they normalise each head's vector, their TP ranks see different heads (whatever the sequence
