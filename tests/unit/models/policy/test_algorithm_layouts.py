@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
+from layout_ports import next_layout_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 
 PAIRS, SEQ, VOCAB, TOPK = 4, 13, 1024, 8
 ALGORITHMS = ("rm", "dpo", "distillation")
@@ -42,7 +43,7 @@ def make_batch() -> Any:
     )
 
 
-def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     from nemo_rl.algorithms.loss import DistillationLossFn, DPOLossFn, PreferenceLossFn
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
@@ -51,9 +52,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
     results = {}
     for name, (tp, pp, sp) in LAYOUTS.items():
         for algorithm in ALGORITHMS:
-            os.environ.update(
-                RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name, algorithm])
-            )
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
             config = PolicyConfig(
                 model_name=model_path,
                 train_global_batch_size=PAIRS,
@@ -82,6 +81,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
                 loss_fn = DistillationLossFn({"kl_type": "mixed", "zero_outside_topk": True})
             (step,) = iterate_steps(policy, shard, loss_fn, 2 * PAIRS, 2, False, False)
             results[name, algorithm] = {"step": step, "rewards": rewards}
+            port = next_layout_port()
             destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -89,9 +89,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("rm_parallel")
-    keys = [(name, a) for name in LAYOUTS for a in ALGORITHMS]
-    ports = dict(zip(keys, find_free_ports(len(keys))))  # distinct: one store per run
-    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), ports), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), find_free_port()), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
+from layout_ports import next_layout_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def _router_weights(policy: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.checkpointing import (
@@ -76,7 +77,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
     ckpt = Path(out_dir) / "ep2_step1"
     results: dict[str, Any] = {}
     for name, (tp, pp, ep, frozen, extra) in LAYOUTS.items():
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name]))
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
         config = PolicyConfig(
             model_name=model_path,
             train_global_batch_size=GBS,
@@ -120,6 +121,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
         if name in ("ep2", "resume"):
             out["step2"] = step(1)
         results[name] = out
+        port = next_layout_port()
         destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -134,8 +136,7 @@ def moe_path() -> Path:
 @pytest.fixture(scope="module")
 def results(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("moe_layouts")
-    ports = dict(zip(LAYOUTS, find_free_ports(len(LAYOUTS))))  # distinct: one store per run
-    mp.spawn(_worker, args=(str(moe_path), str(out), ports), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(moe_path), str(out), find_free_port()), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
