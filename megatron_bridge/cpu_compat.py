@@ -55,8 +55,10 @@ Accommodations (each one and why):
    CPU tensor into NumPy when asked (megatron-core itself imports the dispatcher with its
    tensor-parallel package, so the patch costs no import).
 
-Not accommodated (fail loudly instead): context parallelism and sequence parallelism need
-TransformerEngine modules; FP8 and CUDA graphs need a GPU.
+Not accommodated (fail loudly instead): FP8 and CUDA graphs need a GPU. Context and sequence
+parallelism need no patch: the layer spec supplies modules that support them (the policy's
+context-parallel attention, :class:`megatron_bridge.norm.LocalNorm`), and gloo has the
+all-gather and reduce-scatter collectives sequence parallelism uses.
 """
 
 from __future__ import annotations

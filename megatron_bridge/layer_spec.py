@@ -3,7 +3,8 @@
 :func:`gpt_stage_spec` chooses the spec every Megatron model here is built from (the bridge's
 converter and the policy worker alike): megatron's decoder block spec for a mixture-of-experts
 model (per layer a dense MLP or the experts), the TransformerEngine layer spec where
-TransformerEngine is importable, the local spec otherwise.
+TransformerEngine is importable, the local spec otherwise (as a block spec, its norms our
+sequence-parallel capable :class:`~megatron_bridge.norm.LocalNorm`).
 
 megatron-core has two bias switches: ``add_qkv_bias`` (the fused q/k/v projection) and
 ``add_bias_linear`` (every linear layer: q/k/v, the attention output projection, and both MLP
@@ -24,6 +25,7 @@ import importlib.util
 from typing import Any
 
 from megatron_bridge.families import Features
+from megatron_bridge.norm import LocalNorm
 
 
 def transformer_engine_available() -> bool:
@@ -52,10 +54,12 @@ def gpt_stage_spec(
 ) -> Any:
     """The layer spec of this pipeline stage's layers for a model of ``config``.
 
-    A mixture-of-experts model (``config.num_moe_experts`` set) gets megatron's decoder block
-    spec (per layer a dense MLP or the experts, from ``config.moe_layer_freq``, for the layers
-    of this rank's stage); a dense model one layer spec for every layer: TransformerEngine's
-    or the local one (with ``config.normalization``).
+    With TransformerEngine a dense model gets its layer spec for every layer. Otherwise (and
+    for every mixture-of-experts model) the spec is megatron's decoder block spec: one layer
+    spec per layer of this rank's stage (a dense MLP or the experts, from
+    ``config.moe_layer_freq``; all dense for a dense model) and the final norm. The local spec
+    gets :class:`~megatron_bridge.norm.LocalNorm` for every norm (``config.normalization``;
+    it supports sequence parallelism, megatron's local norm does not).
 
     Args:
         config: the model's megatron ``TransformerConfig``.
@@ -65,27 +69,39 @@ def gpt_stage_spec(
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     use_te = resolve_use_te(use_te)
-    if config.num_moe_experts is not None:
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization=config.normalization
-        )
-        layers = spec.layer_specs
-    elif use_te:
+    if use_te and config.num_moe_experts is None:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    else:
-        spec = get_gpt_layer_local_spec(
-            normalization=config.normalization, qk_layernorm=config.qk_layernorm
-        )
-        layers = [spec]
-    if core_attention is not None and not use_te:
-        for layer in layers:
-            layer.submodules.self_attention.submodules.core_attention = core_attention
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=config.normalization
+    )
+    if use_te:
+        return spec
+    spec.layer_norm = LocalNorm
+    for layer in _distinct(spec.layer_specs):
+        _use_local_norms(layer.submodules, ("input_layernorm", "pre_mlp_layernorm"))
+        attention = layer.submodules.self_attention.submodules
+        _use_local_norms(attention, ("q_layernorm", "k_layernorm"))
+        if core_attention is not None:
+            attention.core_attention = core_attention
     return spec
+
+
+def _distinct(specs: list[Any]) -> list[Any]:
+    """``specs`` without repeats (a block spec repeats one layer spec object per layer)."""
+    return list({id(spec): spec for spec in specs}.values())
+
+
+def _use_local_norms(submodules: Any, names: tuple[str, ...]) -> None:
+    """Set each of ``names`` that holds a norm (not ``IdentityOp``) to :class:`LocalNorm`."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for name in names:
+        if getattr(submodules, name) not in (None, IdentityOp):
+            setattr(submodules, name, LocalNorm)
 
 
 @functools.cache
@@ -111,19 +127,21 @@ def _drop_bias(submodules: Any, name: str) -> None:
 
 
 def with_model_biases(spec: Any, features: Features) -> Any:
-    """A copy of transformer-layer ``spec`` whose linear layers have biases exactly where
-    ``features`` says, given a config with ``add_bias_linear = out_bias or mlp_bias`` and
-    ``add_qkv_bias = qkv_bias``; ``spec`` itself when no layer needs changing."""
+    """A copy of ``spec`` (a transformer-layer spec or a block spec of them) whose linear
+    layers have biases exactly where ``features`` says, given a config with
+    ``add_bias_linear = out_bias or mlp_bias`` and ``add_qkv_bias = qkv_bias``; ``spec`` itself
+    when no layer needs changing."""
     if not (features.out_bias or features.mlp_bias):
         return spec  # add_bias_linear is off: only add_qkv_bias acts, exactly as wanted
     spec = copy.deepcopy(spec)
-    attention = spec.submodules.self_attention.submodules
-    mlp = spec.submodules.mlp.submodules
-    if not features.qkv_bias:
-        _drop_bias(attention, "linear_qkv")
-    if not features.out_bias:
-        _drop_bias(attention, "linear_proj")
-    if not features.mlp_bias:
-        _drop_bias(mlp, "linear_fc1")
-        _drop_bias(mlp, "linear_fc2")
+    for layer in _distinct(getattr(spec, "layer_specs", [spec])):
+        attention = layer.submodules.self_attention.submodules
+        mlp = layer.submodules.mlp.submodules
+        if not features.qkv_bias:
+            _drop_bias(attention, "linear_qkv")
+        if not features.out_bias:
+            _drop_bias(attention, "linear_proj")
+        if not features.mlp_bias:
+            _drop_bias(mlp, "linear_fc1")
+            _drop_bias(mlp, "linear_fc2")
     return spec

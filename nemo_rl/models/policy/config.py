@@ -97,7 +97,9 @@ class MegatronConfig(ConfigModel):
     sequence_parallel: bool = Field(
         default=False,
         description="Also split norms and dropout activations along the sequence over the TP "
-        "ranks; only meaningful with tensor_model_parallel_size > 1.",
+        "ranks (model rows are padded to a multiple of TP); needs tensor_model_parallel_size "
+        "> 1, and a mixture-of-experts model trains at TP > 1 only with it. Works on the local "
+        "layer spec (CPU) as with TransformerEngine.",
     )
     make_vocab_size_divisible_by: int = Field(
         default=128,

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 import torch
 
-from megatron_bridge.layer_spec import transformer_engine_available
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict, ShardedBatch
 from nemo_rl.distributed.shard_planner import DynamicBatchingArgs, SequencePackingArgs
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
@@ -62,10 +61,7 @@ class Policy(ColocatablePolicyInterface):
         self.cfg = config
         self.model_path = resolve_model_path(config.model_name, field="policy.model_name")
         self.layout: ParallelLayout = plan_parallel_layout(
-            config,
-            self.model_path,
-            cluster.world_size(),
-            transformer_engine=transformer_engine_available(),
+            config, self.model_path, cluster.world_size()
         )
         # The refit group rank 0 joined ((ip, port, world_size)) and the refit info (see the
         # refit section below).

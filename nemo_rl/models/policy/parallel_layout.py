@@ -42,7 +42,6 @@ def plan_parallel_layout(
     world_size: int,
     *,
     world_source: str = "the cluster size",
-    transformer_engine: bool | None = None,
 ) -> ParallelLayout:
     """Derive DP from the world size and check the whole layout against the model and batches.
 
@@ -52,17 +51,15 @@ def plan_parallel_layout(
             skips the model checks (a hub model not downloaded yet).
         world_size: ranks the policy gets (bundles of its cluster).
         world_source: the config fields ``world_size`` comes from, named in the fix.
-        transformer_engine: whether TransformerEngine is importable where the policy runs;
-            None (not known, e.g. on a submit host) skips the check that needs it.
 
     Raises:
         ValueError: naming the field and the fix, for: world size not a multiple of
             TP*PP*CP or of TP*EP*PP (megatron-core takes the expert-parallel ranks out of
             DP x CP); heads, KV heads, FFN size or layers not divisible (KV heads < TP);
             experts not divisible by EP, EP > 1 on a dense model, a mixture-of-experts model
-            at TP > 1 without sequence parallelism (megatron-core refuses to train it);
-            sequence parallelism without TransformerEngine; CP with lengths that cannot split
-            into 2*CP chunks; global batch not divisible into DP x micro-batches.
+            at TP > 1 without sequence parallelism (megatron-core refuses to train it); CP
+            with lengths that cannot split into 2*CP chunks; global batch not divisible into
+            DP x micro-batches.
     """
     mcfg = cfg.megatron_cfg
     tp = mcfg.tensor_model_parallel_size
@@ -100,11 +97,6 @@ def plan_parallel_layout(
                 f"layers under TP only with sequence parallelism); set it, or use "
                 f"expert_model_parallel_size instead of TP"
             )
-    if mcfg.sequence_parallel and transformer_engine is False:
-        raise ValueError(
-            f"{_MCFG}.sequence_parallel=true needs TransformerEngine (its LayerNorm), which is "
-            f"not installed; set it to false or install the gpu profile"
-        )
     if cp > 1:
         _check_context_parallel_lengths(cfg, cp)
     dp = world_size // model_parallel

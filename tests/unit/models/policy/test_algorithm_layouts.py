@@ -1,7 +1,8 @@
-"""The trained algorithms at TP=2 and PP=2 (two gloo processes) against TP=1: one step of the
-reward model (Bradley-Terry) gives the same loss, metrics, grad norm and rewards; one DPO step
-and one top-k distillation step (mixed KL against fixed teacher top-k logprobs) the same loss,
-metrics and grad norm (1e-5)."""
+"""The trained algorithms at TP=2 (with and without sequence parallelism) and PP=2 (two gloo
+processes) against TP=1: one step of the reward model (Bradley-Terry) gives the same loss,
+metrics, grad norm and rewards; one DPO step and one top-k distillation step (mixed KL against
+fixed teacher top-k logprobs) the same loss, metrics and grad norm (1e-5). The sequence length
+is odd, so sequence parallelism pads every row to a multiple of TP."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
+from layout_ports import next_layout_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 
-PAIRS, SEQ, VOCAB, TOPK = 4, 12, 1024, 8
+PAIRS, SEQ, VOCAB, TOPK = 4, 13, 1024, 8
 ALGORITHMS = ("rm", "dpo", "distillation")
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name: (tp, pp); dp2 is a TP=1 model
+# name: (tp, pp, sequence_parallel); dp2 is a TP=1 model
+LAYOUTS = {"dp2": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}
 
 
 def make_batch() -> Any:
@@ -40,18 +43,16 @@ def make_batch() -> Any:
     )
 
 
-def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     from nemo_rl.algorithms.loss import DistillationLossFn, DPOLossFn, PreferenceLossFn
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
     from nemo_rl.models.policy.workers.megatron.train_step import compute_rewards, iterate_steps
 
     results = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    for name, (tp, pp, sp) in LAYOUTS.items():
         for algorithm in ALGORITHMS:
-            os.environ.update(
-                RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name, algorithm])
-            )
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
             config = PolicyConfig(
                 model_name=model_path,
                 train_global_batch_size=PAIRS,
@@ -62,6 +63,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
                 megatron_cfg={
                     "tensor_model_parallel_size": tp,
                     "pipeline_model_parallel_size": pp,
+                    "sequence_parallel": sp,
                     "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
                 },
             )
@@ -79,6 +81,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
                 loss_fn = DistillationLossFn({"kl_type": "mixed", "zero_outside_topk": True})
             (step,) = iterate_steps(policy, shard, loss_fn, 2 * PAIRS, 2, False, False)
             results[name, algorithm] = {"step": step, "rewards": rewards}
+            port = next_layout_port()
             destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -86,15 +89,13 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("rm_parallel")
-    keys = [(name, a) for name in LAYOUTS for a in ALGORITHMS]
-    ports = dict(zip(keys, find_free_ports(len(keys))))  # distinct: one store per run
-    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), ports), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), find_free_port()), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2sp", "pp2"])
 def test_one_step_matches_tp1(results: list[dict], name: str, algorithm: str) -> None:
     reference = results[0]["dp2", algorithm]["step"]  # both DP ranks hold the global sums
     last = results[1][name, algorithm]  # rank 1 is a last pipeline stage in every layout

@@ -1,9 +1,10 @@
 """The policy rank on the tiny mixture-of-experts model (tiny-qwen3-moe: 4 experts, top-2) at
-EP=2, TP=2 and PP=2 (two gloo processes) against EP=1: logprobs and the eval loss equal
+EP=2, TP=2, PP=2 and CP=2 (two gloo processes) against EP=1: logprobs and the eval loss equal
 transformers' / EP=1's; one NLL step with the router's load-balancing loss and z-loss on gives
-the same loss, grad norm and router-loss metrics at EP=2 and PP=2 (TP=2 trains only with
-sequence parallelism, megatron-core's rule for MoE, which needs TransformerEngine: GPU only); a checkpoint saved at EP=2 and loaded at EP=1 takes the same next step
-as EP=2 itself; a frozen router stays as loaded while the experts train."""
+the same loss, grad norm and router-loss metrics at EP=2, TP=2, PP=2 and CP=2 (TP=2 with
+sequence parallelism, megatron-core's rule for training MoE under TP, on the local spec); a
+checkpoint saved at EP=2 and loaded at EP=1 takes the same next step as EP=2 itself; a frozen
+router stays as loaded while the experts train."""
 
 from __future__ import annotations
 
@@ -15,22 +16,24 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_ports
+from layout_ports import next_layout_port
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 
 pytestmark = pytest.mark.slow
 
 GBS, SEQ = 4, 16
 TOL = 1e-5
-# name: (tp, pp, ep, freeze_moe_router, router loss coefficients); dp2 is the EP=1 reference
-# (the same micro-batches, so the same per-micro-batch router losses), "resume" loads ep2's
-# checkpoint at EP=1.
+# name: (tp, pp, ep, freeze_moe_router, router loss coefficients and other megatron_cfg keys);
+# dp2 is the EP=1 reference (the same micro-batches, so the same per-micro-batch router
+# losses), "resume" loads ep2's checkpoint at EP=1.
 COEFFS = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
 NO_ROUTER_LOSS = {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None}
 LAYOUTS = {
     "dp2": (1, 1, 1, False, COEFFS),
     "ep2": (1, 1, 2, False, COEFFS),
-    "tp2": (2, 1, 1, False, COEFFS),
+    "tp2": (2, 1, 1, False, {**COEFFS, "sequence_parallel": True}),
     "pp2": (1, 2, 1, False, COEFFS),
+    "cp2": (1, 1, 1, False, {**COEFFS, "context_parallel_size": 2}),
     "resume": (1, 1, 1, False, COEFFS),
     "frozen": (1, 1, 2, True, COEFFS),
     "no_router_loss": (1, 1, 2, False, NO_ROUTER_LOSS),
@@ -61,7 +64,7 @@ def _router_weights(policy: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.checkpointing import (
@@ -73,8 +76,8 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
 
     ckpt = Path(out_dir) / "ep2_step1"
     results: dict[str, Any] = {}
-    for name, (tp, pp, ep, frozen, coeffs) in LAYOUTS.items():
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(ports[name]))
+    for name, (tp, pp, ep, frozen, extra) in LAYOUTS.items():
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
         config = PolicyConfig(
             model_name=model_path,
             train_global_batch_size=GBS,
@@ -85,7 +88,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
                 "tensor_model_parallel_size": tp,
                 "pipeline_model_parallel_size": pp,
                 "expert_model_parallel_size": ep,
-                **coeffs,
+                **extra,
                 "freeze_moe_router": frozen,
                 "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
             },
@@ -102,11 +105,11 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
         out: dict[str, Any] = {}
         if name == "resume":
             load_training_checkpoint(policy, ckpt)
-        elif name in ("dp2", "ep2", "tp2", "pp2"):
+        elif name in ("dp2", "ep2", "tp2", "pp2", "cp2"):
             lp = compute_logprobs(policy, make_batch(), 2, False)
             out["logprobs"] = lp
             out["eval_loss"] = step(0, eval_mode=True)["loss"]
-        if name not in ("resume", "tp2"):
+        if name != "resume":
             before = _router_weights(policy)
             out["step1"] = step(0)
             out["router_after"] = _router_weights(policy)
@@ -118,6 +121,7 @@ def _worker(rank: int, model_path: str, out_dir: str, ports: dict[str, int]) -> 
         if name in ("ep2", "resume"):
             out["step2"] = step(1)
         results[name] = out
+        port = next_layout_port()
         destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -132,8 +136,7 @@ def moe_path() -> Path:
 @pytest.fixture(scope="module")
 def results(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("moe_layouts")
-    ports = dict(zip(LAYOUTS, find_free_ports(len(LAYOUTS))))  # distinct: one store per run
-    mp.spawn(_worker, args=(str(moe_path), str(out), ports), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(moe_path), str(out), find_free_port()), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -161,18 +164,18 @@ def _rel_close(a: float, b: float) -> bool:
     return abs(a - b) <= TOL * max(abs(a), abs(b))
 
 
-@pytest.mark.parametrize("name", ["dp2", "ep2", "tp2", "pp2"])
+@pytest.mark.parametrize("name", ["dp2", "ep2", "tp2", "pp2", "cp2"])
 def test_logprobs_equal_transformers(results: list[dict], hf_logprobs: torch.Tensor, name: str) -> None:
     torch.testing.assert_close(_last_stage(results, name)["logprobs"], hf_logprobs, rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("name", ["ep2", "tp2", "pp2"])
+@pytest.mark.parametrize("name", ["ep2", "tp2", "pp2", "cp2"])
 def test_eval_loss_matches_ep1(results: list[dict], name: str) -> None:
     reference = _last_stage(results, "dp2")["eval_loss"]
     assert _rel_close(_last_stage(results, name)["eval_loss"], reference)
 
 
-@pytest.mark.parametrize("name", ["ep2", "pp2"])
+@pytest.mark.parametrize("name", ["ep2", "tp2", "pp2", "cp2"])
 def test_one_step_matches_ep1(results: list[dict], name: str) -> None:
     reference = _last_stage(results, "dp2")["step1"]
     step = _last_stage(results, name)["step1"]

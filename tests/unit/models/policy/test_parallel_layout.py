@@ -45,7 +45,6 @@ def test_valid_layout_derives_dp(tiny_llama_path):
             2,
             ["sequence_length_round (6)"],
         ),
-        ({"tp": 2, "megatron": {"sequence_parallel": True}}, 2, ["sequence_parallel=true", "TransformerEngine"]),
         (
             {"train_global_batch_size": 30, "train_micro_batch_size": 2},
             4,
@@ -61,7 +60,7 @@ def test_valid_layout_derives_dp(tiny_llama_path):
 def test_invalid_layouts_name_the_field(tiny_llama_path, cfg_kwargs, world, needles):
     with pytest.raises(ValueError) as excinfo:
         plan_parallel_layout(
-            _cfg(**cfg_kwargs), tiny_llama_path, world_size=world, transformer_engine=False
+            _cfg(**cfg_kwargs), tiny_llama_path, world_size=world
         )
     for needle in needles:
         assert needle in str(excinfo.value)
@@ -76,11 +75,18 @@ def test_token_budget_batching_skips_micro_batch_divisibility(tiny_llama_path):
     assert plan_parallel_layout(cfg, tiny_llama_path, world_size=4).dp == 4
 
 
-def test_unknown_model_or_engine_skips_only_those_checks(tiny_llama_path):
-    """Config time: a hub model not downloaded (None) skips the model checks, an unknown
-    TransformerEngine (None) skips the sequence-parallel one; the rest still runs."""
+def test_unknown_model_skips_only_the_model_checks(tiny_llama_path):
+    """Config time: a hub model not downloaded (None) skips the model checks; the rest still
+    runs."""
     assert plan_parallel_layout(_cfg(tp=4), None, world_size=4).tp == 4
-    sp = _cfg(tp=2, megatron={"sequence_parallel": True})
-    assert plan_parallel_layout(sp, tiny_llama_path, world_size=2).tp == 2
     with pytest.raises(ValueError, match="change those sizes or cluster.num_nodes"):
         plan_parallel_layout(_cfg(tp=2), None, world_size=3, world_source="cluster.num_nodes")
+
+
+def test_sequence_parallel_needs_tp_not_transformer_engine(tiny_llama_path):
+    """The local layer spec's norm supports sequence parallelism: TP=2 with it is a valid
+    layout with or without TransformerEngine; at TP=1 the config refuses it."""
+    sp = _cfg(tp=2, megatron={"sequence_parallel": True})
+    assert plan_parallel_layout(sp, tiny_llama_path, world_size=2).tp == 2
+    with pytest.raises(ValueError, match="sequence_parallel=true .* tensor_model_parallel_size > 1"):
+        _cfg(megatron={"sequence_parallel": True})

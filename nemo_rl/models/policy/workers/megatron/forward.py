@@ -20,6 +20,7 @@ for ``1 <= t < input_lengths[i]``, 0 at ``t = 0`` and at ``t >= input_lengths[i]
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,12 +80,15 @@ def _cp_positions(segments: Sequence[tuple[int, int]], cp: int, rank: int) -> Te
 
 
 def build_model_inputs(
-    mb: dict[str, Tensor], packed: bool, cp_size: int, cp_rank: int
+    mb: dict[str, Tensor], packed: bool, cp_size: int, cp_rank: int, sp_size: int = 1
 ) -> ModelInputs:
     """The model inputs of micro-batch ``mb`` (``input_ids`` ``[B, S]``, ``input_lengths``).
 
     Padded rows are extended to a multiple of ``2 * CP`` tokens (unchanged without CP);
-    packed samples are each padded to a multiple of ``2 * CP`` and concatenated.
+    packed samples are each padded to a multiple of ``2 * CP`` and concatenated. Under
+    sequence parallelism (``sp_size`` = TP, 1 without it) every CP rank's share of a row must
+    also split into ``sp_size`` equal parts: padded rows are extended, and a pack's last sample
+    padded further, until the row's length is a multiple of ``CP * sp_size`` as well.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -93,10 +97,12 @@ def build_model_inputs(
     batch, seq = ids.shape
     # The packed-sequence attention cuts every sequence into 2 * CP chunks, also at CP = 1.
     multiple = 2 * cp_size if cp_size > 1 or packed else 1
+    row_multiple = math.lcm(multiple, cp_size * sp_size)
     params = None
     offsets = None
     if packed:
         padded = [_round_up(int(n), multiple) for n in lengths]
+        padded[-1] += _round_up(sum(padded), row_multiple) - sum(padded)
         offsets = torch.tensor([0, *padded[:-1]]).cumsum(0)
         full_len = sum(padded)
         row = ids.new_zeros(1, full_len)
@@ -118,7 +124,7 @@ def build_model_inputs(
         )
         ids = row
     else:
-        full_len = _round_up(seq, multiple)
+        full_len = _round_up(seq, row_multiple)
         if full_len > seq:
             ids = torch.cat([ids, ids.new_zeros(batch, full_len - seq)], dim=1)
         positions = torch.arange(full_len).unsqueeze(0).expand(batch, full_len)

@@ -82,8 +82,13 @@ def per_token_coefficients(
     Args:
         config: the model's megatron ``TransformerConfig`` (the routers read it each forward).
         micro_batch_tokens: tokens of each of this rank's micro-batches as the routers see
-            them (batch x local sequence length, padding included).
-        group: the data-parallel x context-parallel group the tokens are summed over.
+            them (batch x local sequence length, padding included; local: this rank's CP
+            share, and its TP share under sequence parallelism).
+        group: the data-parallel group (without CP) the tokens are summed over. megatron-core
+            weights each rank's router losses by that rank's own tokens and divides the
+            z-loss coefficient by the TP x CP ranks; the router's gradient is then summed over
+            the CP ranks (DDP) and, under sequence parallelism, the TP ranks, which restores
+            the CP=1, TP=1 gradient when the tokens counted are one CP (and TP) share's.
     """
     if not _has_router_losses(config):
         yield
@@ -135,9 +140,12 @@ def router_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, float]
             }
     from megatron.core import parallel_state
 
-    for name in names:  # losses megatron does not average over DP itself (the z-loss)
+    for name in names:  # losses megatron does not reduce itself (the z-loss): each rank's is
+        # the mean over its tokens (a CP or sequence-parallel share), so average over them all
         if tracker[name]["reduce_group"] is None:
-            tracker[name]["avg_group"] = parallel_state.get_data_parallel_group()
+            tracker[name]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(
+                with_context_parallel=True
+            )
     totals: dict[str, torch.Tensor] = {}
     track_moe_metrics(
         loss_scale=1.0 / max(num_micro_batches, 1),

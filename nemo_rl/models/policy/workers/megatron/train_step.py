@@ -63,18 +63,27 @@ def micro_batches(
     return list(batch.make_microbatch_iterator_for_packable_sequences()), True
 
 
+def sequence_parallel_size(policy: PolicyModel) -> int:
+    """Ranks every model row's tokens are split over between the TP regions: TP under
+    sequence parallelism, else 1."""
+    return policy.layout.tp if policy.model.module.config.sequence_parallel else 1
+
+
 def model_inputs(policy: PolicyModel, mbs: list[BatchedDataDict], packed: bool) -> list[ModelInputs]:
-    """Model inputs of every micro-batch on this rank (CP-split when CP > 1)."""
+    """Model inputs of every micro-batch on this rank (CP-split when CP > 1; rows padded to
+    split over TP under sequence parallelism)."""
     from megatron.core import parallel_state
 
     cp_rank = parallel_state.get_context_parallel_rank()
     device = next(policy.model.parameters()).device
+    sp_size = sequence_parallel_size(policy)
     return [
         build_model_inputs(
             {"input_ids": mb["input_ids"].to(device), "input_lengths": mb["input_lengths"]},
             packed,
             policy.layout.cp,
             cp_rank,
+            sp_size,
         )
         for mb in mbs
     ]
@@ -199,9 +208,10 @@ def train_global_batch(
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     tconfig = model.config
-    router_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    router_group = parallel_state.get_data_parallel_group()
+    router_tokens = [mb.input_ids.numel() // sequence_parallel_size(policy) for mb in inputs]
     with torch.set_grad_enabled(not eval_mode), per_token_coefficients(
-        tconfig, [mb.input_ids.numel() for mb in inputs], router_group
+        tconfig, router_tokens, router_group
     ):
         outputs = run_micro_batches(model, inputs, eval_mode, on_logits)
     grad_norm, router_losses = None, {}

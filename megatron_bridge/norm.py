@@ -1,0 +1,54 @@
+"""The local layer spec's normalisation: torch's ``RMSNorm`` / ``LayerNorm``, also under
+sequence parallelism.
+
+megatron-core's own local norm (``megatron.core.transformer.torch_norm.WrappedTorchNorm``)
+refuses ``sequence_parallel``; only TransformerEngine's and apex's norms take it. Under sequence
+parallelism each TP rank normalises its own slice of the sequence, so the norm's weight (and
+bias), replicated over TP, gets a different partial gradient on every rank. megatron-core's
+gradient finalisation (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``)
+sums over the TP group the gradients of parameters that carry ``sequence_parallel=True`` when
+the config has ``sequence_parallel`` on; :class:`LocalNorm` tags its parameters so, as
+TransformerEngine's norm does. The arithmetic is torch's, so without sequence parallelism the
+model computes bit for bit what it computes with ``WrappedTorchNorm``.
+
+The q/k norms of attention (Qwen3's ``q_layernorm`` / ``k_layernorm``) are the same module:
+they normalise each head's vector, their TP ranks see different heads (whatever the sequence
+split), and megatron-core sums their gradients over TP by name whenever ``qk_layernorm`` is on,
+so the tag adds no second reduction (the finaliser takes each parameter once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class LocalNorm:
+    """Builds torch's ``RMSNorm`` or ``LayerNorm`` (per ``config.normalization``) over the last
+    ``hidden_size`` features, its parameters tagged with ``sequence_parallel``.
+
+    A spec entry like megatron's norms: ``build_module`` calls it with the transformer config,
+    the normalised size (``hidden_size``, or the head size for q/k norms) and epsilon.
+
+    Raises:
+        ValueError: an unsupported ``config.normalization``, or a zero-centred gamma.
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
+        kind = config.normalization
+        norm_classes = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if kind not in norm_classes:
+            raise ValueError(
+                f"the local layer spec supports normalization RMSNorm or LayerNorm, not "
+                f"{kind!r}; install TransformerEngine for other norms"
+            )
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError(
+                "layernorm_zero_centered_gamma needs TransformerEngine's norm; turn it off for "
+                "the local layer spec"
+            )
+        norm = norm_classes[kind](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
