@@ -6,7 +6,7 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
 
 * ``train_step``: ``MegatronPolicyWorker.train`` (single rank, in-process, local layer spec: no
   TransformerEngine) on a random Llama of about 1 B parameters in bf16, 8 rows of 2048 tokens
-  in micro-batches of 4 (``--micro-batch``), one warm-up optimizer step and ``--steps`` timed
+  in one micro-batch of 8 (``--micro-batch``), one warm-up optimizer step and ``--steps`` timed
   ones. MFU = model FLOPs (``model_flops`` of ``bench_megatron_worker_train``) / median step
   time / the measured bf16 matmul peak (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
   ``--profile FILE`` also profiles one more step (op tables, kernel time against the step's
@@ -121,7 +121,7 @@ class Mode:
     phase_timeout_s: int
 
 
-GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 4, 8192,
+GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 8, 8192,
            dict(layers=16, hidden=2048, bucket_mb=256, repeats=5, vocab=32768), 420)
 DRY_RUN = Mode("cpu", True, TINY, "float32", 4, 64, 2, 256,
                dict(layers=1, hidden=128, bucket_mb=1, repeats=1, vocab=1024), 240)
@@ -563,7 +563,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed training steps")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--micro-batch", type=int,
-                        help="rows per micro-batch of the training step (default: 4 on the "
+                        help="rows per micro-batch of the training step (default: 8 on the "
                         "GPU, 2 in a dry run)")
     parser.add_argument("--profile", type=Path,
                         help="also profile one training step: its op tables go to this file")
