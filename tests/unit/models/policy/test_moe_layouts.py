@@ -3,8 +3,9 @@ EP=2, TP=2, PP=2 and CP=2 (two gloo processes) against EP=1: logprobs and the ev
 transformers' / EP=1's; one NLL step with the router's load-balancing loss and z-loss on gives
 the same loss, grad norm and router-loss metrics at EP=2, TP=2, PP=2 and CP=2 (TP=2 with
 sequence parallelism, megatron-core's rule for training MoE under TP, on the local spec); a
-checkpoint saved at EP=2 and loaded at EP=1 takes the same next step as EP=2 itself; a frozen
-router stays as loaded while the experts train."""
+checkpoint saved at EP=2 and loaded at EP=1 takes the same next step as EP=2 itself, and the
+streamed export of that checkpoint (no model built) equals the model's own export bitwise; a
+frozen router stays as loaded while the experts train."""
 
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ def _router_weights(policy: Any) -> dict[str, torch.Tensor]:
     }
 
 
+CKPT_NAME = "ep2_step1"
+
+
 def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
+    from megatron_bridge.export import export_hf_weights
     from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.checkpointing import (
@@ -74,7 +79,7 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
     from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
 
-    ckpt = Path(out_dir) / "ep2_step1"
+    ckpt = Path(out_dir) / CKPT_NAME
     results: dict[str, Any] = {}
     for name, (tp, pp, ep, frozen, extra) in LAYOUTS.items():
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
@@ -118,6 +123,9 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
             )
         if name == "ep2":
             save_training_checkpoint(policy, ckpt, step=1)
+            # the model's own export of the saved weights (gathered over EP, on every rank)
+            out["export"] = {n: t.clone() for n, t in export_hf_weights(policy.model.module,
+                                                                        policy.bridge)}
         if name in ("ep2", "resume"):
             out["step2"] = step(1)
         results[name] = out
@@ -134,10 +142,16 @@ def moe_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def run_dir(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The spawn's folder: ``rank<r>.pt`` results and the EP=2 checkpoint ``CKPT_NAME``."""
     out = tmp_path_factory.mktemp("moe_layouts")
     mp.spawn(_worker, args=(str(moe_path), str(out), find_free_port()), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(run_dir: Path) -> list[dict]:
+    return [torch.load(run_dir / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +213,21 @@ def test_router_losses_reach_the_update(results: list[dict]) -> None:
 def test_frozen_router_keeps_its_weights(results: list[dict]) -> None:
     assert all(r["frozen"]["router_unchanged"] for r in results)
     assert not any(r["ep2"]["router_unchanged"] for r in results)
+
+
+def test_streamed_export_of_the_ep2_checkpoint_equals_the_models_own(
+    run_dir: Path, results: list[dict]
+) -> None:
+    from megatron_bridge.checkpoint import checkpoint_bridge
+    from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
+
+    ckpt = run_dir / CKPT_NAME
+    streamed = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
+    own = results[0]["ep2"]["export"]
+    assert list(streamed) == list(own)
+    assert any(".experts." in name for name in own)
+    for name, tensor in own.items():
+        assert torch.equal(streamed[name], tensor), name
 
 
 def test_ep2_checkpoint_resumes_at_ep1(results: list[dict]) -> None:
