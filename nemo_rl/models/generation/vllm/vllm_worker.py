@@ -241,6 +241,7 @@ class VllmGenerationWorker:
             # detokenization (and its decoding of every logprob's token) is only needed to
             # match stop strings (about a third of the engine's time on a tiny model).
             detokenize=bool(stops),
+            skip_clone=True,  # one object per request: vLLM need not deep-copy it
         )
 
     # ------------------------------------------------------------------ colocation and state
