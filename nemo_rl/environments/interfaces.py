@@ -1,7 +1,9 @@
 """The environment protocol: judge the latest turn of a batch of conversations.
 
 Environments run as Ray actors; a rollout groups samples by ``task_name`` and calls the
-matching environment's :meth:`EnvironmentInterface.step` on its samples only.
+matching environment's :meth:`EnvironmentInterface.step` on its samples only (through
+:meth:`~EnvironmentInterface.step_packed`, which receives the conversations' tensors as numpy
+arrays, :mod:`nemo_rl.environments.message_wire`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, ClassVar, NamedTuple, Optional
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
+from nemo_rl.environments.message_wire import unpack_message_logs
 
 
 class EnvironmentReturn(NamedTuple):
@@ -67,6 +70,14 @@ class EnvironmentInterface(ABC):
             metadata: B dicts: the sample's ``extra_env_info`` on the first turn, then what
                 the previous step returned.
         """
+
+    def step_packed(
+        self, packed_message_logs: list[list[dict[str, Any]]], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        """:meth:`step` on conversations sent with their tensors packed
+        (:func:`~nemo_rl.environments.message_wire.pack_message_logs`): what a rollout calls
+        on an environment actor."""
+        return self.step(unpack_message_logs(packed_message_logs), metadata)
 
     @abstractmethod
     def global_post_process_and_metrics(

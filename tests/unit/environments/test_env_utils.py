@@ -26,14 +26,23 @@ def conversation(answer: str) -> list[dict]:
 
 
 class FlakyEnvironment(MathEnvironment):
-    """Math judge that raises on metadata ``{"fail": True}`` and hangs on ``{"hang": True}``."""
+    """Math judge that raises on metadata ``{"fail": True}`` and hangs on ``{"hang": True}``;
+    on ``{"echo": True}`` it returns, as each sample's metadata, the last message's
+    ``token_ids`` it received, and adds 1 to them in place (they must be its own, writable)."""
 
     def step(self, message_log_batch, metadata):
         if any(m.get("fail") for m in metadata):
             raise RuntimeError("environment bug")
         if any(m.get("hang") for m in metadata):
             time.sleep(600)
-        return super().step(message_log_batch, metadata)
+        out = super().step(message_log_batch, metadata)
+        if not any(m.get("echo") for m in metadata):
+            return out
+        seen = []
+        for log in message_log_batch:
+            ids = log[-1]["token_ids"]
+            seen.append({"token_ids": ids.clone(), "plus_one": ids.add_(1).tolist()})
+        return out._replace(metadata=seen)
 
 
 class ShortEnvironment(MathEnvironment):
@@ -117,5 +126,15 @@ def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(cluster):
         # the hung actor was replaced: the next step is judged normally
         out, error = safe_env_step(env, logs, [{"ground_truth": "3"}] * 2, 120)
         assert error is None and out.rewards.tolist() == [1.0, 0.0]
+
+        # the conversations' tensors travel packed and reach the actor as the tensors sent
+        logs[1][-1]["token_ids"] = torch.tensor([5, 6, 7])
+        out, error = safe_env_step(env, logs, [{"ground_truth": "3", "echo": True}] * 2, 60)
+        assert error is None and out.rewards.tolist() == [1.0, 0.0]
+        for log, seen in zip(logs, out.metadata):
+            ids = log[-1]["token_ids"]
+            assert seen["token_ids"].dtype == ids.dtype and torch.equal(seen["token_ids"], ids)
+            assert seen["plus_one"] == (ids + 1).tolist()
+        assert logs[1][-1]["token_ids"].tolist() == [5, 6, 7]  # the driver's copy is untouched
     finally:
         shutdown_environments({"flaky": env})

@@ -270,3 +270,22 @@ def test_bad_input_is_rejected(
     cfg.vllm_cfg.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the 1 bundles"):
         VllmGeneration(one.worker_group.cluster, cfg, str(tiny_llama_path), pad_token_id=0)
+
+
+def test_requests_skip_detokenizing_and_cloning(tiny_llama_path: Path) -> None:
+    """vLLM's text is not used (the rollout decodes the token ids), so the engine detokenizes
+    only requests with stop strings (configured or per row); every request has its own
+    ``SamplingParams``, which vLLM may take without a deep copy."""
+    from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
+
+    worker = VllmGenerationWorker(str(tiny_llama_path), _config(), pad_token_id=0, use_gpu=False)
+    worker.max_model_len, worker.stop_token_ids, worker.asleep = MAX_MODEL_LEN, [2], False
+    data = _batch([[5, 6], [7]], filler=0)
+    data["stop_strings"] = [None, ["</a>"]]
+    _, params = worker._requests(data, greedy=False, seeds=None)
+    assert [p.detokenize for p in params] == [False, True]
+    assert params[0] is not params[1] and all(p.skip_clone for p in params)
+    assert params[1].stop == ["</a>"]
+    worker.config = _config(stop_strings=["\n"])
+    _, params = worker._requests(data, greedy=True, seeds=None)
+    assert [p.detokenize for p in params] == [True, True]
