@@ -113,7 +113,7 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
         rollout(generation, batch.slice(0, 1), tokenizer, {"tool": env},
                 max_seq_len=args.max_seq_len, greedy=True)
         start = time.perf_counter()
-        result, metrics = rollout(generation, batch, tokenizer, {"tool": env},
+        result, _ = rollout(generation, batch, tokenizer, {"tool": env},
                                   max_seq_len=args.max_seq_len, greedy=True)
         seconds = time.perf_counter() - start
     finally:
@@ -122,8 +122,7 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
         cluster.shutdown()
     tokens = [torch.cat([m["token_ids"] for m in log if m["role"] == "assistant"]).tolist()
               for log in result["message_log"]]
-    return {"seconds": seconds, "generated": sum(len(t) for t in tokens), "tokens": tokens,
-            "turns": float(metrics.get("mean_turns_per_sample", float("nan")))}
+    return {"seconds": seconds, "generated": sum(len(t) for t in tokens), "tokens": tokens}
 
 
 def main() -> None:

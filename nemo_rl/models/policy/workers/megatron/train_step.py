@@ -209,7 +209,8 @@ def train_global_batch(
     policy.optimizer.zero_grad()
     tconfig = model.config
     router_group = parallel_state.get_data_parallel_group()
-    router_tokens = [mb.input_ids.numel() // sequence_parallel_size(policy) for mb in inputs]
+    sp_size = sequence_parallel_size(policy)
+    router_tokens = [mb.input_ids.numel() // sp_size for mb in inputs]
     with torch.set_grad_enabled(not eval_mode), per_token_coefficients(
         tconfig, router_tokens, router_group
     ):
