@@ -10,24 +10,17 @@ It runs torch's DCP save (``__0_0.distcp`` + ``.metadata``) with a planner whose
 come from the layout. The writer asks the planner for each item's data (``resolve_data``)
 right before writing it; the planner then reads that chunk's rows of the HF tensors, applies
 the transform (QKV interleave, vocabulary padding), casts it and hands it over, and nothing
-keeps it afterwards. Peak memory: one chunk (the largest is a TP slice of the embedding; an
-expert's chunk is one expert's TP slice) plus its HF source rows, and a few kilobytes of
-metadata per chunk (its layout entry, write item and write result).
-
-The tensor file is written by :func:`_streaming_file_writer`'s writer, not by torch's
-``FileSystemWriter.write_data``, which keeps every tensor it has written, by key, until the
-file is done (it needs them for its safetensors format only; pytorch/pytorch#195982). That
-held the last chunk of every key: the embedding and output layer of any model, a layer of a
-dense model (its layers share keys) and, since a MoE checkpoint keys every layer on its own,
-one chunk of every tensor of every layer, growing with the model. The file's bytes and the
-metadata are those torch's writer makes with one thread.
+keeps it afterwards (the file is written by :func:`~megatron_bridge.dcp_file_writer.
+dcp_file_writer`, which holds no item it has written, unlike torch's own writer). Peak
+memory: one chunk (the largest is a TP slice of the embedding; an expert's chunk is one
+expert's TP slice) plus its HF source rows, and a few kilobytes of metadata per chunk (its
+layout entry, write item and write result).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +29,7 @@ import torch
 
 from megatron_bridge.checkpoint import write_bridge_files
 from megatron_bridge.config import BridgeConfig
+from megatron_bridge.dcp_file_writer import dcp_file_writer
 from megatron_bridge.dist_ckpt_layout import ExtraStateObject, TensorChunk, checkpoint_layout
 from megatron_bridge.families import ModelDims
 from megatron_bridge.load import SafetensorsReader
@@ -129,51 +123,6 @@ def _chunk_save_planner(
     return ChunkSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with a storage of exactly its own bytes (``torch.save`` writes a tensor's
-    whole storage, so a view of a larger one is copied first, as torch's writer does)."""
-    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
-
-
-def _streaming_file_writer(path: Path, sync_files: bool) -> Any:
-    """A DCP ``FileSystemWriter`` (single file per rank) whose ``write_data`` keeps nothing
-    it has written: each item's data is resolved, written and dropped before the next one
-    (torch's classes are imported here, not at module import)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    # _StorageInfo: where an item lies in the files (torch's record; the reader needs it).
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-    from torch.futures import Future
-
-    class _StreamingFileWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-            # torch's writer's order: the byte objects, then the tensors, each in plan order.
-            items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-            results = []
-            with open(Path(self.path) / name, "wb") as stream:
-                for item in items:
-                    data = planner.resolve_data(item)
-                    offset = stream.tell()
-                    if isinstance(data, io.BytesIO):
-                        stream.write(data.getbuffer())
-                    else:
-                        torch.save(_compact(data.detach()), stream)
-                    del data  # before the next item is made: one chunk in memory at a time
-                    length = stream.tell() - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
-                if self.sync_files:
-                    stream.flush()
-                    os.fsync(stream.fileno())
-            done: Future = Future()
-            done.set_result(results)
-            return done
-
-    return _StreamingFileWriter(path, single_file_per_rank=True, sync_files=sync_files)
-
-
 def convert_hf_to_dist_checkpoint(
     hf_path: str | Path,
     ckpt_dir: str | Path,
@@ -221,7 +170,7 @@ def convert_hf_to_dist_checkpoint(
 
     ckpt = Path(ckpt_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
-    writer = _streaming_file_writer(ckpt, sync_files)
+    writer = dcp_file_writer(ckpt, sync_files)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
