@@ -67,16 +67,22 @@ COMMON = dict(hidden_size=1024, num_attention_heads=16, head_dim=64, vocab_size=
               max_position_embeddings=4096)
 
 
-def write_random_checkpoint(out: Path, family: str, seed: int = 0) -> int:
+def write_random_checkpoint(
+    out: Path, family: str, seed: int = 0, num_layers: int | None = None
+) -> int:
     """Write config.json + bf16 safetensors shards (every tensor the bridge's plan names:
-    norms 1, the rest normal with std 0.02); returns total tensor bytes."""
+    norms 1, the rest normal with std 0.02), with ``num_layers`` decoder layers in place of
+    the family's if given; returns total tensor bytes."""
     import torch
     from safetensors.torch import save_file
 
     from megatron_bridge import BridgeConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**FAMILIES[family], **COMMON}, indent=2))
+    config = {**FAMILIES[family], **COMMON}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     bridge = BridgeConfig.from_hf(out)
     dims = bridge.dims(1)
     shapes = {
@@ -129,18 +135,23 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size the Megatron checkpoint is written for")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="decoder layers in place of the family's (more layers, more chunks)")
     parser.add_argument("--write-checkpoint", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write_checkpoint:
-        write_random_checkpoint(Path(args.write_checkpoint), args.family)
+        write_random_checkpoint(Path(args.write_checkpoint), args.family,
+                                num_layers=args.num_layers)
         return
-    work = Path(args.work_dir) / args.family
+    layers = f"_{args.num_layers}l" if args.num_layers is not None else ""
+    work = Path(args.work_dir) / f"{args.family}{layers}"
     src = work / "hf_src"
     if not (src / "model.safetensors.index.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         # In a child: a process forked from this one starts with this one's resident pages,
         # which its peak RSS (ru_maxrss) would count.
         subprocess.run([sys.executable, __file__, "--family", args.family,
+                        *(["--num-layers", str(args.num_layers)] if args.num_layers else []),
                         "--write-checkpoint", str(src)], check=True)
     ckpt_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     for name in ("hf_baseline", "megatron", "hf_roundtrip"):

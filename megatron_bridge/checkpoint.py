@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
+from megatron_bridge.dcp_file_writer import dcp_file_writer
 from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
 from megatron_bridge.safetensors_stream import SafetensorsStreamWriter, TensorSpec, tensor_nbytes
 
@@ -155,7 +156,8 @@ def _group_into_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[li
 
 
 def _in_process_save_strategy(sync_files: bool) -> Any:
-    """megatron-core's ``torch_dist`` save, written by this process with torch's own DCP writer.
+    """megatron-core's ``torch_dist`` save, written by this process with a DCP file writer
+    that holds one tensor at a time (:func:`~megatron_bridge.dcp_file_writer.dcp_file_writer`).
 
     The checkpoint is the one megatron-core's default strategy writes (same ShardedTensor ->
     torch ShardedTensor translation, same planner, same ``__<rank>_<n>.distcp`` files and
@@ -170,7 +172,6 @@ def _in_process_save_strategy(sync_files: bool) -> Any:
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
@@ -178,9 +179,7 @@ def _in_process_save_strategy(sync_files: bool) -> Any:
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, self.keep_only_main_replica
             )
-            writer = FileSystemWriter(
-                checkpoint_dir, single_file_per_rank=True, sync_files=sync_files, thread_count=1
-            )
+            writer = dcp_file_writer(checkpoint_dir, sync_files)
             planner = MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica,
                 flatten_state_dict=False,

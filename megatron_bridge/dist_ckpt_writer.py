@@ -6,12 +6,15 @@
 values; see :mod:`megatron_bridge.dist_ckpt_layout`), in this one process, without building
 the model, without torch.distributed and without importing megatron-core.
 
-It runs torch's own DCP writer (``FileSystemWriter``: ``__0_0.distcp`` + ``.metadata``) with a
-planner whose write items come from the layout. DCP asks the planner for each item's data
-(``resolve_data``) right before writing it; the planner then reads that chunk's rows of the
-HF tensors, applies the transform (QKV interleave, vocabulary padding), casts it and hands it
-over, and nothing keeps it afterwards. Peak memory: one chunk (the largest is a TP slice of
-the embedding; an expert's chunk is one expert's TP slice) plus its HF source rows.
+It runs torch's DCP save (``__0_0.distcp`` + ``.metadata``) with a planner whose write items
+come from the layout. The writer asks the planner for each item's data (``resolve_data``)
+right before writing it; the planner then reads that chunk's rows of the HF tensors, applies
+the transform (QKV interleave, vocabulary padding), casts it and hands it over, and nothing
+keeps it afterwards (the file is written by :func:`~megatron_bridge.dcp_file_writer.
+dcp_file_writer`, which holds no item it has written, unlike torch's own writer). Peak
+memory: one chunk (the largest is a TP slice of the embedding; an expert's chunk is one
+expert's TP slice) plus its HF source rows, and a few kilobytes of metadata per chunk (its
+layout entry, write item and write result).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from megatron_bridge.checkpoint import write_bridge_files
 from megatron_bridge.config import BridgeConfig
+from megatron_bridge.dcp_file_writer import dcp_file_writer
 from megatron_bridge.dist_ckpt_layout import ExtraStateObject, TensorChunk, checkpoint_layout
 from megatron_bridge.families import ModelDims
 from megatron_bridge.load import SafetensorsReader
@@ -151,7 +155,6 @@ def convert_hf_to_dist_checkpoint(
             match the config (missing, misshapen, left over).
         FileNotFoundError: missing shards.
     """
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -167,9 +170,7 @@ def convert_hf_to_dist_checkpoint(
 
     ckpt = Path(ckpt_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
-    writer = FileSystemWriter(
-        ckpt, single_file_per_rank=True, sync_files=sync_files, thread_count=1
-    )
+    writer = dcp_file_writer(ckpt, sync_files)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
