@@ -235,7 +235,7 @@ def run_trl(case: Case, path: str, steps: int, kl: bool, device: str, workdir: P
     """TRL's GRPOTrainer for ``steps`` optimizer steps; step times, rewards, response lengths."""
     import torch
     from datasets import Dataset
-    from grpo_vs_trl_task import digit_share, prompt_texts
+    from grpo_vs_trl_task import digit_share, prompt_texts, split_steps
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -267,15 +267,8 @@ def run_trl(case: Case, path: str, steps: int, kl: bool, device: str, workdir: P
         callbacks=[StepTimes()],
     )
     trainer.train()
-    return {"step_s": times, "reward": rewards, "lengths": split_steps(lengths),
+    return {"step_s": times, "reward": rewards, "lengths": split_steps(lengths, SAMPLES_PER_STEP),
             "generator": "vLLM (colocate)" if vllm else "transformers generate"}
-
-
-def split_steps(lengths: list[int]) -> list[list[int]]:
-    """Per-sample lengths in generation order, cut into steps of :data:`SAMPLES_PER_STEP`."""
-    if len(lengths) % SAMPLES_PER_STEP:
-        raise ValueError(f"{len(lengths)} response lengths are not whole steps of {SAMPLES_PER_STEP}")
-    return [lengths[i : i + SAMPLES_PER_STEP] for i in range(0, len(lengths), SAMPLES_PER_STEP)]
 
 
 # ------------------------------------------------------------------------------ ours

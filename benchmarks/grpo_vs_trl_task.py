@@ -55,12 +55,17 @@ class DigitShareEnvironment(RewardFnEnvironment):
         return super().step(message_log_batch, metadata)
 
 
-def read_step_lengths(path: Path, samples_per_step: int) -> list[list[int]]:
-    """The lengths a :class:`DigitShareEnvironment` recorded, cut into steps of
-    ``samples_per_step`` (its batches may be split across calls; the order is kept)."""
-    flat = [n for line in path.read_text().splitlines() for n in json.loads(line)]
-    if len(flat) % samples_per_step:
+def split_steps(lengths: list[int], samples_per_step: int) -> list[list[int]]:
+    """Per-sample lengths in generation order (each framework's generation or environment
+    calls may cut a step's batch into pieces), cut into steps of ``samples_per_step``."""
+    if len(lengths) % samples_per_step:
         raise ValueError(
-            f"{path}: {len(flat)} recorded lengths are not whole steps of {samples_per_step}"
+            f"{len(lengths)} recorded response lengths are not whole steps of {samples_per_step}"
         )
-    return [flat[i : i + samples_per_step] for i in range(0, len(flat), samples_per_step)]
+    return [lengths[i : i + samples_per_step] for i in range(0, len(lengths), samples_per_step)]
+
+
+def read_step_lengths(path: Path, samples_per_step: int) -> list[list[int]]:
+    """The lengths a :class:`DigitShareEnvironment` recorded, per step (:func:`split_steps`)."""
+    lines = path.read_text().splitlines()
+    return split_steps([n for line in lines for n in json.loads(line)], samples_per_step)
