@@ -231,7 +231,9 @@ def trl_uses_vllm(device: str) -> bool:
     return is_vllm_available()
 
 
-def run_trl(case: Case, path: str, steps: int, kl: bool, device: str, workdir: Path) -> dict[str, Any]:
+def run_trl(
+    case: Case, path: str, steps: int, kl: bool, device: str, workdir: Path
+) -> dict[str, Any]:
     """TRL's GRPOTrainer for ``steps`` optimizer steps; step times, rewards, response lengths."""
     import torch
     from datasets import Dataset
@@ -240,7 +242,8 @@ def run_trl(case: Case, path: str, steps: int, kl: bool, device: str, workdir: P
     from trl import GRPOConfig, GRPOTrainer
 
     torch.manual_seed(0)
-    rows = [{"prompt": [{"role": "user", "content": t}]} for t in prompt_texts(steps * PROMPTS_PER_STEP)]
+    texts = prompt_texts(steps * PROMPTS_PER_STEP)
+    rows = [{"prompt": [{"role": "user", "content": t}]} for t in texts]
     times: list[float] = []
     rewards: list[float] = []
     lengths: list[int] = []
@@ -347,7 +350,9 @@ def run_ours(
     }
 
 
-def run_phase(name: str, case: Case, path: str, steps: int, kl: bool, device: str) -> dict[str, Any]:
+def run_phase(
+    name: str, case: Case, path: str, steps: int, kl: bool, device: str
+) -> dict[str, Any]:
     """One run (``trl`` or a :data:`VARIANTS` name) in a fresh working folder."""
     with tempfile.TemporaryDirectory() as tmp:
         if name == "trl":
@@ -495,7 +500,8 @@ def main() -> None:
 
     path = model_path(case)  # built once, before the timed runs
     names = ["trl", "ours", *(f"ours_{v}" for v in args.also), "ours_on_policy"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):

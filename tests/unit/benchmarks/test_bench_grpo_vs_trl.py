@@ -38,6 +38,7 @@ def test_missing_prerequisites_names_each_absent_module_and_the_gpu() -> None:
     assert bench.missing_prerequisites("cpu", lambda m: True, lambda: False) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="would run the benchmark on this GPU")
 def test_cuda_mode_without_a_gpu_exits_2_with_one_message() -> None:
     """This machine has no CUDA device: the harness stops before building anything."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -71,7 +72,8 @@ def test_our_overrides_validate_for_every_variant(device: str, tmp_path: Path) -
         assert policy.generation.max_new_tokens == 128
         assert policy.max_total_sequence_length == 256
         assert cfg.grpo.max_num_steps == 5 and cfg.loss_fn.reference_policy_kl_penalty == 0.01
-        assert cfg.env.bench.environment_call()[3] == {"lengths_path": str(tmp_path / "lengths.jsonl")}
+        lengths_path = str(tmp_path / "lengths.jsonl")
+        assert cfg.env.bench.environment_call()[3] == {"lengths_path": lengths_path}
         assert policy.sequence_packing.enabled == (variant == "ours_packed")
         assert policy.dynamic_batching.enabled == (variant == "ours_dynamic")
         assert cfg.loss_fn.force_on_policy_ratio == (variant == "ours_on_policy")
