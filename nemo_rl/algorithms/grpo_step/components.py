@@ -69,13 +69,12 @@ class GRPOComponents(RolloutComponents):
 
 def prepare_generation(components: RolloutComponents) -> None:
     """Refit the engines if the policy changed since their last update, and wake them."""
+    colocated = components.cfg.policy.generation.colocated.enabled
     if components.generation_stale:
-        refit_policy_generation(
-            components.policy,
-            components.generation,
-            components.cfg.policy.generation.colocated.enabled,
-        )
+        refit_policy_generation(components.policy, components.generation, colocated)
         components.generation_stale = False
+        if colocated:
+            return  # a colocated refit wakes the engines to load the weights into them
     components.generation.prepare_for_generation()
 
 

@@ -112,7 +112,9 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_sum(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None
+) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is non-zero (``values`` elsewhere is ignored, even NaN)."""
     selected = torch.where(mask != 0, values * mask, torch.zeros_like(values))
     return selected.sum() if dim is None else selected.sum(dim)
@@ -121,6 +123,16 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 def global_token_mean(values: torch.Tensor, mask: torch.Tensor, global_valid_toks: torch.Tensor) -> torch.Tensor:
     """Micro-batch share of a token mean: sum of masked ``values`` [B, S] / ``global_valid_toks``."""
     return safe_divide(masked_sum(values, mask), global_valid_toks)
+
+
+def global_token_means(
+    values: Sequence[torch.Tensor], mask: torch.Tensor, global_valid_toks: torch.Tensor
+) -> torch.Tensor:
+    """``[k]`` micro-batch shares of the token means of ``k`` tensors, each ``[B, S]`` (or
+    broadcastable to it): :func:`global_token_mean` of each, computed in one masked reduction
+    of the stacked ``[k, B, S]`` values (one kernel chain instead of ``k``)."""
+    stacked = torch.stack([v.to(mask.dtype).expand_as(mask) for v in values])
+    return safe_divide(masked_sum(stacked, mask, dim=(-2, -1)), global_valid_toks)
 
 
 def per_sequence_mean(values: torch.Tensor, mask: torch.Tensor, count_mask: torch.Tensor | None = None) -> torch.Tensor:

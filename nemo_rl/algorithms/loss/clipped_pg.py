@@ -57,6 +57,7 @@ from nemo_rl.algorithms.loss._common import (
     data_tensor,
     global_count,
     global_token_mean,
+    global_token_means,
     js_divergence_estimate,
     kl_estimate,
     logprob_input,
@@ -409,30 +410,39 @@ class ClippedPGLossFn:
 
         with torch.no_grad():
             no_clip = torch.zeros_like(mask, dtype=torch.bool)
-            clipped_low = no_clip if c.disable_ppo_ratio else ratio < 1.0 - c.ratio_clip_min
-            clipped_high = no_clip if c.disable_ppo_ratio else ratio > 1.0 + c.ratio_clip_max
-            metrics: dict[str, Any] = {
-                "loss": float(loss.detach()),
-                "probs_ratio": float(token_mean(ratio.detach())),
-                "probs_ratio_clamped": float(token_mean(ratio_clamped.detach())),
-                "clip_fraction_low": float(token_mean(clipped_low)),
-                "clip_fraction_high": float(token_mean(clipped_high)),
-                "dual_clip_fraction": float(token_mean(dual_clipped)),
-                "kl_penalty": float(aggregate(kl.detach(), mask, self.loss_type, seqs, toks)),
-                "approx_kl": float(token_mean(kl_estimate(prev, lp.detach(), "k3"))),
-                "approx_entropy": float(token_mean(-torch.exp(lp - gen) * lp)),
-                "token_mult_prob_error": float(token_mean(torch.exp((prev - gen).abs()))),
-                "gen_kl_error": float(token_mean(kl_estimate(gen, prev, c.reference_policy_kl_type))),
-                "policy_kl_error": float(token_mean(kl_estimate(prev, gen, c.reference_policy_kl_type))),
-                "js_divergence_error": float(token_mean(js_divergence_estimate(prev, gen))),
-                "sampling_importance_ratio": float(
-                    seq_mean(weight[:, 0]) if c.sequence_level_importance_ratios else token_mean(weight)
-                ),
-                "is_oob_ratio": float(oob_ratio),
-                "is_masked_fraction": float(token_mean(dropped)),
-                "positive_nll_loss": float(nll.detach()),
-                "num_valid_samples": float(b.sample_mask.sum()),
+            lp_now = lp.detach()
+            # Token means, reduced together; then every metric crosses to the host at once.
+            token_terms = {
+                "probs_ratio": ratio.detach(),
+                "probs_ratio_clamped": ratio_clamped.detach(),
+                "clip_fraction_low": no_clip if c.disable_ppo_ratio else ratio < 1.0 - c.ratio_clip_min,
+                "clip_fraction_high": no_clip if c.disable_ppo_ratio else ratio > 1.0 + c.ratio_clip_max,
+                "dual_clip_fraction": dual_clipped,
+                "approx_kl": kl_estimate(prev, lp_now, "k3"),
+                "approx_entropy": -torch.exp(lp_now - gen) * lp_now,
+                "token_mult_prob_error": torch.exp((prev - gen).abs()),
+                "gen_kl_error": kl_estimate(gen, prev, c.reference_policy_kl_type),
+                "policy_kl_error": kl_estimate(prev, gen, c.reference_policy_kl_type),
+                "js_divergence_error": js_divergence_estimate(prev, gen),
+                "is_masked_fraction": dropped,
             }
+            scalars = {
+                "loss": loss.detach(),
+                "kl_penalty": aggregate(kl.detach(), mask, self.loss_type, seqs, toks),
+                "sampling_importance_ratio": (
+                    seq_mean(weight[:, 0])
+                    if c.sequence_level_importance_ratios
+                    else token_mean(weight)
+                ),
+                "is_oob_ratio": oob_ratio,
+                "positive_nll_loss": nll.detach(),
+                "num_valid_samples": b.sample_mask.sum(),
+            }
+            means = global_token_means(list(token_terms.values()), mask, toks.to(lp.dtype))
+            values = torch.cat(
+                [means, torch.stack([v.to(lp.dtype).reshape(()) for v in scalars.values()])]
+            ).tolist()
+            metrics: dict[str, Any] = dict(zip([*token_terms, *scalars], values))
         return loss, metrics
 
     def _ratios(self, lp: torch.Tensor, prev: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from nemo_rl.algorithms.loss._common import aggregate, global_count, kl_estimate, safe_divide
+from nemo_rl.algorithms.loss._common import (
+    aggregate,
+    global_count,
+    global_token_mean,
+    global_token_means,
+    kl_estimate,
+    safe_divide,
+)
 from nemo_rl.algorithms.loss.interfaces import LossType
 
 
@@ -34,6 +41,22 @@ def test_safe_divide_and_aggregate() -> None:
     assert float(token) == pytest.approx(7.0 / 6)
     seq = aggregate(values, mask, LossType.SEQUENCE_LEVEL, torch.tensor(4), torch.tensor(6))
     assert float(seq) == pytest.approx((1.5 + 4.0) / 4)
+
+
+def test_global_token_means_equal_each_token_mean() -> None:
+    """The stacked reduction gives each tensor's own token mean: float, bool and broadcast
+    inputs, NaN outside the mask ignored, and 0 for an empty global count."""
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.rand(4, 6, generator=gen) > 0.4).float()
+    values = torch.randn(4, 6, generator=gen)
+    values[mask == 0] = float("nan")
+    flags = torch.rand(4, 6, generator=gen) > 0.5
+    per_row = torch.randn(4, 1, generator=gen)
+    toks = torch.tensor(37.0)
+    means = global_token_means([values, flags, per_row], mask, toks)
+    expected = [global_token_mean(v.to(mask.dtype).expand_as(mask), mask, toks) for v in (values, flags, per_row)]
+    torch.testing.assert_close(means, torch.stack(expected), rtol=1e-6, atol=0.0)
+    assert global_token_means([values], mask, torch.tensor(0.0)).tolist() == [0.0]
 
 
 def test_count_checks() -> None:

@@ -242,6 +242,8 @@ class VllmGenerationWorker:
             # match stop strings (about a third of the engine's time on a tiny model).
             detokenize=bool(stops),
             skip_clone=True,  # one object per request: vLLM need not deep-copy it
+            # Logprobs as flat lists per request, not a dict of Logprob objects per token.
+            flat_logprobs=True,
         )
 
     # ------------------------------------------------------------------ colocation and state
@@ -339,17 +341,17 @@ def _assemble_outputs(
     responses = [r.outputs[0] for r in results]
     totals = [len(p) + len(c.token_ids) for p, c in zip(prompts, responses)]
     width = max([input_width, *totals])
-    batch = len(prompts)
-    output_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((batch, width), dtype=torch.float32)
-    for i, (prompt, completion) in enumerate(zip(prompts, responses)):
+    rows: list[list[int]] = []
+    row_logprobs: list[list[float]] = []
+    for prompt, completion, total in zip(prompts, responses, totals):
         tokens = list(completion.token_ids)
-        output_ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        if tokens:
-            output_ids[i, len(prompt) : totals[i]] = torch.tensor(tokens, dtype=torch.long)
-            # With logprobs=0 each step's dict holds the sampled token (plus top-1 if different).
-            token_logprobs = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
-            logprobs[i, len(prompt) : totals[i]] = torch.tensor(token_logprobs)
+        # FlatLogprobs with logprobs=0: one entry per position, the sampled token's.
+        flat = completion.logprobs
+        sampled = [flat.logprobs[i] for i in flat.start_indices]
+        rows.append(prompt + tokens + [pad_token_id] * (width - total))
+        row_logprobs.append([0.0] * len(prompt) + sampled + [0.0] * (width - total))
+    output_ids = torch.tensor(rows, dtype=torch.long)
+    logprobs = torch.tensor(row_logprobs, dtype=torch.float32)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     return BatchedDataDict(
         output_ids=output_ids,

@@ -174,9 +174,6 @@ class MegatronPolicyWorker:
         """Bring parameters, gradient buffers and optimizer state back to the device."""
         offload.reload_all(self.policy, self._host_stash)
 
-    def finish_training(self) -> None:
-        """Nothing to release between training and scoring: buffers are reused in place."""
-
     # ---------------------------------------------------------------- data plane
     # The TQPolicy path: the driver sends each replica a KVBatchMeta shard instead of tensors.
 

@@ -275,7 +275,8 @@ def test_bad_input_is_rejected(
 def test_requests_skip_detokenizing_and_cloning(tiny_llama_path: Path) -> None:
     """vLLM's text is not used (the rollout decodes the token ids), so the engine detokenizes
     only requests with stop strings (configured or per row); every request has its own
-    ``SamplingParams``, which vLLM may take without a deep copy."""
+    ``SamplingParams``, which vLLM may take without a deep copy, and asks for flat logprob
+    lists (the returned logprobs are checked against transformers above)."""
     from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
 
     worker = VllmGenerationWorker(str(tiny_llama_path), _config(), pad_token_id=0, use_gpu=False)
@@ -284,7 +285,7 @@ def test_requests_skip_detokenizing_and_cloning(tiny_llama_path: Path) -> None:
     data["stop_strings"] = [None, ["</a>"]]
     _, params = worker._requests(data, greedy=False, seeds=None)
     assert [p.detokenize for p in params] == [False, True]
-    assert params[0] is not params[1] and all(p.skip_clone for p in params)
+    assert params[0] is not params[1] and all(p.skip_clone and p.flat_logprobs for p in params)
     assert params[1].stop == ["</a>"]
     worker.config = _config(stop_strings=["\n"])
     _, params = worker._requests(data, greedy=True, seeds=None)
