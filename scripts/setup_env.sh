@@ -26,7 +26,7 @@ stamp="$venv/.nemo_rl-installed-$profile-$key"
 [ -f "$stamp" ] && exit 0
 
 export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$PWD/.cache/pip}"
-echo "[setup_env] creating $venv with the $profile profile (first run takes ~5 minutes)"
+echo "[setup_env] creating $venv with the $profile profile (first run takes ~2 minutes)"
 [ -x "$venv/bin/python" ] || "$python" -m venv ${venv_args[@]+"${venv_args[@]}"} "$venv"
 if [[ $profile == cpu ]]; then
   # The locked set is installed by uv (a PyPI package; pip only bootstraps it), which downloads
