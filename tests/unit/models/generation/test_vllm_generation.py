@@ -21,7 +21,8 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.vllm import VllmGeneration
 
-pytestmark = pytest.mark.slow
+# one local Ray for this module and the next vLLM modules (tests/held_across_tests.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 MAX_NEW_TOKENS = 12
 MAX_MODEL_LEN = 128
@@ -79,7 +80,7 @@ def batch(prompts: list[list[int]]) -> BatchedDataDict[Any]:
 
 @pytest.fixture(scope="module")
 def generations(
-    tiny_llama_path: Path, tokenizer: Any
+    tiny_llama_path: Path, tokenizer: Any, local_ray_8cpu: None
 ) -> Iterator[tuple[VllmGeneration, VllmGeneration]]:
     """A one-replica and a two-replica VllmGeneration, on clusters of 1 and 2 bundles."""
     with ray_cluster(num_cpus=8):

@@ -31,7 +31,8 @@ from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
 from vllm_engine_state import colocated_refit
 
-pytestmark = pytest.mark.slow
+# one local Ray for this module and its vLLM neighbours (tests/held_across_tests.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 MAX_NEW_TOKENS = 10
 PROMPTS = [[1, 306, 46, 304, 29], [1, 150], [1, 35, 263, 155, 92, 20, 338, 278]]
@@ -79,7 +80,7 @@ def _rank_shards(generation: VllmGeneration) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+def run(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, Any]]:
     reader = SafetensorsReader(str(tiny_llama_path))
     a = {name: reader.read(name).float() for name in reader.names()}
     noise = torch.Generator().manual_seed(3)

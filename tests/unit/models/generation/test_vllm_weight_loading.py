@@ -31,6 +31,9 @@ from nemo_rl.models.generation.vllm.weight_loading import (
 )
 from vllm_engine_state import colocated_refit, engine_state
 
+# one local Ray for this module and the previous vLLM modules (tests/held_across_tests.py)
+pytestmark = pytest.mark.usefixtures("local_ray_8cpu")
+
 
 def test_reload_warns_only_for_layers_that_should_have_loaded(caplog):
     # vLLM's layerwise reload warns for every layer the checkpoint has no tensors for; the
@@ -80,7 +83,7 @@ def _reload_with_vllm(generation: VllmGeneration, weights: dict[str, torch.Tenso
 
 
 @pytest.fixture(scope="module")
-def states(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+def states(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, Any]]:
     reader = SafetensorsReader(str(tiny_llama_path))
     a = {name: reader.read(name).to(torch.bfloat16) for name in reader.names()}
     gen = torch.Generator().manual_seed(7)
