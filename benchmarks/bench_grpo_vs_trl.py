@@ -93,14 +93,17 @@ class Case:
     steps: int  # the first is dropped: at least 3 more
     eos_prob: float | None = None  # per-token EOS probability built in; None: the random model
     reward: str = "digit_share"  # a name in grpo_vs_trl_task.REWARDS
+    lr: float = LR  # both frameworks' (constant) learning rate
 
 
 CASES = {
     "tiny": Case(None, 16, 64, 32 * 1024**2, steps=8),
     # ~30 s steps on 2 quiet cores: 3 runs of 6 steps plus start-ups, about 12 minutes
     "40m": Case(SIZES_40M, 64, 128, 1024**3, steps=6),
-    # a length-neutral reward: digit_share favours long responses and trains the EOS away
-    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, eos_prob=0.03, reward="leading_digit"),
+    # a length-neutral reward (digit_share favours long responses and trains the EOS away) and
+    # a 10x smaller step (at 1e-3 the lengths swing between all-short and all-at-the-limit)
+    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, eos_prob=0.03, reward="leading_digit",
+                   lr=1e-4),
 }
 
 # Our runs: the overrides each adds to the recipe's settings.
@@ -188,7 +191,7 @@ def trl_config_kwargs(
     vLLM (``cuda`` only)."""
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
-        learning_rate=LR,
+        learning_rate=case.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -301,7 +304,8 @@ def our_overrides(
         f"policy.train_global_batch_size={SAMPLES_PER_STEP}",
         f"policy.train_micro_batch_size={MICRO_BATCH}",
         f"policy.max_total_sequence_length={case.max_seq_len}",
-        f"policy.megatron_cfg.optimizer.lr={LR}", f"policy.megatron_cfg.optimizer.min_lr={LR}",
+        f"policy.megatron_cfg.optimizer.lr={case.lr}",
+        f"policy.megatron_cfg.optimizer.min_lr={case.lr}",
         "policy.megatron_cfg.optimizer.weight_decay=0.0",
         "policy.megatron_cfg.optimizer.clip_grad=1.0",
         "policy.megatron_cfg.scheduler.lr_warmup_iters=0",
