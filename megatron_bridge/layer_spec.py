@@ -50,7 +50,10 @@ def resolve_use_te(use_te: bool | None) -> bool:
 
 
 def gpt_stage_spec(
-    config: Any, use_te: bool | None = None, core_attention: type | None = None
+    config: Any,
+    use_te: bool | None = None,
+    core_attention: type | None = None,
+    grouped_experts: bool = False,
 ) -> Any:
     """The layer spec of this pipeline stage's layers for a model of ``config``.
 
@@ -66,6 +69,9 @@ def gpt_stage_spec(
         use_te: as :func:`resolve_use_te`.
         core_attention: replaces the local spec's attention kernel in every layer (e.g. a
             context-parallel one); TransformerEngine's spec keeps its own.
+        grouped_experts: run each layer's experts as grouped GEMMs
+            (:class:`~megatron_bridge.grouped_experts.GroupedGemmExperts`, same parameters and
+            checkpoint as megatron's ``SequentialMLP``); False keeps megatron's loop.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -78,6 +84,8 @@ def gpt_stage_spec(
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization
     )
+    if grouped_experts:
+        _use_grouped_experts(spec)
     if use_te:
         return spec
     spec.layer_norm = LocalNorm
@@ -88,6 +96,19 @@ def gpt_stage_spec(
         if core_attention is not None:
             attention.core_attention = core_attention
     return spec
+
+
+def _use_grouped_experts(block_spec: Any) -> None:
+    """Swap megatron's ``SequentialMLP`` experts of every MoE layer for
+    :class:`~megatron_bridge.grouped_experts.GroupedGemmExperts`."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_bridge.grouped_experts import GroupedGemmExperts
+
+    for layer in _distinct(block_spec.layer_specs):
+        experts = getattr(layer.submodules.mlp.submodules, "experts", None)
+        if experts is not None and experts.module is SequentialMLP:
+            experts.module = GroupedGemmExperts
 
 
 def _distinct(specs: list[Any]) -> list[Any]:

@@ -49,7 +49,9 @@ def get_gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -
     return spec
 
 
-def get_gpt_stage_spec(config: Any, use_te: bool | None = None) -> Any:
+def get_gpt_stage_spec(
+    config: Any, use_te: bool | None = None, grouped_experts: bool = False
+) -> Any:
     """The spec of this pipeline stage's layers for a model of ``config``: the bridge's
     :func:`~megatron_bridge.layer_spec.gpt_stage_spec` (dense or mixture-of-experts,
     TransformerEngine or local), the local spec's attention being
@@ -58,8 +60,14 @@ def get_gpt_stage_spec(config: Any, use_te: bool | None = None) -> Any:
     Args:
         config: the model's megatron ``TransformerConfig``.
         use_te: as :func:`get_gpt_layer_spec`.
+        grouped_experts: experts as grouped GEMMs (``megatron_cfg.moe_grouped_gemm``).
     """
-    return gpt_stage_spec(config, use_te, core_attention=ContextParallelDotProductAttention)
+    return gpt_stage_spec(
+        config,
+        use_te,
+        core_attention=ContextParallelDotProductAttention,
+        grouped_experts=grouped_experts,
+    )
 
 
 def split_for_context_parallel(

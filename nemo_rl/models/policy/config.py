@@ -154,6 +154,13 @@ class MegatronConfig(ConfigModel):
         description="Weight of the router z-loss (mean squared logsumexp of the router "
         "logits) added to the training loss; None: off.",
     )
+    moe_grouped_gemm: bool = Field(
+        default=True,
+        description="Run each layer's local experts as two grouped GEMMs (torch._grouped_mm: "
+        "CUTLASS kernels on Hopper and newer) instead of megatron's loop over the experts; "
+        "same parameters, checkpoints and refit. false: the loop (needed for experts with "
+        "biases or fp8).",
+    )
     freeze_moe_router: bool = Field(
         default=False,
         description="Keep the routers' weights fixed (no gradient, no update): RL then "

@@ -184,7 +184,8 @@ def build_gpt_stage(
         **moe_overrides(mcfg, bridge),
         **recompute,
     )
-    model = gpt_model_stage(bridge, tconfig, get_gpt_stage_spec(tconfig), layout.tp)
+    spec = get_gpt_stage_spec(tconfig, grouped_experts=mcfg.moe_grouped_gemm)
+    model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, bridge, model_path)
