@@ -455,9 +455,15 @@ def report(
     for name, items in summaries.items():
         for i, s in enumerate(items):
             print(run_line(name, i, s))
+    # every variant's phases (its last run, first step dropped): A/B pairs read phase by phase
+    medians = {
+        name: {k: statistics.median(p[k] for p in rs[-1]["phases"][1:]) for k in rs[-1]["phases"][0]}
+        for name, rs in runs.items() if name != "trl"
+    }
+    for name, phases in medians.items():
+        print(f"{name}, median phase s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    phases = medians["ours"]
     ours = runs["ours"][-1]
-    phases = {k: statistics.median(p[k] for p in ours["phases"][1:]) for k in ours["phases"][0]}
-    print("ours, median phase s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     prompt = prompt_tokens(path)
     flops = statistics.median(training_flops(case, prompt, s) for s in ours["lengths"][1:])
     limit = flops / peak + phases["generation"]
