@@ -16,14 +16,12 @@ not kept for the backward pass, which stacks them again.
 
 from __future__ import annotations
 
-import logging
+import warnings
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import Tensor
-
-logger = logging.getLogger(__name__)
 
 # torch._grouped_mm wants every row stride of its operands to be a multiple of 16 bytes.
 _STRIDE_ALIGNMENT_BYTES = 16
@@ -65,13 +63,14 @@ class GroupedGemmExperts(SequentialMLP):
     local expert at once: fc1 as one grouped GEMM, the activation and router weights on all
     tokens, fc2 as a second grouped GEMM.
 
-    Falls back to ``SequentialMLP``'s loop (and says so once, at construction) where the
+    Falls back to ``SequentialMLP``'s loop (with one warning, at construction) where the
     grouped kernels cannot take the shapes: weight rows not a multiple of 16 bytes (e.g. a
     tiny model in bf16 at TP > 1).
 
     Raises:
-        ValueError: at construction, for experts with biases, fp8/fp4, or probabilities
-            applied on the input; ``moe_grouped_gemm: false`` runs those.
+        ValueError: at construction, for experts with biases, fp8/fp4, probabilities applied
+            on the input, or a fused activation other than SwiGLU; ``moe_grouped_gemm: false``
+            runs those.
     """
 
     def __init__(self, num_local_experts: int, config: Any, submodules: Any, **kwargs: Any):
@@ -85,6 +84,13 @@ class GroupedGemmExperts(SequentialMLP):
                 f"moe_apply_probs_on_input={config.moe_apply_probs_on_input}: set "
                 "policy.megatron_cfg.moe_grouped_gemm=false"
             )
+        swiglu = config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+        if config.bias_activation_fusion and not swiglu:
+            raise ValueError(
+                "moe_grouped_gemm fuses the activation (bias_activation_fusion) only for SwiGLU "
+                "experts: set bias_activation_fusion=false or "
+                "policy.megatron_cfg.moe_grouped_gemm=false"
+            )
         first = self.local_experts[0]
         rows = {
             "linear_fc1": tuple(first.linear_fc1.weight.shape),
@@ -93,10 +99,12 @@ class GroupedGemmExperts(SequentialMLP):
         itemsize = first.linear_fc1.weight.element_size()
         self.grouped = all(d * itemsize % _STRIDE_ALIGNMENT_BYTES == 0 for s in rows.values() for d in s)
         if not self.grouped and num_local_experts > 1:
-            logger.warning(
-                "moe_grouped_gemm: expert weight shapes %s at %d bytes per element are not "
-                "multiples of %d bytes; these experts run one after another",
-                rows, itemsize, _STRIDE_ALIGNMENT_BYTES,
+            # one warning per distinct message (Python's default filter), not one per layer
+            warnings.warn(
+                f"moe_grouped_gemm: expert weight shapes {rows} at {itemsize} bytes per element "
+                f"are not multiples of {_STRIDE_ALIGNMENT_BYTES} bytes; these experts run one "
+                "after another",
+                stacklevel=2,
             )
 
     def forward(
@@ -124,8 +132,6 @@ class GroupedGemmExperts(SequentialMLP):
         if config.bias_activation_fusion:
             from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
-            if not (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
-                raise ValueError("moe_grouped_gemm fuses only SwiGLU (bias_activation_fusion)")
             return weighted_bias_swiglu_impl(x, None, probs, config.activation_func_fp8_input_store)
         if config.gated_linear_unit:
             gate, linear = torch.chunk(x, 2, dim=-1)

@@ -109,3 +109,18 @@ def test_experts_with_biases_are_refused(one_rank):
     groups = ProcessGroupCollection.use_mpu_process_groups()
     with pytest.raises(ValueError, match="moe_grouped_gemm=false"):
         GroupedGemmExperts(4, config, submodules, pg_collection=groups)
+
+
+def test_unaligned_expert_shapes_warn_and_run_the_loop(one_rank):
+    """bf16 experts of 20 rows (40 bytes, not a multiple of 16): one warning at construction,
+    and the outputs and gradients of megatron's loop."""
+    from benchmarks.bench_moe_experts import Case, build_experts, fwd_bwd, max_relative_difference
+
+    case = Case("t", 64, 20, 4, 64)
+    with pytest.warns(UserWarning, match="not multiples of 16 bytes"):
+        loop, grouped = build_experts(case, torch.bfloat16, torch.device("cpu"))
+    assert not grouped.grouped
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(case.rows, case.hidden, generator=gen).bfloat16()
+    inputs = (x, torch.tensor([30, 0, 20, 14]), torch.rand(case.rows, generator=gen), torch.ones_like(x))
+    assert max_relative_difference(fwd_bwd(loop, *inputs), fwd_bwd(grouped, *inputs)) == 0.0
