@@ -32,7 +32,6 @@ from pathlib import Path
 
 from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
 
@@ -82,7 +81,6 @@ def run_mode(args: argparse.Namespace, prompts: Path, mode: str) -> dict[str, fl
         grpo_train(components)
     finally:
         shutdown(components)
-        shutdown_ray()
     records = read_metrics_jsonl(log_dir / "metrics.jsonl")
     measured = range(args.warmup + 1, args.warmup + args.steps + 1)
     train = {r["step"]: r["metrics"] for r in records if r["prefix"] == "train"}

@@ -167,7 +167,6 @@ def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
     from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
     from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
     from nemo_rl.algorithms.grpo_step.step import grpo_step
-    from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.utils.config import load_typed_config
 
     cfg = load_typed_config(
@@ -203,7 +202,6 @@ def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
     finally:
         data_plane.close()
         grpo.shutdown(components)
-        shutdown_ray()
 
 
 # ---------------------------------------------------------------------- large: synthetic step

@@ -24,7 +24,6 @@ import time
 from nemo_rl.algorithms.grpo import open_batch_store, setup, shutdown
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_step.step import grpo_step
-from nemo_rl.distributed.ray_bootstrap import shutdown_ray
 from nemo_rl.utils.config import load_typed_config
 
 PHASES = (
@@ -96,7 +95,6 @@ def main() -> None:
     finally:
         store.close()
         shutdown(components)
-        shutdown_ray()
 
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     wall = sum(sum(p.values()) for p in per_step) / len(per_step)

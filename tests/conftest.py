@@ -23,14 +23,50 @@ def tiny_qwen2_path() -> Path:
     return build_tiny_model("qwen2")
 
 
+@pytest.fixture(scope="session")
+def warm_colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
+    """The folder (``logs``, ``ckpt`` with every step) of one tiny colocated GRPO run of
+    ``tiny_grpo.WARM_RUN_STEPS`` steps after the SFT warm start, saving every step: the default
+    loss's run for test_grpo.py and the uninterrupted run test_checkpoint_survival.py resumes
+    against, run once for both. It runs in the held ``local_ray_8cpu`` cluster, which the
+    tests asking for it use too."""
+    from tiny_grpo import WARM_RUN_STEPS, run_grpo, warm_started_config
+
+    hold_local_ray_8cpu()
+    root = tmp_path_factory.mktemp("warm_colocated_run")
+    run_grpo(warm_started_config(root, tiny_llama_path, WARM_RUN_STEPS, save_period=1))
+    return root
+
+
 @pytest.fixture(scope="module")
 def local_ray_8cpu() -> None:
     """A local 8-CPU Ray cluster kept across consecutive tests that use this fixture: runs in
     it (``tiny_grpo.run_grpo``, ``ray_cluster(num_cpus=8)`` blocks) reuse it instead of each
     starting and stopping their own; stopped once the next test does not use it."""
+    hold_local_ray_8cpu()
+
+
+def hold_local_ray_8cpu() -> None:
+    """Start (unless held) the cluster ``local_ray_8cpu`` holds."""
     from nemo_rl.distributed.ray_bootstrap import ray_cluster
 
     hold("local_ray_8cpu", lambda: ray_cluster(num_cpus=8))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests that use ``local_ray_8cpu`` one after another so that one Ray serves them
+    all: modules without such tests first, then the modules with them; inside a module, its
+    tests without the fixture first. Otherwise the collected order (modules stay contiguous,
+    so module-scoped fixtures are set up once)."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def uses_ray(item: pytest.Item) -> bool:
+        return "local_ray_8cpu" in getattr(item, "fixturenames", ())
+
+    modules = sorted(by_module.values(), key=lambda tests: any(map(uses_ray, tests)))
+    items[:] = [item for tests in modules for item in sorted(tests, key=uses_ray)]
 
 
 @pytest.hookimpl(trylast=True)  # after the finished test's own fixtures are torn down

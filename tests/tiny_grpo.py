@@ -58,6 +58,26 @@ def tiny_grpo_config(
     )
 
 
+# The SFT warm start of the runs that start from warm-started weights: the KL penalty then
+# anchors to them, and the first GRPO step's on-policy checks show they reached the engines.
+WARMUP = {"enabled": True, "num_steps": 4, "log_period": 2}
+# Steps of the shared warm-started run (``warm_colocated_run`` in the root conftest).
+WARM_RUN_STEPS = 3
+
+
+def warm_started_config(
+    root: Path, model: Path, steps: int, *, warmup: bool = True, **checkpointing: Any
+) -> GRPOMasterConfig:
+    """The tiny colocated run under ``root`` (``logs``, ``ckpt``) for ``steps`` steps, keeping
+    every checkpoint (``checkpointing`` keys override), after the WARMUP unless ``warmup`` is
+    False."""
+    ckpt = {"enabled": True, "keep_top_k": None, "checkpoint_dir": str(root / "ckpt")}
+    return tiny_grpo_config(
+        root / "logs", model, grpo={"max_num_steps": steps},
+        checkpointing={**ckpt, **checkpointing}, **({"sft_warmup": WARMUP} if warmup else {}),
+    )
+
+
 def run_grpo(cfg: GRPOMasterConfig) -> dict[str, float]:
     """Set up, train and tear down (components, then the local Ray unless one was running
     before, e.g. the ``local_ray_8cpu`` fixture's) one GRPO run; its final metrics."""

@@ -114,7 +114,7 @@ def start_rollout_run(
     """
     from nemo_rl.data.dataloader import StatefulPromptLoader
     from nemo_rl.data.llm_message_utils import rl_collate_fn
-    from nemo_rl.distributed.ray_bootstrap import init_ray
+    from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments
     from nemo_rl.models.generation.vllm import VllmGeneration
@@ -135,53 +135,60 @@ def start_rollout_run(
     # Under `nemo-rl launch` (RAY_ADDRESS set) the cluster exists and has its own CPU count.
     local_cpus = cfg.cluster.cpus_per_node if cfg.cluster.gpus_per_node == 0 else None
     init_ray(num_cpus=None if os.environ.get("RAY_ADDRESS") else local_cpus)
-    bundles, use_gpus, cpus = _cluster_shape(cfg)
-    colocated = cfg.policy.generation.colocated.enabled
-    # not colocated: the generation cluster's bundles compute beside the policy's
-    beside = 0 if colocated else bundles[0]
-    train_cluster = RayVirtualCluster(
-        bundles,
-        use_gpus,
-        cpus,
-        max_colocated_worker_groups=(2 if colocated else 1) + len(extra_train_workers),
-        name="policy",
-        other_bundles_per_node=beside,
-    )
-    clusters = [train_cluster]
-    if not colocated:
-        clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation",
-                                          other_bundles_per_node=beside))
-    def start_policy() -> Any:
-        return (policy_factory or Policy)(
-            train_cluster, cfg.policy, init_reference_model=init_reference_model, seed=loop.seed
+    clusters: list[RayVirtualCluster] = []
+    try:
+        bundles, use_gpus, cpus = _cluster_shape(cfg)
+        colocated = cfg.policy.generation.colocated.enabled
+        # not colocated: the generation cluster's bundles compute beside the policy's
+        beside = 0 if colocated else bundles[0]
+        train_cluster = RayVirtualCluster(
+            bundles,
+            use_gpus,
+            cpus,
+            max_colocated_worker_groups=(2 if colocated else 1) + len(extra_train_workers),
+            name="policy",
+            other_bundles_per_node=beside,
         )
+        clusters = [train_cluster]
+        if not colocated:
+            clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation",
+                                              other_bundles_per_node=beside))
+        def start_policy() -> Any:
+            return (policy_factory or Policy)(
+                train_cluster, cfg.policy, init_reference_model=init_reference_model, seed=loop.seed
+            )
 
-    def start_generation() -> VllmGeneration:
-        return vllm_generation(
-            clusters[-1],
-            cfg.policy.generation,
-            inputs.model_path,
-            pad_token_id=inputs.pad_token_id,
-            seed=loop.seed,
+        def start_generation() -> VllmGeneration:
+            return vllm_generation(
+                clusters[-1],
+                cfg.policy.generation,
+                inputs.model_path,
+                pad_token_id=inputs.pad_token_id,
+                seed=loop.seed,
+            )
+
+        extras = [functools.partial(factory, train_cluster) for factory in extra_train_workers]
+        (policy, *extra), generation = start_train_and_generation(
+            [start_policy, *extras], start_generation, colocated and use_gpus
         )
-
-    extras = [functools.partial(factory, train_cluster) for factory in extra_train_workers]
-    (policy, *extra), generation = start_train_and_generation(
-        [start_policy, *extras], start_generation, colocated and use_gpus
-    )
-    logger = Logger(cfg.logger)
-    logger.log_hyperparams(cfg.model_dump())
-    return {
-        "tokenizer": inputs.tokenizer,
-        "pad_token_id": inputs.pad_token_id,
-        "policy": policy,
-        "generation": generation,
-        "task_to_env": create_environments(cfg.env),
-        "train_loader": loader,
-        "val_batches": val_batches,
-        "logger": logger,
-        "clusters": clusters,
-    }, extra
+        logger = Logger(cfg.logger)
+        logger.log_hyperparams(cfg.model_dump())
+        return {
+            "tokenizer": inputs.tokenizer,
+            "pad_token_id": inputs.pad_token_id,
+            "policy": policy,
+            "generation": generation,
+            "task_to_env": create_environments(cfg.env),
+            "train_loader": loader,
+            "val_batches": val_batches,
+            "logger": logger,
+            "clusters": clusters,
+        }, extra
+    except BaseException:  # a failed start leaves neither bundles nor its init_ray behind
+        for cluster in clusters:
+            cluster.shutdown()
+        shutdown_ray()
+        raise
 
 
 def start_train_and_generation(
@@ -466,7 +473,9 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
 
 
 def shutdown(components: RolloutComponents) -> None:
-    """Stop engines, policy workers, environments and clusters; close the logger."""
+    """Stop engines, policy workers, environments and clusters; close the logger; undo
+    :func:`setup`'s ``init_ray`` (which stops Ray only if the run started it)."""
+    from nemo_rl.distributed.ray_bootstrap import shutdown_ray
     from nemo_rl.environments.utils import shutdown_environments
 
     components.generation.shutdown()
@@ -475,6 +484,7 @@ def shutdown(components: RolloutComponents) -> None:
     for cluster in components.clusters:
         cluster.shutdown()
     components.logger.close()
+    shutdown_ray()
 
 
 def run_rollout_command(
@@ -483,15 +493,13 @@ def run_rollout_command(
     stop: Callable[[], None],
     curves: tuple[tuple[str, str], tuple[str, str]],
 ) -> int | None:
-    """Train a set-up run, shut it down (``stop``, then Ray) and report where its logs, plot
+    """Train a set-up run, shut it down (``stop``) and report where its logs, plot
     ``reward_curve.png`` of ``curves`` and checkpoints are.
 
     Returns:
         None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
         when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
     """
-    from nemo_rl.distributed.ray_bootstrap import shutdown_ray
-
     try:
         final = train()
     except RunStopped as stopped:
@@ -499,7 +507,6 @@ def run_rollout_command(
         return stopped.code
     finally:
         stop()
-        shutdown_ray()
     training_loop.report_finished(loop_parts(components), final, "reward_curve.png", curves)
     return None
 

@@ -161,7 +161,7 @@ def setup(
             or data than ``cfg`` names.
     """
     from nemo_rl.data.dataloader import StatefulPromptLoader
-    from nemo_rl.distributed.ray_bootstrap import init_ray
+    from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.models.policy.lm_policy import Policy
     from nemo_rl.utils.logger import Logger
@@ -183,12 +183,19 @@ def setup(
     init_ray(num_cpus=None if os.environ.get("RAY_ADDRESS") else local_cpus)
     use_gpus = c.gpus_per_node > 0
     per_node = c.gpus_per_node if use_gpus else c.cpu_bundles_per_node
-    cluster = RayVirtualCluster(
-        [per_node] * c.num_nodes, use_gpus, c.cpus_per_node / 2 / per_node, name="policy"
-    )
-    policy = Policy(
-        cluster, cfg.policy, init_reference_model=algorithm.needs_reference, seed=loop.seed
-    )
+    cluster = None
+    try:
+        cluster = RayVirtualCluster(
+            [per_node] * c.num_nodes, use_gpus, c.cpus_per_node / 2 / per_node, name="policy"
+        )
+        policy = Policy(
+            cluster, cfg.policy, init_reference_model=algorithm.needs_reference, seed=loop.seed
+        )
+    except BaseException:  # a failed start leaves neither bundles nor its init_ray behind
+        if cluster is not None:
+            cluster.shutdown()
+        shutdown_ray()
+        raise
     logger = Logger(cfg.logger)
     logger.log_hyperparams(cfg.model_dump())
     return SupervisedRun(
@@ -307,10 +314,14 @@ def train(run: SupervisedRun) -> Metrics:
 
 
 def shutdown(run: SupervisedRun) -> None:
-    """Stop the policy workers and the cluster; close the logger."""
+    """Stop the policy workers and the cluster; close the logger; undo :func:`setup`'s
+    ``init_ray`` (which stops Ray only if the run started it)."""
+    from nemo_rl.distributed.ray_bootstrap import shutdown_ray
+
     run.policy.shutdown()
     run.cluster.shutdown()
     run.logger.close()
+    shutdown_ray()
 
 
 def run_command(run: SupervisedRun) -> int | None:
@@ -319,8 +330,6 @@ def run_command(run: SupervisedRun) -> int | None:
     Returns:
         None when the run finished; 75 when it saved and stopped early.
     """
-    from nemo_rl.distributed.ray_bootstrap import shutdown_ray
-
     try:
         final = train(run)
     except RunStopped as stop:
@@ -328,7 +337,6 @@ def run_command(run: SupervisedRun) -> int | None:
         return stop.code
     finally:
         shutdown(run)
-        shutdown_ray()
     training_loop.report_finished(
         run.loop_parts(), final, f"{run.algorithm.section}_curves.png", run.algorithm.plot_curves
     )

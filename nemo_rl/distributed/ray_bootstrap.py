@@ -5,7 +5,10 @@ dashboard, no auth token, a small object store, as many logical CPUs as asked fo
 schedules by logical CPUs, so 8 on a 2-core machine lets several light actors coexist).
 With an address it joins that cluster, first checking within ``connect_timeout_s`` that the
 address answers, so a wrong ``RAY_ADDRESS`` fails fast with a ``ConnectionError`` instead of
-hanging. ``shutdown_ray()`` undoes only what ``init_ray`` did.
+hanging. ``shutdown_ray()`` undoes only what ``init_ray`` did, and only at the last of nested
+calls: each ``init_ray`` is paired with one ``shutdown_ray``, so a run started inside a Ray
+session someone opened before (a notebook's ``init_ray()``, a test's held cluster) leaves that
+session running when it finishes.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class RayHandle:
 
 
 _current: RayHandle | None = None
+# init_ray calls not yet paired with a shutdown_ray; the last shutdown_ray disconnects.
+_open_calls = 0
 # Names of the _LOCAL_CLUSTER_ENV variables init_ray exported (and shutdown_ray removes).
 _env_added: list[str] = []
 
@@ -97,7 +102,8 @@ def init_ray(
     """Start a local Ray cluster on 127.0.0.1 or connect to an existing one.
 
     Idempotent: if Ray is already initialised in this process, returns the current handle
-    without touching the cluster (the arguments are then ignored, with a log line).
+    without touching the cluster (the arguments are then ignored, with a log line). Calls nest:
+    every call, the first or a repeated one, is undone by one :func:`shutdown_ray`.
 
     Args:
         address: GCS address "host:port" of a running cluster (or "auto" for the one
@@ -124,7 +130,7 @@ def init_ray(
     """
     import ray
 
-    global _current
+    global _current, _open_calls
     if ray.is_initialized():
         if _current is None:
             _current = RayHandle(
@@ -139,6 +145,7 @@ def init_ray(
                 f"requested address {address!r}; call shutdown_ray() first"
             )
         logger.info("Ray already initialised (%s); reusing it", _current.address)
+        _open_calls += 1
         return _current
 
     from_env = address is None and bool(os.environ.get("RAY_ADDRESS"))
@@ -171,6 +178,7 @@ def init_ray(
             started_cluster=False,
             owns_connection=True,
         )
+        _open_calls = 1
         return _current
 
     _set_local_cluster_env()
@@ -191,6 +199,7 @@ def init_ray(
         started_cluster=True,
         owns_connection=True,
     )
+    _open_calls = 1
     if _current.node_ip != LOOPBACK:
         shutdown_ray()
         raise RuntimeError(
@@ -229,14 +238,19 @@ def _loopback_node_ip() -> Iterator[None]:
 
 
 def shutdown_ray() -> None:
-    """Disconnect from (and, if ``init_ray`` started it, stop) the Ray cluster.
+    """Undo one :func:`init_ray` call; the last open one disconnects from (and, if ``init_ray``
+    started it, stops) the Ray cluster.
 
-    Does nothing when Ray was initialised by someone other than :func:`init_ray`, or not at all.
+    Never disconnects when Ray was initialised by someone other than :func:`init_ray`; does
+    nothing when no ``init_ray`` call is open.
     """
     import ray
 
-    global _current
+    global _current, _open_calls
     if _current is None:
+        return
+    _open_calls -= 1
+    if _open_calls > 0:
         return
     if _current.owns_connection and ray.is_initialized():
         ray.shutdown()
@@ -247,14 +261,11 @@ def shutdown_ray() -> None:
 
 @contextlib.contextmanager
 def ray_cluster(**init_kwargs: Any) -> Iterator[RayHandle]:
-    """Context manager form: ``with ray_cluster(num_cpus=8) as handle: ...``.
-
-    Shuts down on exit only if this ``with`` block did the initialising.
-    """
-    already = _current is not None
+    """Context manager form: ``with ray_cluster(num_cpus=8) as handle: ...``: one
+    :func:`init_ray` on entry, its :func:`shutdown_ray` on exit (so the cluster stops on exit
+    only if this ``with`` block started it)."""
     handle = init_ray(**init_kwargs)
     try:
         yield handle
     finally:
-        if not already:
-            shutdown_ray()
+        shutdown_ray()

@@ -24,48 +24,25 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.utils.config import config_to_yaml
 from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
-from tiny_grpo import run_grpo, tiny_grpo_config, train_records
+from tiny_grpo import WARM_RUN_STEPS, run_grpo, train_records, warm_started_config
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
-WARMUP = {"enabled": True, "num_steps": 3}
-
-
-def config(
-    root: Path, model: Path, steps: int, *, warmup: bool = True, **checkpointing: Any
-) -> GRPOMasterConfig:
-    """The tiny run under ``root`` (logs, checkpoints), keeping every checkpoint, after the SFT
-    warm start unless ``warmup`` is False."""
-    ckpt = {"enabled": True, "keep_top_k": None, "checkpoint_dir": str(root / "ckpt")}
-    return tiny_grpo_config(
-        root / "logs", model, grpo={"max_num_steps": steps},
-        checkpointing={**ckpt, **checkpointing}, **({"sft_warmup": WARMUP} if warmup else {}),
-    )
+STEPS = WARM_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_root(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> Path:
-    """A warm-started run of STEPS steps that nothing interrupts, saving every step. It and the
-    in-process runs after it share one local Ray (``local_ray_8cpu``)."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    run_grpo(config(root, tiny_llama_path, STEPS, save_period=1))
-    return root
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(uninterrupted_root) -> dict[int, dict[str, float]]:
-    """Train metrics by step of the uninterrupted run."""
-    return train_records(uninterrupted_root / "logs")
+def uninterrupted(warm_colocated_run) -> dict[int, dict[str, float]]:
+    """Train metrics by step of the uninterrupted run: the session's ``warm_colocated_run``
+    (STEPS steps after the warm start, saving every step), shared with test_grpo.py."""
+    return train_records(warm_colocated_run / "logs")
 
 
 def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
@@ -77,11 +54,11 @@ def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
 
 
 def test_truncated_newest_checkpoint_resumes_from_previous(
-    tmp_path, tiny_llama_path, uninterrupted_root, uninterrupted, caplog
+    tmp_path, tiny_llama_path, warm_colocated_run, uninterrupted, caplog, local_ray_8cpu
 ):
     # the uninterrupted run's checkpoints as a run stopped after step 2 would have left them
     shutil.copytree(
-        uninterrupted_root / "ckpt", tmp_path / "ckpt", ignore=shutil.ignore_patterns("step_3")
+        warm_colocated_run / "ckpt", tmp_path / "ckpt", ignore=shutil.ignore_patterns("step_3")
     )
     newest = tmp_path / "ckpt" / "step_2"
     shard = max((newest / "policy").glob("__0_*.distcp"), key=lambda p: p.stat().st_size)
@@ -89,7 +66,7 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
     shard.write_bytes(data[: len(data) // 2])  # a crash during write-back, a full disk
 
     with caplog.at_level(logging.WARNING, logger="nemo_rl.utils.checkpoint"):
-        run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+        run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert f"checkpoint {newest} is damaged: policy/{shard.name} has {len(data) // 2} bytes" in (
         warning
@@ -102,7 +79,7 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
 
 
 def test_sigterm_saves_the_finished_step_and_rerun_continues(
-    tmp_path, tiny_llama_path, uninterrupted
+    tmp_path, tiny_llama_path, uninterrupted, local_ray_8cpu
 ):
     metrics = tmp_path / "logs" / "metrics.jsonl"
 
@@ -118,7 +95,7 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     sender.start()
     # save_period 10: any checkpoint before step 3 is the stop's own
     with pytest.raises(RunStopped) as stopped:
-        run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+        run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10))
     sender.join()
     assert stopped.value.code == RESUMABLE_EXIT_CODE
     assert stopped.value.reason == "received SIGTERM"
@@ -127,14 +104,14 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     # the stop's own checkpoint, and the warm start's weights (the reference policy)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["sft_warmup", f"step_{k}"]
 
-    run_grpo(config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+    run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10))
     assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(k + 1, STEPS + 1))
 
 
 def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path, local_ray_8cpu):
     with pytest.raises(RunStopped) as stopped:
         run_grpo(
-            config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,
+            warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,
                    checkpoint_must_save_by="00:00:00:01")
         )
     assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
@@ -147,7 +124,9 @@ def test_sigterm_to_the_driver_process_exits_75_and_leaves_no_process(tmp_path, 
     # Ray cluster, the actors' workers) gone once it exits
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
-        config_to_yaml(config(tmp_path, tiny_llama_path, 50, warmup=False, save_period=10))
+        config_to_yaml(
+            warm_started_config(tmp_path, tiny_llama_path, 50, warmup=False, save_period=10)
+        )
     )
     metrics, log = tmp_path / "logs" / "metrics.jsonl", tmp_path / "driver.log"
     with open(log, "w") as out:

@@ -21,7 +21,7 @@ from nemo_rl.utils.checkpoint import DATALOADER_STATE_FILE, POLICY_DIR, RNG_STAT
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 REPO = Path(__file__).resolve().parents[2]
 TEACHER_STEPS = 100

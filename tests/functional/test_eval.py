@@ -25,7 +25,7 @@ from nemo_rl.utils.logger import read_metrics_jsonl
 
 from tiny_grpo import megatron_greedy, run_grpo, tiny_grpo_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 VAL_PROMPTS, VAL_BATCH, MAX_NEW_TOKENS = 16, 8, 8
 

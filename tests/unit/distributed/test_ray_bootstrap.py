@@ -58,10 +58,14 @@ def test_local_cluster_on_loopback(no_ray_address: None) -> None:
         assert ray.get([_square_and_where.remote(i) for i in range(4)]) == [
             (i * i, LOOPBACK) for i in range(4)
         ]
-        # Idempotent: a second call reuses the running cluster.
+        # Idempotent: a second call reuses the running cluster ...
         assert init_ray(num_cpus=8) is handle
         assert init_ray(address=handle.address) is handle
         assert ray.cluster_resources()["CPU"] == 4.0
+        # ... and calls nest: their shutdown_ray calls leave the outer block's cluster running
+        shutdown_ray()
+        shutdown_ray()
+        assert ray.is_initialized() and ray.get(_square_and_where.remote(2)) == (4, LOOPBACK)
         # ... but never stands in silently for a different cluster.
         with pytest.raises(ValueError, match=r"already initialised .* not the requested address '127\.0\.0\.1:1'"):
             init_ray(address="127.0.0.1:1")

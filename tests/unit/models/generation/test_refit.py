@@ -43,7 +43,7 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.lm_policy import Policy
 from vllm_engine_state import engine_state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 SEQ = 64
 MAX_NEW_TOKENS = 12

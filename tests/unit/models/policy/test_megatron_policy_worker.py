@@ -30,7 +30,7 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 SEQ = 32
 LENGTHS = (32, 5, 17, 9, 24, 12, 30, 7)
