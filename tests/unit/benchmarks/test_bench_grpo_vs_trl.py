@@ -1,8 +1,8 @@
 """The pure parts of ``benchmarks/bench_grpo_vs_trl.py`` (no GRPO run): the ``--device cuda``
 prerequisite check and its exit, both frameworks' settings for each device (ours validated by
 our config models, TRL's against ``GRPOConfig``'s fields), the response-length statistics, and
-the early-EOS checkpoint of the skewed case (on the tiny Llama: its EOS probability and the
-lengths it samples)."""
+the early-stopping checkpoint of the skewed case (on the tiny Llama: its stop probability and
+the lengths it samples)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO / "benchmarks")]
 
 import bench_grpo_vs_trl as bench  # noqa: E402
-import early_eos_model  # noqa: E402
+import early_stop_model  # noqa: E402
 from grpo_vs_trl_task import prompt_texts, read_step_lengths  # noqa: E402
 
 
@@ -125,38 +125,46 @@ def test_parse_args_defaults_and_step_floor() -> None:
 
 
 @pytest.fixture(scope="module")
-def early_eos_tiny(tmp_path_factory) -> Path:
-    """The tiny Llama with a 3 % EOS probability, built from a copy in a temporary folder."""
+def early_stop_tiny(tmp_path_factory) -> Path:
+    """The tiny Llama stopping with a 3 % probability, built from a copy in a temporary folder."""
     from nemo_rl.models.tiny import resolve_model_path
 
-    base = tmp_path_factory.mktemp("eos") / "tiny-llama"
+    base = tmp_path_factory.mktemp("stop") / "tiny-llama"
     shutil.copytree(resolve_model_path("tiny-llama"), base)
-    return early_eos_model.build_early_eos_model(base, 0.03, prompt_texts(16))
+    return early_stop_model.build_early_stop_model(base, 0.03, prompt_texts(16))
 
 
-def test_early_eos_model_ends_responses_early(early_eos_tiny: Path) -> None:
+def test_early_stop_model_ends_responses_early(early_stop_tiny: Path) -> None:
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert early_eos_model.build_early_eos_model(
-        early_eos_tiny.parent / "tiny-llama", 0.03, prompt_texts(16)
-    ) == early_eos_tiny  # built once, then reused
-    tokenizer = AutoTokenizer.from_pretrained(early_eos_tiny)
-    model = AutoModelForCausalLM.from_pretrained(early_eos_tiny, dtype=torch.float32).eval()
-    eos = tokenizer.eos_token_id
-    assert model.generation_config.eos_token_id == eos
+    base = early_stop_tiny.parent / "tiny-llama"
+    assert early_stop_model.build_early_stop_model(
+        base, 0.03, prompt_texts(16)
+    ) == early_stop_tiny  # built once, then reused
+    # the weights are the base's, untouched
+    (weights,) = base.glob("*.safetensors")
+    for name, tensor in load_file(weights).items():
+        assert torch.equal(tensor, load_file(early_stop_tiny / weights.name)[name]), name
+    tokenizer = AutoTokenizer.from_pretrained(early_stop_tiny)
+    model = AutoModelForCausalLM.from_pretrained(early_stop_tiny, dtype=torch.float32).eval()
+    eos, *stops = model.generation_config.eos_token_id
+    assert eos == tokenizer.eos_token_id and stops
+    assert not any(ch.isdigit() for t in stops for ch in tokenizer.decode([t]))
+    stop_set = torch.tensor([eos, *stops])
     # a probe the calibration never saw (other prompts, other random tails): ~3 % per token
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
         for t in prompt_texts(48)[32:]
     ]
-    ids, prompt_len = early_eos_model.probe_ids(prompts, len(tokenizer))
+    ids, prompt_len = early_stop_model.probe_ids(prompts, len(tokenizer))
     ids[:, prompt_len:] = torch.randint(0, len(tokenizer), ids[:, prompt_len:].shape,
                                         generator=torch.Generator().manual_seed(7))
-    probs = early_eos_model.eos_probabilities(model, ids, prompt_len, eos)
+    probs = early_stop_model.next_token_probs(model, ids, prompt_len)[..., stop_set].sum(-1)
     assert 0.02 < probs.mean().item() < 0.045
-    assert probs.max().item() < 0.2  # nearly the same everywhere: no position forces EOS
-    # sampled: most responses short, some run to the limit of 64
+    assert probs.max().item() < 0.2  # nearly the same everywhere: no position forces a stop
+    # sampled with the folder's generation config: most responses short, some run to 64
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                           add_generation_prompt=True, tokenize=False)
             for t in prompt_texts(8)]
@@ -164,7 +172,7 @@ def test_early_eos_model_ends_responses_early(early_eos_tiny: Path) -> None:
     torch.manual_seed(0)
     out = model.generate(**batch, max_new_tokens=64, do_sample=True, top_k=0, top_p=1.0,
                          pad_token_id=tokenizer.pad_token_id)
-    ended = out[:, batch["input_ids"].shape[1]:] == eos
+    ended = torch.isin(out[:, batch["input_ids"].shape[1]:], stop_set)
     lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, 64)
     assert ended.any(1).float().mean() > 0.7  # P(end within 64) = 1 - 0.97^64 = 0.86
     assert 10 <= lengths.float().median() <= 35  # geometric: median ln 2 / 0.03 = 23
