@@ -87,7 +87,9 @@ def choose_stop_tokens(
         chosen.append(candidates[index])
         total += mean_probs[candidates[index]].item()
     if total < stop_prob:
-        raise ValueError(f"the candidates hold only {total:.3f} of the probability, not {stop_prob}")
+        raise ValueError(
+            f"the candidates hold only {total:.3f} of the probability, not {stop_prob}"
+        )
     return chosen
 
 

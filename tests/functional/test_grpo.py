@@ -3,10 +3,10 @@
 Tiny Llama on the synthetic arithmetic task, 4 prompts x 2 generations per step, after a short
 SFT warm start that lowers the NLL. Three runs: colocated with the default loss (the session's
 shared warm-started run of 3 steps, also test_checkpoint_survival.py's uninterrupted run); and,
-of 2 steps, non-colocated with ``loss_fn.force_on_policy_ratio`` (one optimizer step per rollout, so the step
-skips the policy's logprob pass), checkpointing every step; and the same in async mode with
-``grpo.async_grpo.max_trajectory_age_steps=0``. Checks: finite metrics; the first step is
-on-policy (the importance ratio is 1 and vLLM's logprobs agree with the policy's:
+of 2 steps, non-colocated with ``loss_fn.force_on_policy_ratio`` (one optimizer step per
+rollout, so the step skips the policy's logprob pass), checkpointing every step; and the same
+in async mode with ``grpo.async_grpo.max_trajectory_age_steps=0``. Checks: finite metrics; the
+first step is on-policy (the importance ratio is 1 and vLLM's logprobs agree with the policy's:
 token_mult_prob_error ~ 1); the on-policy mode gives the default's first step (same loss and
 gradient) without the pass; async at bound 0 trains the synchronous run's steps (the collector
 generates in the synchronous order and refits between batches) and its checkpoints hold what
