@@ -153,6 +153,7 @@ def start_rollout_run(
         if not colocated:
             clusters.append(RayVirtualCluster(bundles, use_gpus, cpus, name="generation",
                                               other_bundles_per_node=beside))
+
         def start_policy() -> Any:
             return (policy_factory or Policy)(
                 train_cluster, cfg.policy, init_reference_model=init_reference_model, seed=loop.seed
