@@ -76,7 +76,7 @@ def test_our_overrides_validate_for_every_variant(device: str, tmp_path: Path) -
         assert cfg.env.bench.environment_call()[3] == {
             "reward": "leading_digit", "lengths_path": lengths_path
         }
-        assert policy.sequence_packing.enabled == (variant == "ours_packed")
+        assert policy.sequence_packing.enabled == (variant in ("ours", "ours_on_policy"))
         assert policy.dynamic_batching.enabled == (variant == "ours_dynamic")
         assert cfg.loss_fn.force_on_policy_ratio == (variant == "ours_on_policy")
         if device == "cpu":
@@ -118,8 +118,8 @@ def test_length_stats_and_step_split(tmp_path: Path) -> None:
 
 
 def test_parse_args_defaults_and_step_floor() -> None:
-    args = bench.parse_args(["--case", "40m", "--also", "packed"])
-    assert args.steps == bench.CASES["40m"].steps and args.also == ["packed"]
+    args = bench.parse_args(["--case", "40m", "--also", "padded"])
+    assert args.steps == bench.CASES["40m"].steps and args.also == ["padded"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "3"])
 
