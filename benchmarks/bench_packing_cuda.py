@@ -2,8 +2,8 @@
 
 The CPU worker benchmark (``bench_megatron_worker_train.py``) measures packing on 2 cores; this
 one asks the cluster user's question: on a GPU, with the local layer spec (no
-TransformerEngine: packed attention is torch's fused ``scaled_dot_product_attention`` once per
-sequence), does packing a rollout's skewed responses pay?
+TransformerEngine: packed attention is :mod:`nemo_rl.models.megatron.packed_attention`), does
+packing a rollout's skewed responses pay?
 
 Workload: ``MegatronPolicyWorker.train`` (single rank, in-process) with ``NLLLoss`` on the
 GPU check's 0.97 B Llama in bf16 (``gpu_check.LLAMA_1B``); one global batch of ``--samples``
@@ -100,7 +100,7 @@ def main() -> None:
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
+            raise SystemExit("--device cuda: no CUDA device here (--device cpu: a smoke test)")
         sizes, precision, peak_n = LLAMA_1B, "bfloat16", 8192
     else:
         sizes, precision, peak_n = TINY, "float32", 256

@@ -10,9 +10,10 @@ Layout (the one megatron's rotary embeddings and TransformerEngine use): the ful
 ``2 * CP - 1 - r``, so every rank gets the same share of causal-attention work. For packed
 sequences (``thd``) the same cut is applied to every sequence of the pack separately.
 
-On one rank (CP size 1) plain causal attention, packed or not, runs torch's fused
-``scaled_dot_product_attention`` (per sequence when packed): no ``[S, S]`` scores are
-materialised, and packs cost the sum of their sequences' squared lengths, not the pack's.
+On one rank (CP size 1) plain causal attention, packed or not, runs torch's fused kernels
+(``scaled_dot_product_attention``; packs: :mod:`nemo_rl.models.megatron.packed_attention`, the
+varlen flash-attention kernel on CUDA): no ``[S, S]`` scores are materialised, and packs cost
+the sum of their sequences' squared lengths, not the pack's.
 
 Algorithm under CP (and for masks the fused kernel does not take): all-gather K and V over the
 CP group (their backward reduce-scatters the gradients), then compute plain softmax attention
@@ -45,6 +46,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 from megatron.core.utils import divide
+
+from nemo_rl.models.megatron.packed_attention import packed_causal_attention
 
 # Score written into masked positions before the softmax; megatron's local attention uses the
 # same finite value, so a fully masked row yields a uniform distribution instead of NaN.
@@ -362,7 +365,7 @@ class ContextParallelDotProductAttention(MegatronModule):
         value: Tensor,
         packed_seq_params: Optional[PackedSeqParams],
     ) -> Tensor:
-        """Causal attention with torch's fused kernel, per sequence when packed.
+        """Causal attention with torch's fused kernels (packed: :mod:`.packed_attention`).
 
         Args:
             query: [s, b, np, hn] (packed: b = 1, sequences back to back along s).
@@ -375,25 +378,19 @@ class ContextParallelDotProductAttention(MegatronModule):
             [s, b, np * hn] (packed: [s, 1, np * hn]); rows past the last sequence are zero.
         """
         s, b = query.shape[:2]
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            max_len = packed_seq_params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+            context = packed_causal_attention(
+                query[:, 0], key[:, 0], value[:, 0], cu, max_len, self.softmax_scale
+            )
+            return context.reshape(s, 1, self.hidden_size_per_partition)
         # [s, b, heads, hn] -> [b, heads, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        gqa = q.size(1) != k.size(1)
-
-        def attend(lo: int, hi: int) -> Tensor:
-            return torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi],
-                is_causal=True, scale=self.softmax_scale, enable_gqa=gqa,
-            )
-
-        if packed_seq_params is None:
-            context = attend(0, s)
-        else:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
-            parts = [attend(lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
-            if cu[-1] < s:
-                parts.append(q.new_zeros(b, q.size(1), s - cu[-1], q.size(-1)))
-            context = torch.cat(parts, dim=2)
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1)
+        )
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
     def _softmax(self, scores: Tensor, mask: Optional[Tensor]) -> Tensor:
