@@ -23,9 +23,10 @@ from torch import Tensor
 
 
 @functools.cache
-def _varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any]] | None:
-    """torch's varlen flash-attention function and the keyword arguments that make it causal
-    (its signature changed across torch releases), or None where torch lacks it."""
+def _varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any], bool] | None:
+    """torch's varlen flash-attention function, the keyword arguments that make it causal and
+    whether it takes ``enable_gqa`` (its signature changed across torch releases), or None
+    where torch lacks it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -37,7 +38,7 @@ def _varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any]] | None:
         causal = {"is_causal": True}
     else:
         return None
-    return varlen_attn, causal
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 def varlen_applies(query: Tensor) -> bool:
@@ -76,11 +77,10 @@ def varlen_causal(
 ) -> Tensor:
     """:func:`packed_causal_attention` with torch's varlen flash-attention kernel (CUDA, bf16 or
     fp16 only)."""
-    kernel, causal = _varlen_kernel()
-    params = inspect.signature(kernel).parameters
+    kernel, causal, takes_gqa = _varlen_kernel()
     groups = query.size(1) // key.size(1)
     kwargs: dict[str, Any] = dict(causal, scale=scale)
-    if groups > 1 and "enable_gqa" in params:
+    if groups > 1 and takes_gqa:
         kwargs["enable_gqa"] = True
     elif groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
