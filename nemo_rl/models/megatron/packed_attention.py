@@ -102,14 +102,19 @@ def per_sequence_causal(
     # [t, heads, hn] -> [1, heads, t, hn]
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
     gqa = q.size(1) != k.size(1)
+    # One split, not a slice per sequence: a slice's backward writes its gradient into a
+    # zero tensor of the whole pack's size (one per sequence and input, then summed); the
+    # split's backward concatenates the pieces' gradients once.
+    sizes = [hi - lo for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    tail = q.size(2) - cu_seqlens[-1]
+    pieces = [t.split([*sizes, tail], dim=2) for t in (q, k, v)]
     parts = [
         torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi],
-            is_causal=True, scale=scale, enable_gqa=gqa,
+            qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa
         )
-        for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])
-        if hi > lo
+        for qi, ki, vi, n in zip(*pieces, sizes)
+        if n > 0
     ]
-    if cu_seqlens[-1] < q.size(2):
-        parts.append(q.new_zeros(1, q.size(1), q.size(2) - cu_seqlens[-1], q.size(-1)))
+    if tail > 0:
+        parts.append(q.new_zeros(1, q.size(1), tail, q.size(-1)))
     return torch.cat(parts, dim=2)[0].permute(1, 0, 2)
