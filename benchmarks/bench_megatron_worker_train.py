@@ -22,13 +22,17 @@ Phases:
   samples, 24-512 tokens, 1,972 real tokens in a ``[16, 512]`` batch) with fixed micro-batches
   of 4 padded rows, token-budget dynamic micro-batches, and sequence packing, both at a budget of
   2,048 tokens (4 x 512). Target packed / padded >= 1.5.
+* ``grpo_packed``: the worker, sequence packing, on a GRPO step's shape: 128 samples of a
+  24-token prompt and a seeded response (10 % at the 128-token limit, the rest uniform in
+  1-128), packs of 32 x 152 tokens. Its share of the peak against the uniform batch's is what
+  packing many short sequences costs per FLOP.
 
 Compute: the fraction of this machine's fp32 matmul peak (``torch.mm`` of 2048 x 2048, all
 threads, best of 10, measured in every phase's process; the largest is the peak) reached by the model FLOPs of each phase, forward + backward
 (3 x forward): 6 x (matmul parameters: projections, MLP, LM head) per real token, plus causal
 attention 6 x layers x q-width x length^2 per sample. Padding is not counted as work.
 
-Run (about 5 minutes on 2 cores):
+Run (about 7 minutes on 2 cores):
 
     PYTHONPATH=. python benchmarks/bench_megatron_worker_train.py [--steps 3]
 """
@@ -56,7 +60,7 @@ SIZES = dict(
 UNIFORM_ROWS, UNIFORM_LEN, UNIFORM_MBS = 8, 256, 2
 SKEWED_LENGTHS = (512, 480, 64, 48, 40, 96, 32, 72, 56, 128, 24, 80, 36, 60, 44, 200)
 SKEWED_MBS = 4
-TOKEN_BUDGET = SKEWED_MBS * max(SKEWED_LENGTHS)
+GRPO_SAMPLES, GRPO_PROMPT, GRPO_MAX_RESPONSE, GRPO_MBS = 128, 24, 128, 32
 LR = 1e-5
 
 
@@ -153,8 +157,29 @@ def run_hf(path: str, steps: int, with_compat: bool) -> list[float]:
     return times[1:]
 
 
-def run_worker(path: str, steps: int, mode: str) -> list[float]:
-    """Step times of a single-rank MegatronPolicyWorker; ``mode`` picks batch and micro-batching."""
+def grpo_response_lengths(samples: int, max_response: int, seed: int = 0) -> list[int]:
+    """Seeded response lengths (tokens) of a GRPO step: 10 % at ``max_response`` (the few that
+    hit the limit), the rest uniform in ``1 .. min(512, max_response)``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    short = torch.randint(1, min(512, max_response) + 1, (samples,), generator=gen).tolist()
+    at_limit = set(torch.randperm(samples, generator=gen)[: max(1, samples // 10)].tolist())
+    return [max_response if i in at_limit else n for i, n in enumerate(short)]
+
+
+def time_worker_steps(
+    path: str, batch: Any, mbs: int, steps: int, batching: str, token_budget: int,
+    precision: str = "float32",
+) -> list[float]:
+    """Step times of a single-rank ``MegatronPolicyWorker`` (in-process, no Ray) training
+    ``NLLLoss`` on ``batch`` (one global batch), after one warm-up step.
+
+    Args:
+        batching: ``padded`` (micro-batches of ``mbs`` rows, each padded to its longest),
+            ``dynamic`` (token-budget micro-batches) or ``packed`` (sequence packing).
+        token_budget: tokens per micro-batch of ``dynamic`` and ``packed``.
+    """
     import torch
 
     from nemo_rl.algorithms.loss import NLLLoss
@@ -163,28 +188,26 @@ def run_worker(path: str, steps: int, mode: str) -> list[float]:
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
-    if mode == "uniform":
-        batch, mbs = make_batch((UNIFORM_LEN,) * UNIFORM_ROWS, UNIFORM_LEN), UNIFORM_MBS
-    else:
-        batch, mbs = make_batch(SKEWED_LENGTHS, max(SKEWED_LENGTHS)), SKEWED_MBS
     gbs = batch.size
     config = PolicyConfig(
         model_name=path,
+        precision=precision,
         train_global_batch_size=gbs,
         train_micro_batch_size=mbs,
+        logprob_batch_size=mbs,
         max_total_sequence_length=batch["input_ids"].shape[1],
         megatron_cfg={
             "optimizer": {"lr": LR, "min_lr": LR, "weight_decay": 0.01, "clip_grad": 1.0},
         },
-        sequence_packing={"enabled": mode == "packed"},
+        sequence_packing={"enabled": batching == "packed"},
     )
     common = {"input_key": "input_ids", "input_lengths_key": "input_lengths",
-              "max_tokens_per_microbatch": TOKEN_BUDGET}
-    if mode == "dynamic":
+              "max_tokens_per_microbatch": token_budget}
+    if batching == "dynamic":
         (batch,) = batch.shard_by_batch_size(
             1, batch_size=gbs, dynamic_batching_args={**common, "sequence_length_round": 8}
         ).shards
-    elif mode == "packed":
+    elif batching == "packed":
         (batch,) = batch.shard_by_batch_size(
             1, batch_size=gbs,
             sequence_packing_args={**common, "sequence_length_round": 2,
@@ -197,19 +220,40 @@ def run_worker(path: str, steps: int, mode: str) -> list[float]:
         for _ in range(steps + 1):
             start = time.perf_counter()
             worker.train(batch, NLLLoss(), gbs=gbs, mbs=mbs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     finally:
         worker.shutdown()
     return times[1:]
 
 
+def workload(name: str) -> tuple[tuple[int, ...], int, int]:
+    """Sample lengths (tokens), row length and rows per micro-batch of a named workload
+    (a dynamic or packed micro-batch holds as many tokens as ``rows x row length``)."""
+    if name == "uniform":
+        return (UNIFORM_LEN,) * UNIFORM_ROWS, UNIFORM_LEN, UNIFORM_MBS
+    if name == "skewed":
+        return SKEWED_LENGTHS, max(SKEWED_LENGTHS), SKEWED_MBS
+    responses = grpo_response_lengths(GRPO_SAMPLES, GRPO_MAX_RESPONSE)
+    lengths = tuple(GRPO_PROMPT + n for n in responses)
+    return lengths, GRPO_PROMPT + GRPO_MAX_RESPONSE, GRPO_MBS
+
+
+def run_worker(path: str, steps: int, name: str, batching: str) -> list[float]:
+    """Step times of the worker on the workload ``name`` (:func:`workload`)."""
+    lengths, seq, mbs = workload(name)
+    return time_worker_steps(path, make_batch(lengths, seq), mbs, steps, batching, mbs * seq)
+
+
 PHASES = {
     "hf": ("uniform", lambda p, s: run_hf(p, s, with_compat=False)),
     "hf+compat": ("uniform", lambda p, s: run_hf(p, s, with_compat=True)),
-    "worker": ("uniform", lambda p, s: run_worker(p, s, "uniform")),
-    "padded": ("skewed", lambda p, s: run_worker(p, s, "padded")),
-    "dynamic": ("skewed", lambda p, s: run_worker(p, s, "dynamic")),
-    "packed": ("skewed", lambda p, s: run_worker(p, s, "packed")),
+    "worker": ("uniform", lambda p, s: run_worker(p, s, "uniform", "padded")),
+    "padded": ("skewed", lambda p, s: run_worker(p, s, "skewed", "padded")),
+    "dynamic": ("skewed", lambda p, s: run_worker(p, s, "skewed", "dynamic")),
+    "packed": ("skewed", lambda p, s: run_worker(p, s, "skewed", "packed")),
+    "grpo_packed": ("grpo", lambda p, s: run_worker(p, s, "grpo", "packed")),
 }
 
 
@@ -225,7 +269,6 @@ def main() -> None:
         print(json.dumps({"best_step_s": min(times), "peak_flops": max(peak, matmul_peak_flops())}))
         return
 
-    tokens = {"uniform": (UNIFORM_LEN,) * UNIFORM_ROWS, "skewed": SKEWED_LENGTHS}
     results: dict[str, float] = {}
     peak = 0.0
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -238,11 +281,11 @@ def main() -> None:
         results[name] = measured["best_step_s"]
         peak = max(peak, measured["peak_flops"])
     print(f"fp32 matmul peak (torch.mm 2048^2): {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'phase':<10} {'step s':>8} {'tokens/s':>10} {'of peak':>8}")
-    for name, (workload, _) in PHASES.items():
-        lengths, step_s = tokens[workload], results[name]
+    print(f"{'phase':<12} {'step s':>8} {'tokens/s':>10} {'of peak':>8}")
+    for name, (kind, _) in PHASES.items():
+        lengths, step_s = workload(kind)[0], results[name]
         mfu = model_flops(lengths) / step_s / peak
-        print(f"{name:<10} {step_s:8.2f} {sum(lengths) / step_s:10.0f} {mfu:8.1%}")
+        print(f"{name:<12} {step_s:8.2f} {sum(lengths) / step_s:10.0f} {mfu:8.1%}")
     print(f"worker / HF tokens/s:          {results['hf'] / results['worker']:.2f}  (target >= 0.9)")
     print(f"packed / padded tokens/s:      {results['padded'] / results['packed']:.2f}  (target >= 1.5)")
     print(f"dynamic / padded tokens/s:     {results['padded'] / results['dynamic']:.2f}")

@@ -26,66 +26,20 @@ at toy sizes in fp32 (a smoke test: the numbers mean nothing there).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
-from typing import Any
 
 import torch
 
-from benchmarks.bench_megatron_worker_train import make_batch, matmul_peak_flops, model_flops
+from benchmarks.bench_megatron_worker_train import (
+    grpo_response_lengths,
+    make_batch,
+    matmul_peak_flops,
+    model_flops,
+    time_worker_steps,
+)
 from benchmarks.gpu_check import LLAMA_1B, TINY, VOCAB_ROWS
 
 PROMPT_TOKENS = 128
-
-
-def response_lengths(samples: int, max_response: int, seed: int = 0) -> list[int]:
-    """Seeded response lengths (tokens): 10 % at ``max_response``, the rest uniform in
-    ``1 .. min(512, max_response)``."""
-    gen = torch.Generator().manual_seed(seed)
-    short = torch.randint(1, min(512, max_response) + 1, (samples,), generator=gen).tolist()
-    at_limit = set(torch.randperm(samples, generator=gen)[: max(1, samples // 10)].tolist())
-    return [max_response if i in at_limit else n for i, n in enumerate(short)]
-
-
-def time_mode(
-    path: str, precision: str, batch: Any, mbs: int, seq: int, packed: bool, steps: int
-) -> list[float]:
-    """Step times of one single-rank worker (``packed``: sequence packing at ``mbs x seq``
-    tokens a micro-batch; else fixed micro-batches of ``mbs`` padded rows)."""
-    from megatron_bridge.parallel_state import find_free_port
-    from nemo_rl.algorithms.loss import NLLLoss
-    from nemo_rl.models.policy.config import PolicyConfig
-    from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(find_free_port()))
-    rows = batch.size
-    config = PolicyConfig(
-        model_name=path, precision=precision, train_global_batch_size=rows,
-        train_micro_batch_size=mbs, logprob_batch_size=mbs, max_total_sequence_length=seq,
-        megatron_cfg={"optimizer": {"lr": 1e-5, "min_lr": 1e-5, "clip_grad": 1.0}},
-        sequence_packing={"enabled": packed},
-    )
-    if packed:
-        (batch,) = batch.shard_by_batch_size(1, batch_size=rows, sequence_packing_args={
-            "input_key": "input_ids", "input_lengths_key": "input_lengths",
-            "max_tokens_per_microbatch": mbs * seq, "sequence_length_round": 2,
-            "algorithm": "modified_first_fit_decreasing",
-        }).shards
-    torch.manual_seed(0)
-    worker = MegatronPolicyWorker(config, path, init_reference_model=False)
-    times = []
-    try:
-        for _ in range(steps + 1):  # the first warms up
-            start = time.perf_counter()
-            worker.train(batch, NLLLoss(), gbs=rows, mbs=mbs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    finally:
-        worker.shutdown()
-    return times[1:]
 
 
 def main() -> None:
@@ -105,7 +59,7 @@ def main() -> None:
     else:
         sizes, precision, peak_n = TINY, "float32", 256
         args.samples, args.max_response = min(args.samples, 16), min(args.max_response, 64)
-    lengths = tuple(PROMPT_TOKENS + n for n in response_lengths(args.samples, args.max_response))
+    lengths = tuple(PROMPT_TOKENS + n for n in grpo_response_lengths(args.samples, args.max_response))
     seq = PROMPT_TOKENS + args.max_response
     batch = make_batch(lengths, seq)
     peak = matmul_peak_flops(peak_n, 10, args.device, precision)
@@ -117,7 +71,7 @@ def main() -> None:
           f"{peak / 1e12:.1f} TFLOP/s", flush=True)
     rate = {}
     for mode in ("padded", "packed"):
-        times = time_mode(path, precision, batch, args.mbs, seq, mode == "packed", args.steps)
+        times = time_worker_steps(path, batch, args.mbs, args.steps, mode, args.mbs * seq, precision)
         step = statistics.median(times)
         rate[mode] = sum(lengths) / step
         print(f"{mode:7s} step {step:.3f} s (of {[round(t, 3) for t in times]}), "
