@@ -187,7 +187,9 @@ def time_worker_steps(
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
+    )
     gbs = batch.size
     config = PolicyConfig(
         model_name=path,

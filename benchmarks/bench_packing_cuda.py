@@ -59,7 +59,8 @@ def main() -> None:
     else:
         sizes, precision, peak_n = TINY, "float32", 256
         args.samples, args.max_response = min(args.samples, 16), min(args.max_response, 64)
-    lengths = tuple(PROMPT_TOKENS + n for n in grpo_response_lengths(args.samples, args.max_response))
+    responses = grpo_response_lengths(args.samples, args.max_response)
+    lengths = tuple(PROMPT_TOKENS + n for n in responses)
     seq = PROMPT_TOKENS + args.max_response
     batch = make_batch(lengths, seq)
     peak = matmul_peak_flops(peak_n, 10, args.device, precision)
@@ -71,7 +72,9 @@ def main() -> None:
           f"{peak / 1e12:.1f} TFLOP/s", flush=True)
     rate = {}
     for mode in ("padded", "packed"):
-        times = time_worker_steps(path, batch, args.mbs, args.steps, mode, args.mbs * seq, precision)
+        times = time_worker_steps(
+            path, batch, args.mbs, args.steps, mode, args.mbs * seq, precision
+        )
         step = statistics.median(times)
         rate[mode] = sum(lengths) / step
         print(f"{mode:7s} step {step:.3f} s (of {[round(t, 3) for t in times]}), "
