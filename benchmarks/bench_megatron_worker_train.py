@@ -237,6 +237,8 @@ def workload(name: str) -> tuple[tuple[int, ...], int, int]:
         return (UNIFORM_LEN,) * UNIFORM_ROWS, UNIFORM_LEN, UNIFORM_MBS
     if name == "skewed":
         return SKEWED_LENGTHS, max(SKEWED_LENGTHS), SKEWED_MBS
+    if name != "grpo":
+        raise ValueError(f"unknown workload {name!r}: one of 'uniform', 'skewed', 'grpo'")
     responses = grpo_response_lengths(GRPO_SAMPLES, GRPO_MAX_RESPONSE)
     lengths = tuple(GRPO_PROMPT + n for n in responses)
     return lengths, GRPO_PROMPT + GRPO_MAX_RESPONSE, GRPO_MBS

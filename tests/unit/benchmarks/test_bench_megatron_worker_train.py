@@ -1,6 +1,8 @@
 """The worker benchmarks' GRPO-shaped batch (CPU ``grpo_packed`` phase, GPU packing benchmark):
 seeded, skewed response lengths."""
 
+import pytest
+
 from benchmarks.bench_megatron_worker_train import grpo_response_lengths, workload
 
 
@@ -20,3 +22,5 @@ def test_grpo_workload_is_prompt_plus_response_within_its_row() -> None:
     assert len(lengths) == 128 and row == 24 + 128 and rows_per_micro_batch == 32
     assert min(lengths) >= 25 and max(lengths) == row
     assert workload("skewed")[1] == 512 and workload("uniform") == ((256,) * 8, 256, 2)
+    with pytest.raises(ValueError, match="unknown workload 'grpo_packed'"):
+        workload("grpo_packed")
