@@ -26,13 +26,17 @@ Phases:
   24-token prompt and a seeded response (10 % at the 128-token limit, the rest uniform in
   1-128), packs of 32 x 152 tokens. Its share of the peak against the uniform batch's is what
   packing many short sequences costs per FLOP.
+* ``grpo_equal_padded`` / ``grpo_equal_packed``: the worker on 128 samples of the same length
+  (a 24-token prompt and a 64-token response, the 40 M case of ``bench_grpo_vs_trl.py``, where
+  every response reaches the limit), micro-batches of 32 padded rows against packs of 32 x 88
+  tokens: where padding wastes nothing, what packing costs (target packed / padded >= 0.95).
 
 Compute: the fraction of this machine's fp32 matmul peak (``torch.mm`` of 2048 x 2048, all
 threads, best of 10, measured in every phase's process; the largest is the peak) reached by the model FLOPs of each phase, forward + backward
 (3 x forward): 6 x (matmul parameters: projections, MLP, LM head) per real token, plus causal
 attention 6 x layers x q-width x length^2 per sample. Padding is not counted as work.
 
-Run (about 7 minutes on 2 cores):
+Run (about 10 minutes on 2 cores):
 
     PYTHONPATH=. python benchmarks/bench_megatron_worker_train.py [--steps 3]
 """
@@ -61,6 +65,7 @@ UNIFORM_ROWS, UNIFORM_LEN, UNIFORM_MBS = 8, 256, 2
 SKEWED_LENGTHS = (512, 480, 64, 48, 40, 96, 32, 72, 56, 128, 24, 80, 36, 60, 44, 200)
 SKEWED_MBS = 4
 GRPO_SAMPLES, GRPO_PROMPT, GRPO_MAX_RESPONSE, GRPO_MBS = 128, 24, 128, 32
+GRPO_EQUAL_RESPONSE = 64
 LR = 1e-5
 
 
@@ -237,8 +242,13 @@ def workload(name: str) -> tuple[tuple[int, ...], int, int]:
         return (UNIFORM_LEN,) * UNIFORM_ROWS, UNIFORM_LEN, UNIFORM_MBS
     if name == "skewed":
         return SKEWED_LENGTHS, max(SKEWED_LENGTHS), SKEWED_MBS
+    if name == "grpo_equal":
+        length = GRPO_PROMPT + GRPO_EQUAL_RESPONSE
+        return (length,) * GRPO_SAMPLES, length, GRPO_MBS
     if name != "grpo":
-        raise ValueError(f"unknown workload {name!r}: one of 'uniform', 'skewed', 'grpo'")
+        raise ValueError(
+            f"unknown workload {name!r}: one of 'uniform', 'skewed', 'grpo', 'grpo_equal'"
+        )
     responses = grpo_response_lengths(GRPO_SAMPLES, GRPO_MAX_RESPONSE)
     lengths = tuple(GRPO_PROMPT + n for n in responses)
     return lengths, GRPO_PROMPT + GRPO_MAX_RESPONSE, GRPO_MBS
@@ -258,6 +268,8 @@ PHASES = {
     "dynamic": ("skewed", lambda p, s: run_worker(p, s, "skewed", "dynamic")),
     "packed": ("skewed", lambda p, s: run_worker(p, s, "skewed", "packed")),
     "grpo_packed": ("grpo", lambda p, s: run_worker(p, s, "grpo", "packed")),
+    "grpo_equal_padded": ("grpo_equal", lambda p, s: run_worker(p, s, "grpo_equal", "padded")),
+    "grpo_equal_packed": ("grpo_equal", lambda p, s: run_worker(p, s, "grpo_equal", "packed")),
 }
 
 
@@ -293,6 +305,8 @@ def main() -> None:
     print(f"worker / HF tokens/s:          {results['hf'] / results['worker']:.2f}  (target >= 0.9)")
     print(f"packed / padded tokens/s:      {results['padded'] / results['packed']:.2f}  (target >= 1.5)")
     print(f"dynamic / padded tokens/s:     {results['padded'] / results['dynamic']:.2f}")
+    equal = results["grpo_equal_padded"] / results["grpo_equal_packed"]
+    print(f"packed / padded, equal lengths: {equal:.2f}  (target >= 0.95)")
     print(f"CPU compat overhead on HF loop: {results['hf+compat'] / results['hf'] - 1:+.1%}")
 
 

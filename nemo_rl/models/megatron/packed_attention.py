@@ -5,10 +5,8 @@ Two kernels compute the same function:
 * on CUDA in bf16 / fp16, torch's variable-length flash-attention kernel
   (``torch.nn.attention.varlen.varlen_attn``): one call for the whole pack;
 * elsewhere (CPU, fp32, a torch without the kernel), torch's fused
-  ``scaled_dot_product_attention`` once per sequence.
-
-A pack of many short sequences costs the per-sequence path one kernel launch per sequence and
-layer, forward and backward: on a GPU that launch count, not the arithmetic, sets the step time.
+  ``scaled_dot_product_attention`` once per bucket of sequences of similar length, each padded
+  at its end to the bucket's longest.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ def packed_causal_attention(
     """
     if varlen_applies(query):
         return varlen_causal(query, key, value, cu_seqlens, max_seqlen, scale)
-    return per_sequence_causal(query, key, value, cu_seqlens.tolist(), scale)
+    return bucketed_causal(query, key, value, cu_seqlens.tolist(), scale)
 
 
 def varlen_causal(
@@ -94,27 +92,63 @@ def varlen_causal(
     return out
 
 
-def per_sequence_causal(
+def bucketed_causal(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Sequence[int], scale: float
 ) -> Tensor:
-    """:func:`packed_causal_attention` with torch's fused ``scaled_dot_product_attention``, one
-    call per sequence (any device and dtype)."""
+    """:func:`packed_causal_attention` with torch's fused ``scaled_dot_product_attention`` (any
+    device and dtype): one batched call per :data:`BUCKET_TOKENS`-token length bucket.
+
+    Each sequence is zero-padded at its end to its bucket's longest and the bucket's sequences
+    run as one ``[g, heads, length, hn]`` batch. Causal attention keeps the appended rows out of
+    every real row's output, so the result is the per-sequence one; the padded rows' outputs
+    are dropped. A GRPO pack holds many sequences of similar length, so this is a few calls a
+    layer instead of one per sequence.
+    """
     # [t, heads, hn] -> [1, heads, t, hn]
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
     gqa = q.size(1) != k.size(1)
+    sizes = [hi - lo for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    tail = q.size(2) - cu_seqlens[-1]
     # One split, not a slice per sequence: a slice's backward writes its gradient into a
     # zero tensor of the whole pack's size (one per sequence and input, then summed); the
     # split's backward concatenates the pieces' gradients once.
-    sizes = [hi - lo for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    tail = q.size(2) - cu_seqlens[-1]
     pieces = [t.split([*sizes, tail], dim=2) for t in (q, k, v)]
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa
+    outputs: list[Tensor | None] = [None] * len(sizes)
+    for members in length_buckets(sizes).values():
+        longest = max(sizes[i] for i in members)
+        batch = [
+            torch.cat(
+                [_pad_rows(part[i], longest) for i in members], dim=0
+            )  # [g, heads or groups, longest, hn]
+            for part in pieces
+        ]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            *batch, is_causal=True, scale=scale, enable_gqa=gqa
         )
-        for qi, ki, vi, n in zip(*pieces, sizes)
-        if n > 0
-    ]
+        for i, out in zip(members, attended.split(1, dim=0)):
+            outputs[i] = out[:, :, : sizes[i]]
+    parts = [out for out in outputs if out is not None]
     if tail > 0:
         parts.append(q.new_zeros(1, q.size(1), tail, q.size(-1)))
     return torch.cat(parts, dim=2)[0].permute(1, 0, 2)
+
+
+# Sequences whose lengths round up to the same multiple of this many tokens share one attention
+# call: the padding wastes under this many rows of attention per sequence.
+BUCKET_TOKENS = 16
+
+
+def length_buckets(sizes: Sequence[int]) -> dict[int, list[int]]:
+    """Indices of the non-empty sequences of ``sizes`` (tokens) grouped by their length rounded
+    up to a multiple of :data:`BUCKET_TOKENS`, in pack order within each group."""
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        if n > 0:
+            buckets.setdefault(-(-n // BUCKET_TOKENS), []).append(i)
+    return buckets
+
+
+def _pad_rows(piece: Tensor, rows: int) -> Tensor:
+    """``piece`` ``[1, heads, n, hn]`` with zero rows appended up to ``rows``."""
+    missing = rows - piece.size(2)
+    return torch.nn.functional.pad(piece, (0, 0, 0, missing)) if missing else piece

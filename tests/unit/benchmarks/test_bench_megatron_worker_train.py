@@ -22,5 +22,6 @@ def test_grpo_workload_is_prompt_plus_response_within_its_row() -> None:
     assert len(lengths) == 128 and row == 24 + 128 and rows_per_micro_batch == 32
     assert min(lengths) >= 25 and max(lengths) == row
     assert workload("skewed")[1] == 512 and workload("uniform") == ((256,) * 8, 256, 2)
+    assert workload("grpo_equal") == ((88,) * 128, 88, 32)  # the 40 M GRPO case's rows
     with pytest.raises(ValueError, match="unknown workload 'grpo_packed'"):
         workload("grpo_packed")

@@ -22,25 +22,47 @@ def _reference(q, k, v, cu, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def test_packed_causal_attention_matches_block_diagonal_reference() -> None:
+@pytest.mark.parametrize(
+    "cu",
+    [
+        [0, 5, 6, 13, 20],  # sequences of 5, 1, 7 and 7 tokens, then 4 rows of row padding
+        # 17 and 30 share a 32-token bucket (17 is padded to 30 rows), the three 9s and the
+        # 3 share one of 16, 40 is alone
+        [0, 9, 26, 35, 44, 47, 77, 117, 126, 130],
+    ],
+)
+def test_packed_causal_attention_matches_block_diagonal_reference(cu: list[int]) -> None:
+    """Outputs and the gradients of query, key and value equal a float64 reference."""
     torch.manual_seed(0)
-    cu = [0, 5, 6, 13, 20]  # sequences of 5, 1, 7 and 7 tokens, then 4 rows of row padding
-    t, heads, groups, dim = 24, 4, 2, 8
+    t, heads, groups, dim = cu[-1] + 4, 4, 2, 8
     q = torch.randn(t, heads, dim, requires_grad=True)
     k, v = (torch.randn(t, groups, dim, requires_grad=True) for _ in range(2))
-    assert not varlen_applies(q)  # CPU: the per-sequence kernel
-    out = packed_causal_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), 7, 0.3)
+    assert not varlen_applies(q)  # CPU: the bucketed kernel
+    out = packed_causal_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), 40, 0.3)
     assert out.shape == (t, heads, dim)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, cu, 0.3), atol=1e-5, rtol=1e-5)
-    assert torch.equal(out[20:], torch.zeros(4, heads, dim))
-    out.sum().backward()  # differentiable; the padding rows feed nothing
-    assert torch.equal(q.grad[20:], torch.zeros(4, heads, dim))
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = _reference(*leaves, cu, 0.3)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[cu[-1]:], torch.zeros(4, heads, dim))
+    weights = torch.randn(t, heads, dim)  # a loss whose gradient differs row by row
+    (out * weights).sum().backward()
+    (expected * weights.double()).sum().backward()
+    for got, ref in zip((q, k, v), leaves):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q.grad[cu[-1]:], torch.zeros(4, heads, dim))  # the padding feeds nothing
+
+
+def test_length_buckets_group_similar_lengths_in_pack_order() -> None:
+    from nemo_rl.models.megatron.packed_attention import BUCKET_TOKENS, length_buckets
+
+    assert BUCKET_TOKENS == 16
+    assert length_buckets([9, 17, 0, 9, 30, 16, 33]) == {1: [0, 3, 5], 2: [1, 4], 3: [6]}
 
 
 def test_varlen_kernel_matches_per_sequence_on_cuda() -> None:
     """On a GPU in bf16 the pack runs torch's varlen flash-attention kernel: same outputs and
     gradients as the per-sequence kernel, to bf16 rounding."""
-    from nemo_rl.models.megatron.packed_attention import per_sequence_causal, varlen_causal
+    from nemo_rl.models.megatron.packed_attention import bucketed_causal, varlen_causal
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -54,7 +76,7 @@ def test_varlen_kernel_matches_per_sequence_on_cuda() -> None:
     results = []
     for attend in (
         lambda q, k, v: varlen_causal(q, k, v, torch.tensor(cu, device="cuda"), 773, 0.125),
-        lambda q, k, v: per_sequence_causal(q, k, v, cu, 0.125),
+        lambda q, k, v: bucketed_causal(q, k, v, cu, 0.125),
     ):
         leaves = [x.clone().requires_grad_() for x in inputs]
         out = attend(*leaves)
