@@ -116,12 +116,8 @@ def bucketed_causal(
     outputs: list[Tensor | None] = [None] * len(sizes)
     for members in length_buckets(sizes).values():
         longest = max(sizes[i] for i in members)
-        batch = [
-            torch.cat(
-                [_pad_rows(part[i], longest) for i in members], dim=0
-            )  # [g, heads or groups, longest, hn]
-            for part in pieces
-        ]
+        # q, k, v of the bucket: [g, heads (q) or groups (k, v), longest, hn]
+        batch = [torch.cat([_pad_rows(part[i], longest) for i in members]) for part in pieces]
         attended = torch.nn.functional.scaled_dot_product_attention(
             *batch, is_causal=True, scale=scale, enable_gqa=gqa
         )

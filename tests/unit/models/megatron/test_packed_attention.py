@@ -26,8 +26,8 @@ def _reference(q, k, v, cu, scale):
     "cu",
     [
         [0, 5, 6, 13, 20],  # sequences of 5, 1, 7 and 7 tokens, then 4 rows of row padding
-        # 17 and 30 share a 32-token bucket (17 is padded to 30 rows), the three 9s and the
-        # 3 share one of 16, 40 is alone
+        # sequences of 9, 17, 9, 9, 3, 30, 40, 9, 4: 17 and 30 share a 32-token bucket (17 is
+        # padded to 30 rows), the four 9s, the 3 and the 4 share one of 16, 40 is alone
         [0, 9, 26, 35, 44, 47, 77, 117, 126, 130],
     ],
 )
@@ -59,9 +59,9 @@ def test_length_buckets_group_similar_lengths_in_pack_order() -> None:
     assert length_buckets([9, 17, 0, 9, 30, 16, 33]) == {1: [0, 3, 5], 2: [1, 4], 3: [6]}
 
 
-def test_varlen_kernel_matches_per_sequence_on_cuda() -> None:
+def test_varlen_kernel_matches_bucketed_on_cuda() -> None:
     """On a GPU in bf16 the pack runs torch's varlen flash-attention kernel: same outputs and
-    gradients as the per-sequence kernel, to bf16 rounding."""
+    gradients as the bucketed SDPA kernel, to bf16 rounding."""
     from nemo_rl.models.megatron.packed_attention import bucketed_causal, varlen_causal
 
     if not torch.cuda.is_available():
