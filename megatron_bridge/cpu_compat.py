@@ -34,13 +34,14 @@ Accommodations (each one and why):
    as 4). megatron-core selects parameters and gradients by that name in the float16 and
    distributed optimizers (``_build_model_and_main_param_groups``) and in gradient clipping
    (``clip_grad_by_total_norm_fp32``); with CPU names it rejects every parameter.
-7. When this call is the first import of megatron-core, the ``torch.compile`` decorators it
-   applies at import time (``megatron.core.jit.jit_fuser`` on its fusion functions) wrap
-   their function in a deferred compile: ``torch.compile`` runs on the function's first call,
-   exactly as it would have compiled then anyway. Only the import of ``torch._dynamo`` /
-   inductor moves from import time to that first call, which on the CPU is never for the
-   fused kernels (fusions are off): about 2.5 s and 70 MB less per process (measured on
-   2 cores, megatron-core 0.16.1, torch 2.13).
+7. The first import of megatron-core (:func:`import_megatron_core`, which importing the
+   ``megatron_bridge`` package runs, so every path of ours into megatron-core takes it) wraps
+   the ``torch.compile`` decorators megatron-core applies at import time
+   (``megatron.core.jit.jit_fuser`` on its fusion functions) in a deferred compile:
+   ``torch.compile`` runs on the function's first call, exactly as it would have compiled then
+   anyway. Only the import of ``torch._dynamo`` / inductor moves from import time to that first
+   call, which on the CPU is never for the fused kernels (fusions are off): inductor is never
+   imported, which shortens every policy worker's start (docs/performance.md, "Start-up").
 
 8. Without TransformerEngine (on any machine, so :func:`define_missing_te_names` is applied
    apart from the CPU ones), ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is
@@ -208,6 +209,19 @@ def _compile_deferred_during_import() -> Iterator[None]:
         yield
     finally:
         torch.compile = real_compile
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core, on a CPU run with its import-time ``torch.compile`` calls deferred
+    (accommodation 7); on a CUDA machine a plain import. Changes nothing else; a no-op once
+    megatron-core is imported."""
+    if not is_cpu_run():
+        import megatron.core  # noqa: F401
+        return
+    with _compile_deferred_during_import():
+        import megatron.core  # noqa: F401
+        from megatron.core.models.gpt import gpt_model  # noqa: F401
+        from megatron.core.transformer.moe import moe_layer  # noqa: F401
 
 
 def is_cpu_run() -> bool:

@@ -20,8 +20,13 @@ import warnings
 from typing import Any
 
 import torch
-from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import Tensor
+
+from megatron_bridge.cpu_compat import import_megatron_core
+
+import_megatron_core()  # before megatron-core's first import: defers its compiles on CPU
+
+from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 
 # torch._grouped_mm wants every row stride of its operands to be a multiple of 16 bytes.
 _STRIDE_ALIGNMENT_BYTES = 16

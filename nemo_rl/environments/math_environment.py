@@ -7,6 +7,7 @@ inside of an ``<answer>...</answer>`` tag. Each sample scores 1.0 or 0.0 and its
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -44,10 +45,13 @@ def _parse_gold(ground_truth: str, timeout_s: int) -> list[Any]:
     )
 
 
+@functools.lru_cache(maxsize=8192)
 def verify_answer(
     response: str, ground_truth: str, timeout_s: int = 5
 ) -> tuple[bool, Optional[str]]:
-    """Judge one response against a ground truth.
+    """Judge one response against a ground truth. Memoized per process (8192 entries): a
+    group's responses, and a converging policy's across steps, repeat, and each judgement
+    parses both texts with math-verify.
 
     Args:
         response: the model's text.

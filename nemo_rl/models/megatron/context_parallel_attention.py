@@ -33,7 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron_bridge.cpu_compat import import_megatron_core
+
+import_megatron_core()  # before megatron-core's first import: defers its compiles on CPU
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.fusions.fused_softmax import SoftmaxOne
 from megatron.core.packed_seq_params import PackedSeqParams

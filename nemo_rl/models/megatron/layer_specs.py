@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.core.models.gpt.gpt_layer_specs import (
+from megatron_bridge.cpu_compat import import_megatron_core
+
+import_megatron_core()  # before megatron-core's first import: defers its compiles on CPU
+
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )

@@ -91,3 +91,10 @@ def test_metrics_accuracy_and_pass_at_k():
         {"total_reward": torch.tensor([1.0, 0.0])}
     )
     assert metrics == {"accuracy": 0.5}
+
+
+def test_a_repeated_judgement_is_answered_from_memory():
+    verify_answer.cache_clear()
+    first = verify_answer("so \\boxed{12}", "12")
+    assert verify_answer("so \\boxed{12}", "12") == first == (True, "12")
+    assert verify_answer.cache_info().hits == 1

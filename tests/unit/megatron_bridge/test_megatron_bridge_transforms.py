@@ -146,6 +146,21 @@ def test_cpu_compat_redirects_cuda_and_is_idempotent():
     ]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the deferral is a CPU accommodation")
+def test_the_policy_workers_import_defers_megatron_cores_compiles():
+    # A Ray worker's first import of megatron-core is the actor's module: its import-time
+    # torch.compile decorators must stay deferred there, so inductor is never imported.
+    code = (
+        "import sys\n"
+        "import nemo_rl.models.policy.workers.megatron_policy_worker\n"
+        "import megatron_bridge.grouped_experts\n"
+        "print(sorted(m for m in ('torch._inductor.compile_fx', 'megatron.core.fusions."
+        "fused_bias_geglu') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "['megatron.core.fusions.fused_bias_geglu']"
+
+
 def test_tp1_unshard_views_the_shard_except_qkv():
     # At TP=1 the export hands the parameter's own memory on (no copy) wherever the HF
     # tensor is a contiguous piece of it; q/k/v are copied once out of the interleave.

@@ -353,7 +353,7 @@ def test_tiny_cpu_recipe_values() -> None:
     assert cfg.policy.generation.vllm_cfg.max_model_len == 64
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     assert samples == cfg.policy.train_global_batch_size == 128  # one optimizer step per step
-    assert cfg.sft_warmup.enabled and cfg.sft_warmup.global_batch_size == 128
+    assert cfg.sft_warmup.enabled and cfg.sft_warmup.global_batch_size == 32
     assert cfg.policy.megatron_cfg.scheduler.lr_decay_iters == cfg.grpo.max_num_steps
 
 
