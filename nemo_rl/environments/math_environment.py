@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 from math_verify import parse, verify
+from sympy import Basic, srepr
 
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.environments.common import (
@@ -33,12 +34,14 @@ def _timeout(seconds: int) -> Optional[int]:
     return seconds
 
 
-def _parse_gold(ground_truth: str, timeout_s: int) -> list[Any]:
-    """Parse a ground truth given bare (``"0.5"``, ``"\\sqrt{2}"``) or in LaTeX math mode."""
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(ground_truth: str, timeout_s: int) -> tuple[Any, ...]:
+    """Parse a ground truth given bare (``"0.5"``, ``"\\sqrt{2}"``) or in LaTeX math mode.
+    Memoized: a prompt's ground truth is judged once per response."""
     for text in (ground_truth, f"${ground_truth}$", f"\\boxed{{{ground_truth}}}"):
         gold = parse(text, parsing_timeout=_timeout(timeout_s))
         if gold:
-            return gold
+            return tuple(gold)
     raise ValueError(
         f"math-verify cannot parse the ground truth {ground_truth!r}; fix the dataset's "
         "answer field (extra_env_info['ground_truth'])"
@@ -71,7 +74,30 @@ def verify_answer(
     if not predicted:
         return False, None
     extracted = str(predicted[-1]) if isinstance(predicted[-1], str) else str(predicted[0])
-    return bool(verify(gold, predicted, timeout_seconds=_timeout(timeout_s))), extracted
+    return _equivalent(gold, tuple(predicted), timeout_s), extracted
+
+
+def _exact_key(parsed: tuple[Any, ...]) -> tuple[str, ...]:
+    """What identifies a parse exactly: sympy's constructor form of each expression (``srepr``:
+    ``Integer(1)`` and ``Float('1.0', precision=53)`` differ), the type and text of the rest."""
+    return tuple(srepr(x) if isinstance(x, Basic) else f"{type(x).__name__}:{x!r}" for x in parsed)
+
+
+_EQUIVALENT: dict[tuple[tuple[str, ...], tuple[str, ...]], bool] = {}
+_EQUIVALENT_MAX = 8192
+
+
+def _equivalent(gold: tuple[Any, ...], predicted: tuple[Any, ...], timeout_s: int) -> bool:
+    """math-verify's ``verify``, memoized on both parses: differently worded responses often
+    reach the same answer, and comparing two expressions can mean a sympy simplification."""
+    key = (_exact_key(gold), _exact_key(predicted))
+    same = _EQUIVALENT.get(key)
+    if same is None:
+        same = bool(verify(list(gold), list(predicted), timeout_seconds=_timeout(timeout_s)))
+        if len(_EQUIVALENT) >= _EQUIVALENT_MAX:
+            _EQUIVALENT.clear()
+        _EQUIVALENT[key] = same
+    return same
 
 
 def _verify_many(pairs: list[tuple[str, str]], timeout_s: int) -> list[tuple[bool, Optional[str]]]:

@@ -98,3 +98,23 @@ def test_a_repeated_judgement_is_answered_from_memory():
     first = verify_answer("so \\boxed{12}", "12")
     assert verify_answer("so \\boxed{12}", "12") == first == (True, "12")
     assert verify_answer.cache_info().hits == 1
+
+
+def test_responses_reaching_one_answer_are_compared_once(monkeypatch):
+    from nemo_rl.environments import math_environment
+
+    compared = []
+    real_verify = math_environment.verify
+
+    def counting_verify(*args, **kwargs):
+        compared.append(args)
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(math_environment, "verify", counting_verify)
+    monkeypatch.setattr(math_environment, "_EQUIVALENT", {})
+    verify_answer.cache_clear()
+    assert verify_answer("it is \\boxed{12}", "12") == (True, "12")
+    assert verify_answer("so, 5 + 7 = \\boxed{12}.", "12") == (True, "12")
+    assert verify_answer("\\boxed{12.0}", "12")[0]  # a float parse: compared on its own
+    assert not verify_answer("\\boxed{13}", "12")[0]
+    assert len(compared) == 3

@@ -148,11 +148,11 @@ def test_cpu_compat_redirects_cuda_and_is_idempotent():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the deferral is a CPU accommodation")
 def test_the_policy_workers_import_defers_megatron_cores_compiles():
-    # A Ray worker's first import of megatron-core is the actor's module: its import-time
-    # torch.compile decorators must stay deferred there, so inductor is never imported.
+    # A policy worker first imports megatron-core with its model set-up: megatron-core's
+    # import-time torch.compile decorators must stay deferred there (inductor never imported).
     code = (
         "import sys\n"
-        "import nemo_rl.models.policy.workers.megatron_policy_worker\n"
+        "import nemo_rl.models.policy.workers.megatron.model_setup\n"
         "import megatron_bridge.grouped_experts\n"
         "print(sorted(m for m in ('torch._inductor.compile_fx', 'megatron.core.fusions."
         "fused_bias_geglu') if m in sys.modules))\n"

@@ -1,6 +1,8 @@
 """``MegatronPolicyWorker``: one rank of a Megatron-Core policy, as a Ray actor.
 
-Wiring only; each concern lives in :mod:`nemo_rl.models.policy.workers.megatron`. The driver
+Wiring only; each concern lives in :mod:`nemo_rl.models.policy.workers.megatron` (the parts
+that import megatron-core load on first use, in the worker process: the driver imports this
+module to start the actors and never imports megatron-core). The driver
 (``lm_policy.Policy``) starts one actor per rank with ``RayWorkerGroup`` (which sets the
 rendezvous environment) and calls these methods on every rank, giving each data-parallel
 replica its shard.
@@ -22,18 +24,9 @@ from nemo_rl.models.generation.refit.interfaces import SENDER_VERBS, call_verb
 from nemo_rl.models.generation.refit.sender import RefitSender
 from megatron_bridge.parallel_state import destroy_megatron_parallel
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.workers.megatron import checkpointing, data_plane_io, offload
-from nemo_rl.models.policy.workers.megatron.model_setup import (
-    require_optimizer,
-    restart_optimizer,
-    setup_policy_model,
-)
+from nemo_rl.models.policy.workers import megatron as parts  # megatron-core parts: on first use
+from nemo_rl.models.policy.workers.megatron import data_plane_io
 from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
-from nemo_rl.models.policy.workers.megatron.train_step import (
-    compute_logprobs,
-    compute_topk_logits,
-    iterate_steps,
-)
 
 
 class MegatronPolicyWorker:
@@ -59,11 +52,11 @@ class MegatronPolicyWorker:
     ) -> None:
         self.config = config
         self.model_path = model_path
-        self.policy = setup_policy_model(config, model_path, seed, init_optimizer)
+        self.policy = parts.model_setup.setup_policy_model(config, model_path, seed, init_optimizer)
         self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
         self.step = 0
         self._packing = config.sequence_packing.enabled
-        self._host_stash = offload.HostStash()  # pinned buffers, reused by every offload
+        self._host_stash = parts.offload.HostStash()  # pinned buffers, reused by every offload
         self._refit: RefitSender | None = None
         self._data_plane: DataPlaneClient | None = None
 
@@ -84,9 +77,9 @@ class MegatronPolicyWorker:
             ConfigError: ``lr_schedule`` names a field neither model has, or a bad value.
             RuntimeError: the worker was made with ``init_optimizer=False``.
         """
-        require_optimizer(self.policy, "reset the optimizer")
+        parts.model_setup.require_optimizer(self.policy, "reset the optimizer")
         optimizer, scheduler = self.config.megatron_cfg.lr_schedule(lr_schedule or {})
-        restart_optimizer(self.policy, optimizer, scheduler)
+        parts.model_setup.restart_optimizer(self.policy, optimizer, scheduler)
 
     # ---------------------------------------------------------------- scoring
 
@@ -96,7 +89,7 @@ class MegatronPolicyWorker:
         """``logprobs`` ``[B, S]`` float32 in ``data``'s row order (last PP stage; an empty
         dict on the other stages)."""
         mbs = micro_batch_size or self.config.logprob_batch_size
-        logprobs = compute_logprobs(self.policy, data, mbs, self._packing)
+        logprobs = parts.train_step.compute_logprobs(self.policy, data, mbs, self._packing)
         return BatchedDataDict() if logprobs is None else BatchedDataDict(logprobs=logprobs)
 
     def get_reference_policy_logprobs(
@@ -122,7 +115,7 @@ class MegatronPolicyWorker:
         ``k`` most probable tokens at every position, ``[B, S, k]`` each, in ``data``'s row
         order (last PP stage; an empty dict on the others); a distillation teacher's scores."""
         mbs = micro_batch_size or self.config.logprob_batch_size
-        out = compute_topk_logits(self.policy, data, mbs, k, temperature)
+        out = parts.train_step.compute_topk_logits(self.policy, data, mbs, k, temperature)
         return BatchedDataDict() if out is None else BatchedDataDict(out)
 
     # ---------------------------------------------------------------- training
@@ -146,11 +139,13 @@ class MegatronPolicyWorker:
         Raises:
             RuntimeError: the worker was made with ``init_optimizer=False``.
         """
-        require_optimizer(self.policy, "train")
+        parts.model_setup.require_optimizer(self.policy, "train")
         gbs = gbs or self.config.train_global_batch_size
         mbs = mbs or self.config.train_micro_batch_size
         steps = list(
-            iterate_steps(self.policy, data, loss_fn, gbs, mbs, self._packing, eval_mode)
+            parts.train_step.iterate_steps(
+                self.policy, data, loss_fn, gbs, mbs, self._packing, eval_mode
+            )
         )
         if not eval_mode:
             self.step += len(steps)
@@ -172,7 +167,7 @@ class MegatronPolicyWorker:
 
     def prepare_for_training(self) -> None:
         """Bring parameters, gradient buffers and optimizer state back to the device."""
-        offload.reload_all(self.policy, self._host_stash)
+        parts.offload.reload_all(self.policy, self._host_stash)
 
     # ---------------------------------------------------------------- data plane
     # The TQPolicy path: the driver sends each replica a KVBatchMeta shard instead of tensors.
@@ -225,11 +220,11 @@ class MegatronPolicyWorker:
 
     def offload_before_refit(self) -> int:
         """Optimizer state to the CPU, gradient buffers freed; returns the bytes."""
-        return offload.offload_optimizer_and_grads(self.policy, self._host_stash)
+        return parts.offload.offload_optimizer_and_grads(self.policy, self._host_stash)
 
     def offload_after_refit(self) -> int:
         """Parameters to the CPU; returns the bytes."""
-        return offload.offload_params(self.policy, self._host_stash)
+        return parts.offload.offload_params(self.policy, self._host_stash)
 
     # ---------------------------------------------------------------- weight refit
 
@@ -264,13 +259,13 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, scheduler, RNG and step into the new folder ``path``, with the
         source model's tokenizer files (an export of it is a complete HF folder)."""
-        require_optimizer(self.policy, "save a training checkpoint")
-        checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
+        parts.model_setup.require_optimizer(self.policy, "save a training checkpoint")
+        parts.checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder (saved at any TP/PP/DP layout)."""
-        require_optimizer(self.policy, "load a training checkpoint")
-        self.step = checkpointing.load_training_checkpoint(self.policy, path)
+        parts.model_setup.require_optimizer(self.policy, "load a training checkpoint")
+        self.step = parts.checkpointing.load_training_checkpoint(self.policy, path)
 
     def shutdown(self) -> bool:
         """Tear down the process groups; True when done."""
