@@ -41,7 +41,8 @@ Accommodations (each one and why):
    ``torch.compile`` runs on the function's first call, exactly as it would have compiled then
    anyway. Only the import of ``torch._dynamo`` / inductor moves from import time to that first
    call, which on the CPU is never for the fused kernels (fusions are off): inductor is never
-   imported, which shortens every policy worker's start (docs/performance.md, "Start-up").
+   imported, which shortens every policy worker's start (docs/performance.md, "Driver imports
+   and policy worker start").
 
 8. Without TransformerEngine (on any machine, so :func:`define_missing_te_names` is applied
    apart from the CPU ones), ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is
