@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from fresh_process import last_line_printed
 from mb_fixtures import tiny_bridge
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import FAMILIES, get_family
@@ -140,8 +139,7 @@ def test_cpu_compat_redirects_cuda_and_is_idempotent():
         "print(json.dumps([first, second, str(t.device), str(torch.ones(1).cuda().device),\n"
         "  str(torch.cuda.current_device()), bool(torch.equal(a, b)), torch.cuda.is_available()]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+    assert json.loads(last_line_printed(code)) == [
         True, True, "cpu", "cpu", "cpu", True, False
     ]
 
@@ -157,8 +155,7 @@ def test_the_policy_workers_import_defers_megatron_cores_compiles():
         "print(sorted(m for m in ('torch._inductor.compile_fx', 'megatron.core.fusions."
         "fused_bias_geglu') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "['megatron.core.fusions.fused_bias_geglu']"
+    assert last_line_printed(code) == "['megatron.core.fusions.fused_bias_geglu']"
 
 
 def test_tp1_unshard_views_the_shard_except_qkv():

@@ -3,8 +3,7 @@ Ray actors, and the worker's megatron-core parts load in the worker on first use
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from fresh_process import last_line_printed
 
 DRIVER_MODULES = (
     "nemo_rl.cli",
@@ -27,8 +26,7 @@ def test_the_driver_modules_leave_megatron_core_unimported():
         "from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker\n"
         "print(sorted(m for m in sys.modules if m.startswith('megatron.core')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert last_line_printed(code) == "[]"
 
 
 def test_the_workers_parts_load_on_first_use():
