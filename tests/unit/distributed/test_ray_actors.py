@@ -47,8 +47,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    with ray_cluster(num_cpus=4):
+def cluster(local_ray_8cpu: None) -> Iterator[None]:
+    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
         yield
 
 

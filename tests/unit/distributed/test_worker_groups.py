@@ -84,8 +84,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
-def ray_env() -> Iterator[None]:
-    with ray_cluster(num_cpus=8):
+def ray_env(local_ray_8cpu: None) -> Iterator[None]:
+    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
         yield
 
 

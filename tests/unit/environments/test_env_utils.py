@@ -85,8 +85,8 @@ def test_environments_implement_the_interface():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
+def cluster(local_ray_8cpu):
+    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
         yield
 
 

@@ -22,10 +22,10 @@ MAX_NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def rollout_engine(tiny_llama_path: Path) -> dict[str, Any]:
+def rollout_engine(tiny_llama_path: Path, local_ray_8cpu: None) -> dict[str, Any]:
     """``{"tokenizer", "generation"}``: the tiny Llama's tokenizer and one engine
-    (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on a 4-CPU local Ray, held
-    across consecutive tests that use it (tests/held_across_tests.py)."""
+    (``max_new_tokens`` = MAX_NEW_TOKENS, ``max_model_len`` 128) on the held 8-CPU local Ray
+    (root conftest), held across consecutive tests that use it (tests/held_across_tests.py)."""
     return hold("rollout_engine", lambda: _start_engine(tiny_llama_path))
 
 
@@ -42,7 +42,7 @@ def _start_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
             enforce_eager=True,
         ),
     )
-    with ray_cluster(num_cpus=4):
+    with ray_cluster(num_cpus=8):
         cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
         generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=3)
         try:

@@ -86,9 +86,9 @@ class HoldingEnvironment(EnvironmentInterface):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
+def engine(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, Any]]:
     """``{"tokenizer", "generation"}``: one async engine (6 new tokens, max_model_len 128) on
-    a 4-CPU local Ray."""
+    the held 8-CPU local Ray (root conftest)."""
     from transformers import AutoTokenizer
 
     config = GenerationConfig(
@@ -98,7 +98,7 @@ def engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
             enforce_eager=True, async_engine=True,
         ),
     )
-    with ray_cluster(num_cpus=4):
+    with ray_cluster(num_cpus=8):
         cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
         generation = vllm_generation(cluster, config, str(tiny_llama_path), pad_token_id=0)
         try:
