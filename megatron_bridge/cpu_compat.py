@@ -35,14 +35,14 @@ Accommodations (each one and why):
    distributed optimizers (``_build_model_and_main_param_groups``) and in gradient clipping
    (``clip_grad_by_total_norm_fp32``); with CPU names it rejects every parameter.
 7. The first import of megatron-core (:func:`import_megatron_core`, which every module of ours
-   that imports megatron-core at module level calls first, so every path of ours into
-   megatron-core takes it) wraps the ``torch.compile`` decorators megatron-core applies at import time
-   (``megatron.core.jit.jit_fuser`` on its fusion functions) in a deferred compile:
-   ``torch.compile`` runs on the function's first call, exactly as it would have compiled then
-   anyway. Only the import of ``torch._dynamo`` / inductor moves from import time to that first
-   call, which on the CPU is never for the fused kernels (fusions are off): inductor is never
-   imported, which shortens every policy worker's start (docs/performance.md, "Driver imports
-   and policy worker start").
+   that imports megatron-core at module level calls first, as does this function, so every
+   path of ours into megatron-core takes it) wraps the ``torch.compile`` decorators
+   megatron-core applies at import time (``megatron.core.jit.jit_fuser`` on its fusion
+   functions) in a deferred compile: ``torch.compile`` runs on the function's first call,
+   exactly as it would have compiled then anyway. Only the import of ``torch._dynamo`` /
+   inductor moves from import time to that first call, which on the CPU is never for the fused
+   kernels (fusions are off): inductor is never imported, which shortens every policy worker's
+   start (docs/performance.md, "Driver imports and policy worker start").
 
 8. Without TransformerEngine (on any machine, so :func:`define_missing_te_names` is applied
    apart from the CPU ones), ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
 from typing import Any, Callable, Iterator
 
@@ -212,17 +213,21 @@ def _compile_deferred_during_import() -> Iterator[None]:
         torch.compile = real_compile
 
 
+# What import_megatron_core imports: megatron-core with its GPT model and MoE layer (which bring
+# the tensor-parallel layers, the token dispatchers and the MoE utilities).
+_MEGATRON_CORE_MODULES = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.moe.moe_layer",
+)
+
+
 def import_megatron_core() -> None:
     """Import megatron-core, on a CPU run with its import-time ``torch.compile`` calls deferred
     (accommodation 7); on a CUDA machine a plain import. Changes nothing else; a no-op once
     megatron-core is imported."""
-    if not is_cpu_run():
-        import megatron.core  # noqa: F401
-        return
-    with _compile_deferred_during_import():
-        import megatron.core  # noqa: F401
-        from megatron.core.models.gpt import gpt_model  # noqa: F401
-        from megatron.core.transformer.moe import moe_layer  # noqa: F401
+    with _compile_deferred_during_import() if is_cpu_run() else contextlib.nullcontext():
+        for module in _MEGATRON_CORE_MODULES:
+            importlib.import_module(module)
 
 
 def is_cpu_run() -> bool:
@@ -263,9 +268,9 @@ def apply_cpu_compat() -> bool:
     cuda.nvtx.range = _null_context
     cuda.FloatTensor = torch.FloatTensor  # 6
 
-    with _compile_deferred_during_import():  # 7
-        from megatron.core.tensor_parallel import random as mcore_random
-        from megatron.core.transformer.moe import token_dispatcher
+    import_megatron_core()  # 7
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state  # 2
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
