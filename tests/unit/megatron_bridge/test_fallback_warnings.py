@@ -15,7 +15,12 @@ from megatron_bridge.fallback_warnings import (
     quiet_fallback_warnings,
 )
 
-IMPORT_MEGATRON = "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs"
+# megatron-core imported as our processes import it (its import-time torch.compile deferred on
+# CPU: half the import time), then the two modules that warn.
+IMPORT_MEGATRON = (
+    "from megatron_bridge.cpu_compat import import_megatron_core; import_megatron_core(); "
+    "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs"
+)
 
 
 def import_megatron_stderr(env: dict[str, str]) -> str:
