@@ -1,8 +1,9 @@
 """The DataPlaneClient contract, run against the in-process store and the two real stores
 (TransferQueue actors, Ray's object store with a directory actor).
 
-The real stores share a private Ray cluster on 127.0.0.1 (module fixture, stopped at the end);
-TransferQueue runs one controller + 2 storage units. Every test leaves no partition behind.
+The real stores run in the held local Ray cluster (``local_ray_8cpu``); TransferQueue runs one
+controller + 2 storage units. Every test leaves no partition behind. Every test asks for the
+cluster, so the tests keep the file's order: the two that break a store run last.
 """
 
 from __future__ import annotations
@@ -25,25 +26,15 @@ from nemo_rl.data_plane import (
 )
 from nemo_rl.data_plane.config import attach_data_plane, start_data_plane
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.distributed.ray_bootstrap import init_ray, shutdown_ray
+
+pytestmark = pytest.mark.usefixtures("local_ray_8cpu")
 
 KEYS = [f"k{i}" for i in range(6)]
 REMOTE_BACKENDS = ["transfer_queue", "ray_object_store"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    # TransferQueue's controller and two storage units take 1 logical CPU each; one more for a
-    # test actor (the object store's directory takes none).
-    init_ray(num_cpus=5)
-    try:
-        yield
-    finally:
-        shutdown_ray()
-
-
-@pytest.fixture(scope="module")
-def tq_plane(ray_cluster: None) -> Iterator[Any]:
+def tq_plane(local_ray_8cpu: None) -> Iterator[Any]:
     plane = start_data_plane({"backend": "transfer_queue", "num_data_storage_units": 2})
     try:
         yield plane
@@ -52,7 +43,7 @@ def tq_plane(ray_cluster: None) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def object_store_plane(ray_cluster: None) -> Iterator[Any]:
+def object_store_plane(local_ray_8cpu: None) -> Iterator[Any]:
     plane = start_data_plane({"backend": "ray_object_store"})
     try:
         yield plane
