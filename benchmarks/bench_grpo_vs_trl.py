@@ -387,6 +387,7 @@ class Summary:
     generated_tokens_per_s: float  # median tokens generated per step / median step time
     lengths: dict[str, float]  # response tokens: median, p90, max, mean, at_max (per step)
     padded_completion_tokens: float  # per step, every completion padded to its step's longest
+    rewards: list[float]  # mean reward of every step, the first included: the learning curve
 
 
 def length_stats(steps: list[list[int]], max_new_tokens: int) -> dict[str, float]:
@@ -406,18 +407,19 @@ def summarise(run: dict[str, Any], max_new_tokens: int) -> Summary:
     generated = statistics.median(sum(s) for s in counted)
     padded = statistics.median(len(s) * max(s) for s in counted)
     return Summary(step, statistics.mean(rewards[:third]), statistics.mean(rewards[-third:]),
-                   generated / step, length_stats(counted, max_new_tokens), padded)
+                   generated / step, length_stats(counted, max_new_tokens), padded, list(rewards))
 
 
 def run_line(name: str, round_: int, s: Summary) -> str:
-    """One run's summary line."""
+    """One run's summary: a line of figures, then its mean reward per step."""
     lengths = s.lengths
     return (f"{name:<14} round {round_}: step {s.step_s:6.2f} s  generated "
             f"{s.generated_tokens_per_s:7.0f} tok/s  reward {s.reward_first:.3f} -> "
             f"{s.reward_last:.3f}  response tokens median {lengths['median']:.0f} p90 "
             f"{lengths['p90']:.0f} max {lengths['max']:.0f} mean {lengths['mean']:.1f}, "
             f"{lengths['at_max']:.1f}/step at the limit; padded to the step's longest "
-            f"{s.padded_completion_tokens:.0f} tokens/step")
+            f"{s.padded_completion_tokens:.0f} tokens/step\n{'':<14} reward per step: "
+            + " ".join(f"{r:.3f}" for r in s.rewards))
 
 
 def training_flops(case: Case, prompt_tokens: int, response_lengths: list[int]) -> float:
