@@ -35,8 +35,8 @@ Accommodations (each one and why):
    distributed optimizers (``_build_model_and_main_param_groups``) and in gradient clipping
    (``clip_grad_by_total_norm_fp32``); with CPU names it rejects every parameter.
 7. The first import of megatron-core (:func:`import_megatron_core`, which every module of ours
-   that imports megatron-core at module level calls first, as does this function, so every
-   path of ours into megatron-core takes it) wraps the ``torch.compile`` decorators
+   that imports megatron-core at module level calls first, as does :func:`apply_cpu_compat`,
+   so every path of ours into megatron-core takes it) wraps the ``torch.compile`` decorators
    megatron-core applies at import time (``megatron.core.jit.jit_fuser`` on its fusion
    functions) in a deferred compile: ``torch.compile`` runs on the function's first call,
    exactly as it would have compiled then anyway. Only the import of ``torch._dynamo`` /

@@ -12,7 +12,6 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -20,7 +19,7 @@ import ray
 
 from nemo_rl.distributed import ray_actors
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.distributed.ray_bootstrap import LOOPBACK, ray_cluster
+from nemo_rl.distributed.ray_bootstrap import LOOPBACK
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +43,6 @@ class SocketServer:
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-@pytest.fixture(scope="module")
-def cluster(local_ray_8cpu: None) -> Iterator[None]:
-    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
-        yield
 
 
 def answers(port: int) -> bool:
@@ -77,7 +70,7 @@ def start_servers(n: int) -> tuple[list[ray.actor.ActorHandle], list[int], list[
     return actors, list(pids), list(ports)
 
 
-def test_kill_actors_returns_once_the_processes_have_exited(cluster: None) -> None:
+def test_kill_actors_returns_once_the_processes_have_exited(local_ray_8cpu: None) -> None:
     # Several rounds: right after ray.kill the process still runs most of the time.
     for _ in range(5):
         actors, pids, ports = start_servers(2)
@@ -90,7 +83,7 @@ def test_kill_actors_returns_once_the_processes_have_exited(cluster: None) -> No
 
 
 def test_kill_actors_waits_on_another_node_with_a_task_there(
-    cluster: None, monkeypatch: pytest.MonkeyPatch
+    local_ray_8cpu: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Pretend the driver runs elsewhere: the actors' node is then waited on by a pinned task.
     monkeypatch.setattr(ray_actors, "_local_node_id", lambda: "another node")
@@ -100,7 +93,7 @@ def test_kill_actors_waits_on_another_node_with_a_task_there(
     assert [answers(port) for port in ports] == [False, False]
 
 
-def test_kill_actors_of_an_actor_that_never_started(cluster: None) -> None:
+def test_kill_actors_of_an_actor_that_never_started(local_ray_8cpu: None) -> None:
     # Asks for more CPUs than the cluster has: pending forever, no process to wait for.
     pending = ray.remote(num_cpus=64)(SocketServer).remote()
     assert kill_actors([pending], timeout_s=60) == []

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.ray_bootstrap import LOOPBACK, ray_cluster
+from nemo_rl.distributed.ray_bootstrap import LOOPBACK
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env, start_together
 
@@ -84,13 +84,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
-def ray_env(local_ray_8cpu: None) -> Iterator[None]:
-    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_env: None) -> Iterator[RayVirtualCluster]:
+def cluster(local_ray_8cpu: None) -> Iterator[RayVirtualCluster]:
     cluster = RayVirtualCluster(
         [4], use_gpus=False, num_cpus_per_bundle=1.0, max_colocated_worker_groups=2, name="shared"
     )
@@ -138,7 +132,7 @@ def _wait_for_free_cpus(expected: float, limit_s: float = 20.0) -> float:
     return _base_cpus_free()
 
 
-def test_cluster_reserves_bundles_and_finds_a_master_port(ray_env: None) -> None:
+def test_cluster_reserves_bundles_and_finds_a_master_port(local_ray_8cpu: None) -> None:
     free_before = _wait_for_free_cpus(8.0)
     cluster = RayVirtualCluster([2, 1], use_gpus=False, num_cpus_per_bundle=1.5, name="small")
     try:
@@ -162,7 +156,7 @@ def test_cluster_reserves_bundles_and_finds_a_master_port(ray_env: None) -> None
     assert _wait_for_free_cpus(free_before) == free_before
 
 
-def test_cluster_larger_than_ray_fails_in_bounded_time(ray_env: None) -> None:
+def test_cluster_larger_than_ray_fails_in_bounded_time(local_ray_8cpu: None) -> None:
     with pytest.raises(TimeoutError, match=r"\[100\] bundles of \{'CPU': 1.0\}.*available"):
         RayVirtualCluster(
             [100], use_gpus=False, num_cpus_per_bundle=1.0, name="huge", placement_timeout_s=2
@@ -171,7 +165,7 @@ def test_cluster_larger_than_ray_fails_in_bounded_time(ray_env: None) -> None:
     assert len(mine) == 1 and mine[0]["state"] == "REMOVED"
 
 
-def test_cluster_rejects_bad_arguments(ray_env: None) -> None:
+def test_cluster_rejects_bad_arguments(local_ray_8cpu: None) -> None:
     with pytest.raises(ValueError, match="bundle_ct_per_node_list"):
         RayVirtualCluster([2, 0], use_gpus=False, num_cpus_per_bundle=1.0)
     with pytest.raises(ValueError, match="num_cpus_per_bundle"):
@@ -200,7 +194,7 @@ def test_worker_environment(gloo_group: RayWorkerGroup) -> None:
 
 
 def test_cpu_workers_split_the_cores_over_the_bundles_computing_on_the_node(
-    ray_env: None,
+    local_ray_8cpu: None,
 ) -> None:
     # one bundle of 2 logical CPUs beside one bundle of another cluster: Ray alone would give
     # the worker 2 threads (OMP_NUM_THREADS = its CPUs, capped at the cores)
@@ -291,7 +285,7 @@ def test_third_colocated_group_does_not_fit(
         RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, {"tag": "extra"})
 
 
-def test_generation_on_a_full_cluster_fails_at_once_naming_the_limit(ray_env: None) -> None:
+def test_generation_on_a_full_cluster_fails_at_once_naming_the_limit(local_ray_8cpu: None) -> None:
     """A VllmGeneration on bundles whose one colocation slot is taken fails before any
     engine starts (it used to wait the whole startup_timeout_s), and fits once it is free."""
     from nemo_rl.models.generation.config import GenerationConfig
@@ -362,7 +356,7 @@ class BrokenWorker(EchoWorker):
 
 
 def test_groups_started_together_come_up_and_a_failed_start_takes_no_actor_with_it(
-    ray_env: None,
+    local_ray_8cpu: None,
 ) -> None:
     together = RayVirtualCluster(
         [1], use_gpus=False, num_cpus_per_bundle=0.5, max_colocated_worker_groups=2, name="both"

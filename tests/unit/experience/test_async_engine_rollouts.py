@@ -23,7 +23,6 @@ import torch
 
 from megatron_bridge.load import SafetensorsReader
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.experience.async_rollouts import (
@@ -98,17 +97,16 @@ def engine(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, An
             enforce_eager=True, async_engine=True,
         ),
     )
-    with ray_cluster(num_cpus=8):
-        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
-        generation = vllm_generation(cluster, config, str(tiny_llama_path), pad_token_id=0)
-        try:
-            yield {
-                "tokenizer": AutoTokenizer.from_pretrained(tiny_llama_path),
-                "generation": generation,
-            }
-        finally:
-            generation.shutdown()
-            cluster.shutdown()
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0)
+    generation = vllm_generation(cluster, config, str(tiny_llama_path), pad_token_id=0)
+    try:
+        yield {
+            "tokenizer": AutoTokenizer.from_pretrained(tiny_llama_path),
+            "generation": generation,
+        }
+    finally:
+        generation.shutdown()
+        cluster.shutdown()
 
 
 def prompt_batch(tokenizer, texts: list[str]) -> BatchedDataDict:
