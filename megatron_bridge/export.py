@@ -74,9 +74,11 @@ def export_hf_weights(
         dtype: cast exported tensors to this dtype; None keeps the parameter dtype.
 
     Yields:
-        HF name and a CPU tensor in HF layout (contiguous). Where no conversion is needed
-        (TP=1, no dtype cast, every tensor but q/k/v) it is a view of the parameter: read it
-        before the model changes, or clone it to keep it.
+        HF name and a tensor in HF layout (contiguous) on the collective device (the CPU
+        under gloo, the rank's GPU under NCCL: the TP gather and PP/EP broadcasts run there,
+        and a refit packs it into a GPU ring without a round trip through host memory). Where
+        no conversion is needed (TP=1, no dtype cast, every tensor but q/k/v) it is a view of
+        the parameter: read it before the model changes, or clone it to keep it.
     """
     from megatron.core import parallel_state
 
@@ -106,10 +108,11 @@ def export_hf_weights(
         expert = mapping.expert
         if owner == pp_rank and (expert is None or expert in experts):
             param = params[local_names[mapping.megatron_name]]
+            local = param.detach().to(collective_device())
             if expert is None:
-                shards = _gather_tp(param.detach().cpu(), tp_group, tp)
+                shards = _gather_tp(local, tp_group, tp)
             else:
-                shards = _gather_tp(param.detach().cpu(), etp_group, etp)
+                shards = _gather_tp(local, etp_group, etp)
             tensors = mapping.unshard(shards, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -44,6 +44,7 @@ PASSTHROUGH_ENV_VARS: tuple[str, ...] = (
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
     "TORCH_DISTRIBUTED_DEBUG",
+    "NEMO_RL_FAULTS",  # test-only fault injection (nemo_rl.utils.fault_injection)
 )
 
 # Axes whose output rank is the last coordinate rather than 0 (see the module docstring).
@@ -210,6 +211,18 @@ class RayWorkerGroup:
         return workers
 
     # ------------------------------------------------------------------ properties
+
+    def worker_places(self, per_device: bool) -> list[Hashable]:
+        """Where each worker runs, in rank order: its Ray node id, or with ``per_device`` its
+        bundle (node id, placement group, bundle index: one GPU on a GPU cluster). Worker
+        groups on the same cluster's bundles (colocated) share places rank for rank."""
+        locations = self.cluster.get_bundle_locations()[: self.world_size]
+        if not per_device:
+            return [location.node_id for location in locations]
+        return [
+            (location.node_id, location.placement_group.id.hex(), location.bundle_index)
+            for location in locations
+        ]
 
     @property
     def world_size(self) -> int:

@@ -333,9 +333,11 @@ class PolicyConfig(ConfigModel):
     refit_buffer_size_gb: float = Field(
         default=0.25,
         gt=0,
-        description="Size of one weight-refit bucket, GiB (rounded down to 64 bytes). "
-        "Colocated, the policy holds one shared buffer of the whole stream; over a broadcast, "
-        "two buckets, and each engine the whole stream.",
+        description="Most bytes one weight-refit bucket holds, GiB (rounded down to 64 "
+        "bytes); a tensor larger than this travels alone in a bucket of its size. A refit "
+        "stages two buckets per ring (a ring per node on CPU, per GPU when colocated on GPU, "
+        "per engine over a broadcast), whatever the model's size (docs/architecture.md, "
+        "weight sync).",
     )
     refit_timeout_s: float = Field(
         default=600.0,
@@ -350,6 +352,13 @@ class PolicyConfig(ConfigModel):
         "one more read of the weights on each side (a quarter of a colocated CPU refit, "
         "docs/performance.md, refit) for a check of the transport itself; order, version, "
         "sizes and the tensor manifest are always checked.",
+    )
+    refit_max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Times the driver starts a failed refit over (a corrupt bucket, a stream "
+        "that broke off) before it stops the run; engines whose load broke off refuse to "
+        "generate until a refit completes.",
     )
 
     @model_validator(mode="after")
@@ -393,4 +402,5 @@ class PolicyConfig(ConfigModel):
             dtype=self.generation.vllm_cfg.precision,
             timeout_s=self.refit_timeout_s,
             checksums=self.refit_checksums,
+            max_retries=self.refit_max_retries,
         )

@@ -8,12 +8,15 @@ given the tokens before it; position 0 is 0).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 import torch
 
 if TYPE_CHECKING:
     import ray
+
+    from nemo_rl.models.generation.refit.ipc import IpcStream
 
     from nemo_rl.algorithms.loss.interfaces import LossFunction
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -111,14 +114,17 @@ class ColocatablePolicyInterface(PolicyInterface):
         order."""
 
     @abstractmethod
-    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
-        """Open a colocated transfer: the weight names grouped into buckets that fit the
-        configured size, with what the engines need to read the stream (an ``IpcStream``)."""
+    def prepare_weights_for_ipc(self, readers: Mapping[int, int]) -> dict[int, IpcStream]:
+        """Open a colocated transfer in which each rank of ``readers`` (``{writer rank:
+        readers of its ring}``) writes a ring of bucket-sized slots on its node (GPU: its
+        device); per writer, what the engines need to read it (an ``IpcStream``: the ring's
+        shareable handle, CUDA IPC on GPU, shared memory on CPU; the version; the weight names
+        grouped into buckets that fit the configured size)."""
 
     @abstractmethod
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
-        """Pack the named weights (the next bucket of the open transfer) and return their
-        shareable handle (CUDA IPC on GPU, shared memory on CPU): ``{"bucket": IpcBucket}``."""
+        """Pack the named weights (whole buckets of the open transfer, in order) into the
+        writers' rings as the engines free their slots; ``{"writers": {rank: timings}}``."""
 
     @abstractmethod
     def broadcast_weights_for_collective(self) -> list[ray.ObjectRef]:

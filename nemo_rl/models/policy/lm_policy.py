@@ -8,6 +8,7 @@ in the caller's row order. Weights never pass through the driver.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import ray
@@ -227,58 +228,49 @@ class Policy(ColocatablePolicyInterface):
 
     # ---- refit ---------------------------------------------------------------------------
     # The verbs of nemo_rl.models.generation.refit.interfaces.WeightSender, run on every rank
-    # (the export is collective over TP/PP); rank 0 sends and answers. Bucket size, export
+    # (the export is collective over each replica's TP/PP/EP ranks). Bucket size, export
     # dtype, timeout and checksums come from the config (PolicyConfig.refit_settings). The
     # whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.
 
-    def _refit(self, verb: str, *args: Any) -> list[ray.ObjectRef]:
-        """``verb`` on every rank, without waiting; one future per rank, rank 0's first."""
+    def refit(self, verb: str, *args: Any) -> list[ray.ObjectRef]:
+        """``verb`` on every rank, without waiting; one future per rank, in rank order."""
         return self.worker_group.run_all_workers_single_data("refit", verb, *args)
 
-    def _refit_result(self, verb: str, *args: Any) -> Any:
-        """``verb`` on every rank; rank 0's result once all finished."""
-        return self.worker_group.get_all_worker_results(self._refit(verb, *args))[0]
+    def _refit_results(self, verb: str, *args: Any) -> list[Any]:
+        """``verb`` on every rank; every rank's result, in rank order, once all finished."""
+        return self.worker_group.get_all_worker_results(self.refit(verb, *args))
 
     def prepare_refit_info(self) -> Optional[dict[str, Any]]:
         """``{hf_name: (shape, dtype)}`` of the weights a refit sends, in export order, in the
         engines' precision (``generation.vllm_cfg.precision``). Exported once, then cached."""
         if self._refit_info is None:
-            self._refit_info = self._refit_result("prepare_refit_info")
+            self._refit_info = self._refit_results("prepare_refit_info")[0]
         return self._refit_info
 
-    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
-        """Open a colocated refit stream (no arguments): an ``IpcStream`` with its plan (the
-        weight names per bucket), the shared buffer's handle and the version."""
-        if args or kwargs:
-            raise TypeError(
-                "prepare_weights_for_ipc() takes no arguments: the bucket size is "
-                "policy.refit_buffer_size_gb"
-            )
-        return self._refit_result("prepare_weights_for_ipc")
+    def prepare_weights_for_ipc(self, readers: Mapping[int, int]) -> dict[int, IpcStream]:
+        """Open a colocated refit stream on every rank.
+
+        Args:
+            readers: ``{writer rank: readers of its ring}``, the refit plan's rings
+                (``refit.orchestrate.colocated_plan``).
+
+        Returns:
+            ``{writer rank: IpcStream}``: each writer's ring handle (never the bytes), the
+            stream's version, bucket size and plan (the tensor names per bucket).
+        """
+        opened = self._refit_results("prepare_weights_for_ipc", dict(readers))
+        return {rank: stream for rank, stream in enumerate(opened) if stream is not None}
 
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
-        """Export and pack the next bucket of the open stream (``keys``: its entry of the
-        plan) into its window of the shared buffer; ``{"bucket": IpcBucket}`` (its header
-        and the buffer's handle, never the bytes) for
-        ``VllmGeneration.refit("update_weights_from_ipc_handles", bucket)``."""
-        return {"bucket": self._refit_result("get_weights_ipc_handles", keys)}
+        """Export the buckets of the open stream carrying ``keys`` (whole buckets of its plan,
+        in order) and have the writers pack them into their rings, each once its slot is free
+        (engines must be loading meanwhile); ``{"writers": {rank: timings (s)}}``."""
+        results = self._refit_results("get_weights_ipc_handles", keys)
+        return {"writers": {rank: r for rank, r in enumerate(results) if r is not None}}
 
-    def stream_weights_ipc(self) -> tuple[IpcStream, list[ray.ObjectRef]]:
-        """Open a colocated refit stream (as :meth:`prepare_weights_for_ipc`) and have every
-        rank export and pack all of it in one call, queued right behind the opening so the
-        packing starts without a round trip through the driver; rank 0 publishes each
-        bucket's record in the stream buffer as it is packed (engines given the stream poll
-        them). Returns the stream and the packing's futures, one per rank, rank 0's first:
-        hand that one to the engines so they notice a sender that fails."""
-        opened = self._refit("prepare_weights_for_ipc")
-        packed = self._refit("stream_weights_ipc")
-        return self.worker_group.get_all_worker_results(opened)[0], packed
-
-    def finish_weights_ipc(self) -> dict[str, float]:
-        """End the colocated stream once the engines committed or aborted it (the next one
-        overwrites its buffer); rank 0's timings in seconds (``export_s``, ``pack_s``,
-        ``stream_s``)."""
-        return self._refit_result("finish_weights_ipc")
+    def finish_weights_ipc(self) -> None:
+        """End the colocated stream on every rank, once the engines are done with it."""
+        self._refit_results("finish_weights_ipc")
 
     def refit_collective_address(self) -> tuple[str, int]:
         """Address of rank 0's node and a port free there, for :meth:`init_collective`."""
@@ -288,17 +280,17 @@ class Policy(ColocatablePolicyInterface):
         """Rank 0 joins the refit group (as its rank 0, with the engines); one future per
         rank. Wait for them together with the engines' ``init_collective``."""
         self.refit_group = (ip, port, world_size)
-        return self._refit("init_collective", ip, port, world_size)
+        return self.refit("init_collective", ip, port, world_size)
 
     def broadcast_weights_for_collective(self) -> list[ray.ObjectRef]:
         """Broadcast every weight over the refit group; one future per rank (rank 0's
         resolves to its timings). Wait for them together with the engines' receives."""
-        return self._refit("broadcast_weights_for_collective")
+        return self.refit("broadcast_weights_for_collective")
 
     def close_collective(self) -> None:
         """Rank 0 leaves the refit group."""
         self.refit_group = None
-        self._refit_result("close_collective")
+        self._refit_results("close_collective")
 
     def offload_before_refit(self) -> None:
         """Optimizer state and gradients off the device before the engines wake up."""

@@ -2,9 +2,11 @@
 
 Modules, one concern each:
     interfaces: the weight-sync protocol (sender and receiver verbs), its settings.
-    buckets: stream layout, bucket packing (sender) and checking (receiver), checksums.
+    buckets: stream layout (buckets of whole tensors), packing (sender), checks (receiver).
     expert_groups: each MoE layer's experts stacked into the tensors vLLM's loader takes.
-    shared_memory / cuda_ipc / ipc: the colocated transport (one shared buffer of the stream).
+    ring: a few bucket-sized slots through which one writer streams to a node's readers.
+    shared_memory / cuda_ipc / ipc: the shareable buffers rings live in, by device.
+    plan: which policy rank writes the ring each colocated engine rank reads.
     collective: the non-colocated transport (a broadcast group of its own).
     sender / receiver: what a policy rank and an engine do (the workers only wire them up).
     orchestrate: the driver's sequence, :func:`refit_policy_generation`.

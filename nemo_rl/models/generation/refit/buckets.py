@@ -1,19 +1,19 @@
-"""Pack a stream of HF-named tensors into fixed-size byte buckets and check them in place.
+"""Cut a stream of HF-named tensors into buckets of whole tensors, pack them, check them.
 
 The stream is laid out once, from the refit info (``{hf_name: (shape, dtype)}`` in export
-order): every tensor gets a byte range of one flat stream starting at a multiple of
-:data:`ALIGNMENT` bytes, and the stream ends padded to that multiple. Bucket ``k`` is the window
-``[k * bucket_bytes, min((k + 1) * bucket_bytes, total_bytes))`` of the stream, so a tensor
-larger than a bucket simply spans consecutive buckets. The receiver checks each bucket in its
-window of one flat buffer of the stream's size (the sender's shared buffer itself when
-colocated, its own staging memory when the bytes come over a broadcast); once all have passed,
-every tensor is a view of that buffer.
+order): tensors are placed one after another, each at a multiple of :data:`ALIGNMENT` bytes,
+into buckets of at most ``bucket_bytes``; a tensor that does not fit in the current bucket
+starts the next one, and a tensor larger than ``bucket_bytes`` has a bucket of its own. So a
+bucket always holds whole tensors, which an engine can load as soon as the bucket arrives, and
+the largest bucket (:attr:`StreamLayout.slot_bytes`: at most ``max(bucket_bytes, largest
+tensor)``) sizes the staging slots of :mod:`.ring`.
 
 Each bucket travels with a :class:`BucketHeader`: the refit version, its index and the bucket
-count, its length, optionally a 64-bit additive checksum of its bytes, and its manifest (which byte range
-of which tensor sits where in it). Both sides build the same :class:`StreamLayout` from the
-refit info; the sender checks every exported tensor against it and the receiver checks every
-header against it, so a stream that disagrees with the refit info is refused, not loaded.
+count, its length, optionally a 64-bit additive checksum of its bytes, and its manifest (where
+each tensor lies in it). Both sides build the same :class:`StreamLayout` from the refit info;
+the sender checks every exported tensor against it and the receiver checks every header against
+it (:func:`check_header`), so a stream that disagrees with the refit info is refused, not
+loaded.
 """
 
 from __future__ import annotations
@@ -119,26 +119,15 @@ def _pack_pool() -> ThreadPoolExecutor:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSlot:
-    """One tensor's place in the flat stream (``offset``, ``nbytes`` in bytes)."""
+    """One tensor's place in the stream: bucket ``bucket``, bytes ``[offset, offset + nbytes)``
+    of it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    bucket: int
     offset: int
     nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ManifestEntry:
-    """Bytes ``[tensor_offset, tensor_offset + length)`` of tensor ``name`` lie at
-    ``[bucket_offset, bucket_offset + length)`` of a bucket."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    bucket_offset: int
-    tensor_offset: int
-    length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,28 +138,27 @@ class BucketHeader:
         version: refit version the bucket belongs to.
         index: position of the bucket in the stream (0-based).
         num_buckets: buckets in the whole stream.
-        bucket_bytes: the stream's bucket size (every bucket but the last is this long).
-        nbytes: length of the bucket's payload in bytes.
+        nbytes: length of the bucket's payload in bytes (a multiple of :data:`ALIGNMENT`).
         checksum: :func:`bucket_checksum` of the payload; None when the sender does not
             checksum (``policy.refit_checksums: false``, the default).
-        manifest: the tensor pieces in the payload, in stream order.
+        manifest: the tensors in the payload, in stream order.
     """
 
     version: int
     index: int
     num_buckets: int
-    bucket_bytes: int
     nbytes: int
     checksum: int | None
-    manifest: tuple[ManifestEntry, ...]
+    manifest: tuple[TensorSlot, ...]
 
 
 class StreamLayout:
-    """Byte layout of a refit stream and its cut into buckets.
+    """Byte layout of a refit stream: which bucket each tensor goes in, and where.
 
     Args:
         info: ``{hf_name: (shape, dtype)}`` in the order the sender exports them.
-        bucket_bytes: bucket size in bytes; a positive multiple of :data:`ALIGNMENT`.
+        bucket_bytes: the most bytes a bucket holds unless a single tensor is larger; a
+            positive multiple of :data:`ALIGNMENT`.
 
     Raises:
         ValueError: empty ``info`` or a bad ``bucket_bytes``.
@@ -187,59 +175,112 @@ class StreamLayout:
         if not info:
             raise ValueError("the refit info is empty: the policy exported no tensors")
         self.bucket_bytes = bucket_bytes
-        slots, offset = [], 0
+        slots: list[TensorSlot] = []
+        sizes = [0]  # bytes used in each bucket so far (aligned)
         for name, (shape, dtype) in info.items():
             shape = tuple(int(d) for d in shape)
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            slots.append(TensorSlot(name, shape, dtype, offset, nbytes))
-            offset = _align(offset + nbytes)
+            if sizes[-1] and sizes[-1] + nbytes > bucket_bytes:
+                sizes.append(0)  # does not fit: the next bucket
+            slots.append(TensorSlot(name, shape, dtype, len(sizes) - 1, sizes[-1], nbytes))
+            sizes[-1] = _align(sizes[-1] + nbytes)
         self.slots: tuple[TensorSlot, ...] = tuple(slots)
-        self.total_bytes: int = offset
-        self.num_buckets: int = max(1, -(-offset // bucket_bytes))
-        self._manifests = self._cut()
-        self._plan = [list(dict.fromkeys(e.name for e in m)) for m in self._manifests]
+        # an empty tensor still needs its bucket to exist: at least the alignment unit
+        self.bucket_sizes: tuple[int, ...] = tuple(max(s, ALIGNMENT) for s in sizes)
+        self.num_buckets: int = len(sizes)
+        self.total_bytes: int = sum(self.bucket_sizes)
+        self._manifests: list[tuple[TensorSlot, ...]] = [() for _ in sizes]
+        for slot in slots:
+            self._manifests[slot.bucket] += (slot,)
 
-    def _cut(self) -> list[tuple[ManifestEntry, ...]]:
-        manifests: list[list[ManifestEntry]] = [[] for _ in range(self.num_buckets)]
-        size = self.bucket_bytes
-        for slot in self.slots:
-            first = min(slot.offset // size, self.num_buckets - 1)
-            last = first if slot.nbytes == 0 else (slot.offset + slot.nbytes - 1) // size
-            for k in range(first, last + 1):
-                lo = max(slot.offset, k * size)
-                hi = min(slot.offset + slot.nbytes, (k + 1) * size)
-                manifests[k].append(
-                    ManifestEntry(
-                        slot.name, slot.shape, slot.dtype, lo - k * size, lo - slot.offset, hi - lo
-                    )
-                )
-        return [tuple(m) for m in manifests]
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the largest bucket: what one staging slot must hold."""
+        return max(self.bucket_sizes)
 
-    def span(self, index: int) -> tuple[int, int]:
-        """``[start, stop)`` of bucket ``index`` in the stream, bytes."""
+    def _check_index(self, index: int) -> None:
         if not 0 <= index < self.num_buckets:
             raise IndexError(f"bucket {index} outside [0, {self.num_buckets})")
-        start = index * self.bucket_bytes
-        return start, min(start + self.bucket_bytes, self.total_bytes)
 
-    def manifest(self, index: int) -> tuple[ManifestEntry, ...]:
-        """The tensor pieces of bucket ``index``, in stream order."""
-        self.span(index)
+    def manifest(self, index: int) -> tuple[TensorSlot, ...]:
+        """The tensors of bucket ``index``, in stream order."""
+        self._check_index(index)
         return self._manifests[index]
 
     def plan(self) -> list[list[str]]:
-        """Per bucket, the names of the tensors (or tensor pieces) it carries."""
-        return [list(names) for names in self._plan]
+        """Per bucket, the names of the tensors it carries."""
+        return [[s.name for s in m] for m in self._manifests]
 
-    def bucket_names(self, index: int) -> list[str]:
-        """The names of the tensors (or tensor pieces) bucket ``index`` carries."""
-        self.span(index)
-        return list(self._plan[index])
+    def tensors(self, index: int, payload: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view into payload)`` of every tensor of bucket ``index``, stream order.
 
-    def tensors(self, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, view)`` of every tensor in ``flat`` (uint8 [>= total_bytes]), stream order."""
-        for s in self.slots:
-            yield s.name, flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+        Args:
+            payload: uint8 [>= ``bucket_sizes[index]``], the bucket's bytes.
+        """
+        for s in self.manifest(index):
+            yield s.name, payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+def check_header(layout: StreamLayout, header: BucketHeader, index: int, version: int) -> None:
+    """Refuse a bucket header that is not bucket ``index`` of refit ``version`` as
+    ``layout`` (the receiver's refit info) has it.
+
+    Raises:
+        RefitError: out of order, another version, another bucket count, size or manifest.
+    """
+    if header.index != index:
+        raise RefitError(
+            f"bucket {header.index} arrived where bucket {index} was expected: a bucket is "
+            "missing or out of order"
+        )
+    if header.version != version:
+        raise RefitError(
+            f"bucket {index} belongs to refit version {header.version}, the stream to version "
+            f"{version}"
+        )
+    if header.num_buckets != layout.num_buckets:
+        raise RefitError(
+            f"the sender streams {header.num_buckets} buckets, the refit info gives "
+            f"{layout.num_buckets}: both sides need the same refit info and bucket size"
+        )
+    if header.nbytes != layout.bucket_sizes[index]:
+        raise RefitError(
+            f"bucket {index} has {header.nbytes} bytes, the refit info gives "
+            f"{layout.bucket_sizes[index]}"
+        )
+    mine = layout.manifest(index)
+    if header.manifest != mine:
+        raise RefitError(
+            f"bucket {index} disagrees with the refit info: "
+            f"{_first_difference(header.manifest, mine)}"
+        )
+
+
+def verify_payload(header: BucketHeader, payload: torch.Tensor) -> None:
+    """Check ``payload`` (uint8 [header.nbytes], the bucket's bytes where they landed) against
+    the sender's checksum: one read. A header without a checksum passes.
+
+    Raises:
+        RefitError: the checksum differs (the bucket was corrupted on its way).
+    """
+    if header.checksum is None:
+        return
+    checksum = bucket_checksum(payload[: header.nbytes])
+    if checksum != header.checksum:
+        raise RefitError(
+            f"bucket {header.index} of refit version {header.version} is corrupt: its "
+            f"checksum is {checksum:#018x}, the sender's {header.checksum:#018x}"
+        )
+
+
+def _first_difference(got: tuple[TensorSlot, ...], want: tuple[TensorSlot, ...]) -> str:
+    for g, w in zip(got, want):
+        if g != w:
+            return (
+                f"the sender has {g.name!r} {g.shape} {g.dtype} at byte {g.offset} where the "
+                f"refit info has {w.name!r} {w.shape} {w.dtype} at byte {w.offset}"
+            )
+    return f"the sender lists {len(got)} tensors, the refit info {len(want)}"
 
 
 @dataclasses.dataclass
@@ -260,7 +301,7 @@ ByteRuns = tuple[tuple[int, torch.Tensor], ...]
 
 def byte_runs(tensor: torch.Tensor | StackedTensor) -> ByteRuns:
     """The bytes of an exported tensor: one run, or one per part of a :class:`StackedTensor`
-    (the parts are copied straight into the stream, never stacked in memory first).
+    (the parts are copied straight into the bucket, never stacked in memory first).
 
     Raises:
         RefitError: a part but the last is not a whole number of 8-byte words (the bucket
@@ -278,14 +319,6 @@ def byte_runs(tensor: torch.Tensor | StackedTensor) -> ByteRuns:
             f"{[flat.numel() for _, flat in runs]}"
         )
     return tuple(runs)
-
-
-def _slice_runs(runs: ByteRuns, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Bytes ``[lo, hi)`` of the tensor ``runs`` describe, as ``(offset from lo, bytes)``."""
-    for start, flat in runs:
-        a, b = max(lo, start), min(hi, start + flat.numel())
-        if a < b:
-            yield a - lo, flat[a - start : b - start]
 
 
 class BucketPacker:
@@ -312,8 +345,6 @@ class BucketPacker:
         self.timings = PackTimings()
         self._iter = iter(stream)
         self._next_index = 0
-        self._slot = 0
-        self._current: ByteRuns | None = None  # bytes of the tensor now being packed
 
     @property
     def next_index(self) -> int:
@@ -322,7 +353,7 @@ class BucketPacker:
 
     @property
     def done(self) -> bool:
-        """Every bucket has been filled."""
+        """Every bucket has been filled (or advanced over)."""
         return self._next_index == self.layout.num_buckets
 
     def _check_order(self, index: int) -> None:
@@ -334,202 +365,80 @@ class BucketPacker:
 
     def advance(self, index: int) -> None:
         """Consume (and check) the exported tensors of bucket ``index`` without packing them:
-        what a rank that exports but does not send does, to stay in step with the sender's
+        what a rank that exports but does not pack does, to stay in step with its peers'
         collectives inside the export."""
         self._check_order(index)
-        for entry in self.layout.manifest(index):
-            if entry.tensor_offset == 0:
-                self._tensor_bytes(entry)
-        self._next_index += 1
-        if self.done:
-            self._expect_end()
+        for slot in self.layout.manifest(index):
+            self._next_tensor(slot)
+        self._finish_bucket()
+
+    def drain(self) -> None:
+        """Advance over every bucket not yet filled (a sender that gave up keeps the export's
+        collectives in step with its peers). Errors of the export are not raised again."""
+        while not self.done:
+            try:
+                self.advance(self._next_index)
+            except RefitError:
+                self._next_index = self.layout.num_buckets
+                return
 
     def fill(self, index: int, out: torch.Tensor) -> BucketHeader:
-        """Write bucket ``index`` into ``out`` (uint8, >= bucket_bytes) and describe it.
+        """Write bucket ``index`` into ``out`` (uint8, >= its size) and describe it.
 
         Raises:
             RefitError: buckets requested out of order, or the export disagrees with the
                 refit info (name, shape or dtype, or the number of tensors).
         """
         self._check_order(index)
-        start, stop = self.layout.span(index)
-        if out.dtype != torch.uint8 or out.numel() < stop - start:
-            raise ValueError(f"bucket {index} needs a uint8 buffer of >= {stop - start} bytes")
-        dest = out[: stop - start]
+        nbytes = self.layout.bucket_sizes[index]
+        if out.dtype != torch.uint8 or out.numel() < nbytes:
+            raise ValueError(f"bucket {index} needs a uint8 buffer of >= {nbytes} bytes")
+        dest = out[:nbytes]
         cursor, pieces = 0, []
         with torch._C.DisableTorchFunction():  # plain byte slicing (see bucket_checksum)
-            for entry in self.layout.manifest(index):
-                source = self._tensor_bytes(entry)
-                if entry.bucket_offset > cursor:  # padding is zero: checksums are repeatable
-                    dest[cursor : entry.bucket_offset].zero_()
-                cursor = entry.bucket_offset + entry.length
-                for at, piece in _slice_runs(
-                    source, entry.tensor_offset, entry.tensor_offset + entry.length
-                ):
-                    pieces.append((entry.bucket_offset + at, piece))
-            if cursor < dest.numel():
+            for slot in self.layout.manifest(index):
+                runs = self._next_tensor(slot)
+                if slot.offset > cursor:  # padding is zero: checksums are repeatable
+                    dest[cursor : slot.offset].zero_()
+                cursor = slot.offset + slot.nbytes
+                pieces.extend((slot.offset + at, flat) for at, flat in runs)
+            if cursor < nbytes:
                 dest[cursor:].zero_()
             tick = time.perf_counter()
             checksum = copy_pieces(dest, pieces, self.checksums)
         self.timings.pack_s += time.perf_counter() - tick
-        self._next_index += 1
-        if self.done:
-            self._expect_end()
+        self._finish_bucket()
         return BucketHeader(
-            self.version, index, self.layout.num_buckets, self.layout.bucket_bytes,
-            dest.numel(), checksum, self.layout.manifest(index),
+            self.version, index, self.layout.num_buckets, nbytes, checksum,
+            self.layout.manifest(index),
         )
 
-    def _tensor_bytes(self, entry: ManifestEntry) -> ByteRuns:
-        """Bytes of ``entry``'s tensor (:func:`byte_runs`), pulling it from the export at its
-        first piece."""
-        if entry.tensor_offset == 0:
-            slot = self.layout.slots[self._slot]
-            self._slot += 1
-            tick = time.perf_counter()
-            item = next(self._iter, None)
-            self.timings.export_s += time.perf_counter() - tick
-            if item is None:
-                raise RefitError(
-                    f"the export ended before {slot.name!r}; it yields fewer tensors than the "
-                    "refit info lists (prepare the refit info again after changing the model)"
-                )
-            name, tensor = item
-            if (name, tuple(tensor.shape), tensor.dtype) != (slot.name, slot.shape, slot.dtype):
-                raise RefitError(
-                    f"the export yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} where the "
-                    f"refit info has {slot.name!r} {slot.shape} {slot.dtype}"
-                )
-            self._current = byte_runs(tensor)
-        assert self._current is not None
-        return self._current
-
-    def _expect_end(self) -> None:
+    def _next_tensor(self, slot: TensorSlot) -> ByteRuns:
+        """The bytes of the export's next tensor (:func:`byte_runs`), checked against ``slot``."""
         tick = time.perf_counter()
-        extra = next(self._iter, None)
+        item = next(self._iter, None)
         self.timings.export_s += time.perf_counter() - tick
-        self._current = None
-        if extra is not None:
+        if item is None:
             raise RefitError(
-                f"the export yielded {extra[0]!r} after the last tensor of the refit info; "
-                "prepare the refit info again after changing the model"
+                f"the export ended before {slot.name!r}; it yields fewer tensors than the "
+                "refit info lists (prepare the refit info again after changing the model)"
             )
-
-
-class StagingArea:
-    """Receiver side: checks each bucket against the layout where its bytes lie.
-
-    ``buffer`` holds the whole stream, bucket ``k`` at its window :meth:`StreamLayout.span`:
-    the sender's shared buffer (colocated: the sender wrote the bytes there, nothing is
-    copied) or the receiver's own memory (a broadcast writes into :meth:`destination`).
-
-    Args:
-        layout: the stream layout built from the refit info this receiver was given.
-        buffer: uint8 [>= ``layout.total_bytes``].
-
-    Raises:
-        ValueError: ``buffer`` is not uint8 or is shorter than the stream.
-    """
-
-    def __init__(self, layout: StreamLayout, buffer: torch.Tensor) -> None:
-        if buffer.dtype != torch.uint8 or buffer.numel() < layout.total_bytes:
-            raise ValueError(
-                f"staging needs a uint8 buffer of >= {layout.total_bytes} bytes (the whole "
-                f"stream), got {buffer.dtype} [{buffer.numel()}]"
-            )
-        self.layout = layout
-        self.buffer = buffer
-        self.version: int | None = None
-        self._next_index = 0
-
-    @property
-    def complete(self) -> bool:
-        """Every bucket has arrived and passed its checks."""
-        return self._next_index == self.layout.num_buckets
-
-    def destination(self, header: BucketHeader) -> torch.Tensor:
-        """The window of ``header``'s payload in the buffer, after checking the header.
-
-        Raises:
-            RefitError: the bucket is out of order or from another version, or its size or
-                manifest disagrees with the refit info.
-        """
-        expected = self._next_index
-        if self.complete:
-            raise RefitError(f"bucket {header.index} arrived after the last bucket")
-        if header.index != expected:
+        name, tensor = item
+        if (name, tuple(tensor.shape), tensor.dtype) != (slot.name, slot.shape, slot.dtype):
             raise RefitError(
-                f"bucket {header.index} arrived where bucket {expected} was expected: a bucket "
-                "is missing or out of order"
+                f"the export yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} where the "
+                f"refit info has {slot.name!r} {slot.shape} {slot.dtype}"
             )
-        if self.version is not None and header.version != self.version:
-            raise RefitError(
-                f"bucket {header.index} belongs to refit version {header.version}, the buckets "
-                f"before it to version {self.version}"
-            )
-        if (header.num_buckets, header.bucket_bytes) != (
-            self.layout.num_buckets, self.layout.bucket_bytes
-        ):
-            raise RefitError(
-                f"the sender streams {header.num_buckets} buckets of {header.bucket_bytes} "
-                f"bytes, the refit info gives {self.layout.num_buckets} of "
-                f"{self.layout.bucket_bytes}: both sides need the same refit info"
-            )
-        start, stop = self.layout.span(header.index)
-        if header.nbytes != stop - start:
-            raise RefitError(
-                f"bucket {header.index} has {header.nbytes} bytes, the refit info gives "
-                f"{stop - start}"
-            )
-        mine = self.layout.manifest(header.index)
-        if header.manifest != mine:
-            raise RefitError(
-                f"bucket {header.index} disagrees with the refit info: "
-                f"{_first_difference(header.manifest, mine)}"
-            )
-        self.version = header.version
-        return self.buffer[start:stop]
+        return byte_runs(tensor)
 
-    def verify(self, header: BucketHeader) -> None:
-        """Check the payload of ``header`` in its window (after :meth:`destination`, once the
-        bytes are there) against the sender's checksum: one read of the window. A header
-        without a checksum (the sender was told not to compute them) passes.
-
-        Raises:
-            RefitError: the checksum differs (the bucket was corrupted in transit).
-        """
-        if header.index != self._next_index or header.version != self.version:
-            raise RuntimeError(
-                f"verify bucket {header.index} after destination() accepted its header"
-            )
-        start, stop = self.layout.span(header.index)
-        checksum = None if header.checksum is None else bucket_checksum(self.buffer[start:stop])
-        if checksum != header.checksum:
-            raise RefitError(
-                f"bucket {header.index} of refit version {header.version} is corrupt: its "
-                f"checksum is {checksum:#018x}, the sender's {header.checksum:#018x}"
-            )
+    def _finish_bucket(self) -> None:
         self._next_index += 1
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, view into the buffer)`` of every tensor, once every bucket has passed.
-
-        Raises:
-            RefitError: buckets are still missing.
-        """
-        if not self.complete:
-            raise RefitError(
-                f"only {self._next_index} of {self.layout.num_buckets} buckets arrived; the "
-                "refit is incomplete"
-            )
-        return self.layout.tensors(self.buffer)
-
-
-def _first_difference(got: tuple[ManifestEntry, ...], want: tuple[ManifestEntry, ...]) -> str:
-    for g, w in zip(got, want):
-        if g != w:
-            return (
-                f"the sender has {g.name!r} {g.shape} {g.dtype} at byte {g.bucket_offset} where "
-                f"the refit info has {w.name!r} {w.shape} {w.dtype} at byte {w.bucket_offset}"
-            )
-    return f"the sender lists {len(got)} tensor pieces, the refit info {len(want)}"
+        if self.done:
+            tick = time.perf_counter()
+            extra = next(self._iter, None)
+            self.timings.export_s += time.perf_counter() - tick
+            if extra is not None:
+                raise RefitError(
+                    f"the export yielded {extra[0]!r} after the last tensor of the refit info; "
+                    "prepare the refit info again after changing the model"
+                )

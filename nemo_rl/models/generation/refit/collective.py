@@ -10,23 +10,34 @@ Protocol, per bucket, all broadcasts from group rank 0: the header's length (int
 pickled :class:`~.buckets.BucketHeader` (uint8), then the payload. A length of -1 instead means
 the sender gave up (its export disagreed with the refit info): receivers stop at once. The
 sender packs bucket ``k + 1`` into its second buffer while bucket ``k`` is being broadcast from
-the first, and waits for that broadcast before refilling a buffer. Receivers broadcast straight
-into their staging window. A receiver that finds a bad bucket keeps receiving (into scratch
-memory) to the end of the stream, so the group stays in step, and raises then.
+the first, and waits for that broadcast before refilling a buffer. A receiver (an engine)
+broadcasts each bucket straight into the next slot of its own ring (:mod:`.ring`), once its
+readers (the engine's rank processes) have released the bucket that was there, and publishes
+it for them to load: the sender's next broadcast waits for the slowest engine, so no engine
+ever stages more than its ring. A receiver that finds a bad bucket, or whose readers gave up,
+keeps receiving (into scratch memory) to the end of the stream, so the group stays in step,
+and raises then.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_bridge.parallel_state import bound_tcp_store
-from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StagingArea
+from nemo_rl.models.generation.refit.buckets import (
+    BucketHeader,
+    BucketPacker,
+    StreamLayout,
+    check_header,
+    verify_payload,
+)
 from nemo_rl.models.generation.refit.errors import RefitError
-from nemo_rl.models.generation.refit.ipc import synchronize
+from nemo_rl.models.generation.refit.ring import Ring, synchronize
 
 # Header length that tells the receivers the sender abandoned the stream.
 _ABORTED = -1
@@ -149,42 +160,67 @@ class RefitCollective:
                 f"broadcasting the refit stream failed (a receiver died or timed out): {err}"
             ) from err
 
-    def receive(self, staging: StagingArea) -> None:
-        """Ranks >= 1: receive a whole stream into ``staging``, checking every bucket.
+    def receive(
+        self,
+        layout: StreamLayout,
+        ring: Ring,
+        started: Callable[[int], None],
+        timeout_s: float,
+    ) -> None:
+        """Ranks >= 1: receive a whole stream into ``ring``, checking and publishing every
+        bucket for the ring's readers.
+
+        Args:
+            layout: the stream's layout (from this engine's refit info).
+            ring: the engine's ring; this process is its writer.
+            started: called with the stream's version once its first header arrived.
+            timeout_s: seconds the readers may take to release a slot.
 
         Raises:
-            RefitError: a bucket was corrupt or disagreed with the refit info (raised after
-                the stream ended), or the sender died or timed out.
+            RefitError: a bucket was corrupt or disagreed with the refit info, or the readers
+                gave up (raised after the stream ended; the ring is aborted), or the sender
+                died or timed out.
         """
         if self.rank == 0:
             raise RuntimeError("group rank 0 sends the refit stream; receivers have rank >= 1")
         first_error: RefitError | None = None
+        version: int | None = None
+
+        def fail(err: RefitError) -> None:  # the readers stop now; the group goes on
+            nonlocal first_error
+            first_error = first_error or err
+            if version is not None:
+                ring.abort(version)
+
         try:
-            while True:
+            for index in range(layout.num_buckets):
                 header = self._receive_header()
+                if version is None:
+                    version = header.version
+                    started(version)
                 target = None
                 if first_error is None:
                     try:
-                        target = staging.destination(header)
+                        check_header(layout, header, index, version)
+                        target = ring.slot_for(index, version, timeout_s)[: header.nbytes]
                     except RefitError as err:
-                        first_error = err
+                        fail(err)
                 if target is None:  # keep the group in step; discard the bytes
                     target = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
                 self._broadcast(target).wait()
                 if first_error is None:
                     try:
-                        staging.verify(header)
+                        verify_payload(header, target)
+                        ring.publish(header)
                     except RefitError as err:
-                        first_error = err
-                if header.index >= header.num_buckets - 1:
-                    break
-        except RefitError:
-            raise
+                        fail(err)
+        except RefitError as err:
+            fail(err)
         except RuntimeError as err:
             self.broken = True
-            raise RefitError(
+            fail(RefitError(
                 f"receiving the refit stream failed (the sender died or timed out): {err}"
-            ) from err
+            ))
         if first_error is not None:
             raise first_error
 

@@ -1,24 +1,24 @@
 """The driver's side of a refit: one call that moves the policy's weights into the engines.
 
-The driver sends only control messages (refit info, the stream's buffer handle and version,
-Ray object refs); weight bytes go from the trainer's rank 0 to the engines directly, through
-shared buffers (colocated) or a broadcast group (not colocated).
+The driver sends only control messages (refit info, ring handles, Ray object refs); weight
+bytes go from the policy ranks to the engines directly, through rings of a few bucket-sized
+slots on the engines' own nodes (colocated) or a broadcast group (not colocated).
 
 Colocated sequence: ``policy.offload_before_refit`` (optimizer state and gradients off the
-device), ``generation.prepare_for_generation`` (engines awake), the bucket stream, the engines'
-``commit_weight_update``, ``policy.finish_weights_ipc``, ``policy.offload_after_refit``. The
-verbs are those of :mod:`.interfaces`; the settings (bucket size, export dtype, timeout,
-checksums) are the policy config's (``PolicyConfig.refit_settings``). The sender packs the buckets one after another into their
-windows of one shared buffer of the stream's size, in one call, while the engines check each
-bucket where it lies as soon as its record in that buffer says it is packed (one call per
-engine; the driver is never between the two), and at commit the engines load straight from
-that buffer: every byte is copied once on its way into the engine. The commit (or the abort)
-is the engines' acknowledgement that the buffer may be refilled: the sender's next stream
-starts only after it.
+device), ``generation.prepare_for_generation`` (engines awake), the refit plan (:mod:`.plan`:
+which policy rank writes the ring of each node, or on GPU of each device, and which engine
+ranks read it), ``prepare_weights_for_ipc`` on every policy rank (the writers open their
+rings), the engines' ``update_weights_from_ipc_handles`` (each loads from the ring of its own
+node as the buckets arrive) while every policy rank runs ``get_weights_ipc_handles`` over the
+whole plan (the export, and the writers' packing), then ``finish_weights_ipc`` and
+``policy.offload_after_refit``. Not colocated: the broadcast group (formed once), then
+``broadcast_weights_for_collective`` on the policy while every engine runs
+``update_weights_from_collective``.
 
-Either way the engines check every bucket before loading, and load only when every engine
-has checked the whole refit (two-phase): a failure anywhere before that aborts the refit on all
-engines, which keep their previous weights and version.
+An engine takes the stream's version once it loaded all of it. A refit that fails anywhere (a
+corrupt bucket, a participant that died or timed out) is started over, as a new version, up to
+``policy.refit_max_retries`` times; engines whose load broke off refuse to generate meanwhile.
+Past that, :class:`~.errors.RefitError` says what failed on each attempt.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -34,6 +34,8 @@ import ray
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
+from nemo_rl.models.generation.refit.plan import RingAssignment, engine_reads, plan_rings
+from nemo_rl.models.generation.refit.ring import staging_bytes
 from nemo_rl.utils.timer import Timer
 
 if TYPE_CHECKING:
@@ -51,20 +53,24 @@ class RefitResult:
         version: the weight version every engine now holds.
         nbytes: bytes streamed (the weights in the export dtype, plus alignment padding).
         num_buckets: buckets the stream was cut into.
-        seconds: wall times: ``total_s`` (the whole call), ``stream_s`` (export + transfer,
-            as the driver saw it), ``commit_s`` (engines loading); the sender's ``export_s``
-            (waiting for the export), ``pack_s`` (copying and checksumming) and ``send_s``
-            (its own wall time from opening the stream to the last bucket packed or sent; the
-            rest of ``stream_s`` is the Ray calls and the engines' last checks); and, slowest
-            engine, ``receive_s`` (receiving and checking the buckets), ``attach_s`` (mapping
-            the sender's buffer, colocated: 0 when kept from the last refit) and ``load_s``
-            (the engine's loader).
+        staging_bytes: bytes one ring stages (its slots), per ring.
+        attempts: tries it took (1: no retry).
+        seconds: wall times of the successful attempt: ``total_s`` (the whole call, retries
+            included), ``stream_s`` (export, transfer and load, as the driver saw them); the
+            slowest ring writer's ``export_s`` (waiting for the export), ``pack_s`` (copying
+            and checksumming) and ``send_s`` (its stream, open to last bucket); the slowest
+            engine's ``load_s`` (its whole load) and ``wait_s`` (of it, waiting for buckets).
+        engines: per engine, ``node`` (its Ray node), ``rings`` (writer and node of the ring
+            each of its ranks read) and ``path`` (how it loaded: "in_place" or "reload").
     """
 
     version: int
     nbytes: int
     num_buckets: int
+    staging_bytes: int
+    attempts: int
     seconds: dict[str, float]
+    engines: list[dict[str, Any]] = field(default_factory=list)
 
 
 def refit_policy_generation(
@@ -72,23 +78,24 @@ def refit_policy_generation(
 ) -> RefitResult:
     """Copy the policy's current weights into every generation engine.
 
-    Weights are exported in the engines' precision; bucket size, timeout and checksums are the
-    policy config's ``refit_*`` fields. The first call exports the refit info once and hands it
-    to the engines (which check it against their checkpoint); a non-colocated first call also
-    forms the broadcast group.
+    Weights are exported in the engines' precision; bucket size, timeout, checksums and
+    retries are the policy config's ``refit_*`` fields. The first call exports the refit info
+    once and hands it to the engines (which check it against their checkpoint); a
+    non-colocated first call also forms the broadcast group.
 
     Args:
-        policy: the trained policy (its rank 0 sends).
+        policy: the trained policy.
         generation: the engines to update.
-        colocated: True when both share devices (shared-memory / CUDA IPC buffers),
-            False for a broadcast over a process group.
+        colocated: True when the engines run on the policy's bundles (rings per node or
+            device), False for a broadcast over a process group.
 
     Returns:
-        The new version, the bytes and buckets streamed, and where the time went.
+        The new version, the bytes and buckets streamed, where the time went, and per engine
+        which rings it read.
 
     Raises:
-        RefitError: the refit failed, or the policy exports another dtype than the engines
-            run; the engines keep their previous weights and version.
+        RefitError: every attempt failed, or the policy exports another dtype than the
+            engines run.
     """
     start = time.perf_counter()
     settings = policy.cfg.refit_settings()
@@ -100,37 +107,45 @@ def refit_policy_generation(
             "build both from the same generation config"
         )
     info = policy.prepare_refit_info()
-    assert info is not None  # rank 0 always exports
     if generation.refit_info != info:
         generation.prepare_refit_info(info)
     layout = StreamLayout(info, settings.bucket_bytes)
-    timer = Timer()
-    if colocated:
-        policy.offload_before_refit()
-        generation.prepare_for_generation()
+    failures: list[str] = []
+    for attempt in range(1, settings.max_retries + 2):
+        timer = Timer()
         try:
             with timer.time("stream_s"):
-                _stream_ipc(policy, generation, settings.timeout_s)
-            with timer.time("commit_s"):
-                engines = _commit(generation)
-        finally:  # the engines are done with the sender's buffer (committed or aborted)
-            sender = _finish_ipc(policy)
-        policy.offload_after_refit()
-    else:
-        _ensure_group(policy, generation, settings.timeout_s)
-        with timer.time("stream_s"):
-            sender = _stream_collective(policy, generation, settings)
-        with timer.time("commit_s"):
-            engines = _commit(generation)
-    seconds = {
-        "total_s": time.perf_counter() - start,
-        **timer.summary(),
-        **{("send_s" if k == "stream_s" else k): v for k, v in sender.items()},
-        "receive_s": max(float(e["receive_s"]) for e in engines),
-        "attach_s": max(float(e["attach_s"]) for e in engines),
-        "load_s": max(float(e["load_s"]) for e in engines),
-    }
-    return RefitResult(int(engines[0]["version"]), layout.total_bytes, layout.num_buckets, seconds)
+                if colocated:
+                    senders, engines = _refit_colocated(policy, generation, layout, settings)
+                else:
+                    senders, engines = _refit_collective(policy, generation, layout, settings)
+        except RefitError as err:
+            failures.append(f"attempt {attempt}: {err}")
+            logger.warning("weight refit attempt %d failed: %s", attempt, err)
+            continue
+        versions = {int(e["version"]) for e in engines}
+        if len(versions) != 1:
+            raise RefitError(f"the engines loaded different versions: {sorted(versions)}")
+        seconds = {
+            "total_s": time.perf_counter() - start,
+            **timer.summary(),
+            **_slowest(senders, ("export_s", "pack_s")),
+            "send_s": max((float(s.get("stream_s", 0.0)) for s in senders), default=0.0),
+            **_slowest(engines, ("load_s", "wait_s")),
+        }
+        return RefitResult(
+            versions.pop(), layout.total_bytes, layout.num_buckets,
+            staging_bytes(layout.slot_bytes), attempt, seconds,
+            [{k: e[k] for k in ("node", "rings", "path")} for e in engines],
+        )
+    raise RefitError(
+        f"the weight refit failed {len(failures)} times (policy.refit_max_retries="
+        f"{settings.max_retries}): " + "; ".join(failures)
+    )
+
+
+def _slowest(results: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    return {k: max((float(r.get(k, 0.0)) for r in results), default=0.0) for k in keys}
 
 
 def _wait(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
@@ -149,7 +164,7 @@ def _wait(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[An
         except Exception as err:  # a worker's error or its death
             failures.append(_describe(err))
     if failures:
-        raise RefitError("; ".join(failures))
+        raise RefitError("; ".join(dict.fromkeys(failures)))
     return results
 
 
@@ -160,40 +175,52 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-def _abort(generation: VllmGeneration) -> None:
+def colocated_plan(policy: Policy, generation: VllmGeneration) -> list[RingAssignment]:
+    """The rings of a colocated refit: one per node on CPU, one per GPU on GPU (:mod:`.plan`)."""
+    per_device = generation.worker_group.cluster.use_gpus
+    places = generation.worker_group.worker_places(per_device)
+    tp = generation.layout.tensor_parallel_size
+    return plan_rings(
+        policy.worker_group.worker_places(per_device),
+        [places[e * tp : (e + 1) * tp] for e in range(generation.num_replicas)],
+    )
+
+
+def _refit_colocated(
+    policy: Policy, generation: VllmGeneration, layout: StreamLayout, settings: RefitSettings
+) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
+    """One colocated attempt: the writers' timings and the engines' reports."""
+    policy.offload_before_refit()
+    generation.prepare_for_generation()
+    rings = colocated_plan(policy, generation)
+    tp = generation.layout.tensor_parallel_size
     try:
-        ray.get(generation.refit("abort_weight_update"))
-    except Exception as err:  # an engine that died cannot abort; the others did
-        logger.warning("aborting the refit on the engines failed: %s", err)
+        streams = policy.prepare_weights_for_ipc({r.writer: len(r.readers) for r in rings})
+        loads = [
+            engine.refit.remote(
+                "update_weights_from_ipc_handles",
+                [(streams[ring.writer], reader) for ring, reader in engine_reads(rings, e, tp)],
+                settings.timeout_s,
+            )
+            for e, engine in enumerate(generation.engines)
+        ]
+        keys = [name for bucket in layout.plan() for name in bucket]
+        sends = policy.refit("get_weights_ipc_handles", keys)
+        results = _wait(
+            loads + sends, settings.timeout_s * (layout.num_buckets + 1), "the refit stream"
+        )
+    finally:  # the engines are done with the rings (loaded or gave up)
+        _finish_ipc(policy)
+    policy.offload_after_refit()
+    engines, senders = results[: len(loads)], results[len(loads) :]
+    return [s for s in senders if s], engines
 
 
-def _stream_ipc(policy: Policy, generation: VllmGeneration, timeout_s: float) -> None:
-    """Have the sender pack every bucket into its shared buffer and every engine check it;
-    returns once all are checked. Raises RefitError, after aborting the engines, naming the
-    first bucket that failed."""
+def _finish_ipc(policy: Policy) -> None:
     try:
-        # One call per side for the whole stream: the sender publishes each bucket's record
-        # in the shared buffer once it is packed and the engines poll those records, so no
-        # bucket waits for a Ray hand-off; the engines watch the sender's future to notice
-        # a sender that fails.
-        stream, packed = policy.stream_weights_ipc()
-        checked = generation.refit("receive_weights_ipc_stream", stream, [packed[0]], timeout_s)
-        _wait(checked + packed, timeout_s * len(stream.plan), "the refit stream")
-    except Exception as err:
-        _abort(generation)
-        if isinstance(err, RefitError):
-            raise
-        raise RefitError(f"the colocated refit stream failed: {_describe(err)}") from err
-
-
-def _finish_ipc(policy: Policy) -> dict[str, float]:
-    """End the sender's stream; its timings (empty when the sender died: its buffer is
-    swept on the next create)."""
-    try:
-        return policy.finish_weights_ipc() or {}
-    except Exception as err:
-        logger.warning("closing the refit stream on the policy failed: %s", err)
-        return {}
+        policy.finish_weights_ipc()
+    except Exception as err:  # a dead rank; the live ones have ended their stream
+        logger.warning("ending the refit stream on the policy failed: %s", err)
 
 
 def _ensure_group(policy: Policy, generation: VllmGeneration, timeout_s: float) -> None:
@@ -219,30 +246,22 @@ def _close_group(policy: Policy, generation: VllmGeneration) -> None:
             logger.warning("leaving the refit group failed: %s", err)
 
 
-def _stream_collective(
-    policy: Policy, generation: VllmGeneration, settings: RefitSettings
-) -> dict[str, float]:
-    """Broadcast every bucket over the refit group; the sender's timings."""
-    send = policy.broadcast_weights_for_collective()
-    receive = generation.refit("update_weights_from_collective", settings.bucket_bytes)
+def _refit_collective(
+    policy: Policy, generation: VllmGeneration, layout: StreamLayout, settings: RefitSettings
+) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
+    """One broadcast attempt: the sender's timings and the engines' reports."""
+    _ensure_group(policy, generation, settings.timeout_s)
+    sends = policy.broadcast_weights_for_collective()
+    loads = generation.refit(
+        "update_weights_from_collective", settings.bucket_bytes, settings.timeout_s
+    )
     try:
-        results = _wait(send + receive, settings.timeout_s, "the refit broadcast")
+        results = _wait(
+            loads + sends, settings.timeout_s * (layout.num_buckets + 1), "the refit broadcast"
+        )
     except RefitError:
-        _abort(generation)
         # after a failed broadcast the group may be out of step or broken: form it anew
         _close_group(policy, generation)
         raise
-    return results[0] or {}
-
-
-def _commit(generation: VllmGeneration) -> list[dict[str, float | int]]:
-    """Every engine loads its staged refit; all must end on the same version."""
-    try:
-        results = ray.get(generation.refit("commit_weight_update"))
-    except Exception as err:
-        _abort(generation)
-        raise RefitError(f"committing the refit failed: {_describe(err)}") from err
-    versions = {int(r["version"]) for r in results}
-    if len(versions) != 1:
-        raise RefitError(f"the engines committed different versions: {sorted(versions)}")
-    return results
+    engines, senders = results[: len(loads)], results[len(loads) :]
+    return [s for s in senders if s], engines

@@ -1,8 +1,9 @@
 """Host shared-memory buffers for colocated refit on CPU: files in ``/dev/shm`` mapped as tensors.
 
-The sender creates a buffer (a tmpfs file mapped with ``torch.from_file(shared=True)``) and
-passes its :class:`SharedMemoryHandle` (path and size, picklable) through Ray; a receiver on the
-same node maps the same file. Pages are shared, so a byte the sender writes is the byte the
+The writer creates a buffer (a tmpfs file mapped with ``torch.from_file(shared=True)``) in the
+node's shared-memory directory (:func:`shm_dir`: ``$NEMO_RL_SHM_DIR``, default ``/dev/shm``)
+and passes its :class:`SharedMemoryHandle` (path and size, picklable) through Ray; a reader on
+the same node maps the same file. Pages are shared, so a byte the sender writes is the byte the
 receiver reads, with no copy in between. The mapping lives as long as the tensor: dropping the
 last reference unmaps it.
 
@@ -21,8 +22,15 @@ from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
 PREFIX = "nemo_rl_refit"
+# Names the node's shared-memory directory; a test cluster of several Ray nodes on one host
+# gives each node its own, so that, as on a real cluster, no node sees another's buffers.
+SHM_DIR_ENV = "NEMO_RL_SHM_DIR"
+
+
+def shm_dir() -> Path:
+    """This node's shared-memory directory: ``$NEMO_RL_SHM_DIR``, else ``/dev/shm``."""
+    return Path(os.environ.get(SHM_DIR_ENV) or "/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -33,14 +41,21 @@ class SharedMemoryHandle:
     nbytes: int
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) is running; a zombie counts as dead."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
 
 
 def _pid_namespace() -> str:
@@ -51,13 +66,14 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Unlink refit buffers of this pid namespace whose creating process no longer exists;
-    returns their names."""
+def remove_stale_segments(directory: Path | None = None) -> list[str]:
+    """Unlink refit buffers of this pid namespace whose creating process no longer exists, in
+    ``directory`` (default: :func:`shm_dir`); returns their names."""
+    directory = shm_dir() if directory is None else directory
     removed = []
     for path in sorted(directory.glob(f"{PREFIX}_{_pid_namespace()}_*")):
         pid = path.name.split("_")[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
@@ -78,18 +94,21 @@ class SharedMemoryBuffer:
         )
 
     @classmethod
-    def create(cls, nbytes: int, directory: Path = SHM_DIR) -> SharedMemoryBuffer:
-        """A new zero-filled buffer of ``nbytes`` owned (and unlinked at close) by this process.
+    def create(cls, nbytes: int, directory: Path | None = None) -> SharedMemoryBuffer:
+        """A new zero-filled buffer of ``nbytes`` in ``directory`` (default: :func:`shm_dir`),
+        owned (and unlinked at close) by this process.
 
         Raises:
             RuntimeError: ``directory`` is not there (no ``/dev/shm`` on this machine).
         """
+        directory = shm_dir() if directory is None else directory
         if nbytes <= 0:
             raise ValueError(f"a shared-memory buffer needs nbytes > 0, got {nbytes}")
         if not directory.is_dir():
             raise RuntimeError(
-                f"{directory} does not exist: colocated CPU refit needs a tmpfs shared-memory "
-                "directory; use the collective refit (colocated=False) instead"
+                f"{directory} does not exist: a CPU refit stages its buckets in a tmpfs "
+                f"shared-memory directory (${SHM_DIR_ENV}, default /dev/shm); create it or "
+                f"point {SHM_DIR_ENV} at one"
             )
         remove_stale_segments(directory)
         path = directory / f"{PREFIX}_{_pid_namespace()}_{os.getpid()}_{uuid.uuid4().hex[:12]}"

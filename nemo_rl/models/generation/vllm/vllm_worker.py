@@ -18,21 +18,19 @@ after a weight update that may follow. Either way a sleeping worker refuses to g
 code that forgets ``prepare_for_generation`` fails on CPU exactly as it would on GPU.
 
 Weight refit. :meth:`VllmGenerationWorker.refit` runs a verb of the weight-sync protocol on a
-:class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`, which checks a whole refit
-before it touches the engine; loading then goes through
-:func:`~nemo_rl.models.generation.vllm.weight_loading.load_weights` (the model's loaders
-straight into its live parameters where that is exact, vLLM's ``reload_weights`` where the
-backend repacked them), called in-process so the tensors are passed by reference: views of the
-sender's shared buffer (colocated) or of the engine's staging (broadcast), which the loaders
-copy into the engine's own parameters. ``weight_version`` counts committed refits (0: the
-checkpoint's weights).
+:class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver`: every rank process of the
+engine (this actor's with one rank) loads the stream from a ring of this node as the buckets
+arrive (:func:`~nemo_rl.models.generation.vllm.weight_loading.load_from_rings`, through
+``collective_rpc``). ``weight_version`` is the version of the last refit loaded in full (0: the
+checkpoint's weights); an engine whose load broke off part-way refuses to generate until a
+refit completes.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +38,10 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
-from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, call_verb
-from nemo_rl.models.generation.refit.receiver import RefitReceiver
-from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_weights
+from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo, call_verb
+from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
+from nemo_rl.models.generation.refit.receiver import LoadReport, RefitReceiver
+from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_from_rings
 
 # Environment every worker needs before vLLM is imported: the engine core runs in-process, and
 # vLLM logs warnings and errors only (its per-engine INFO lines drown the training console;
@@ -121,6 +120,9 @@ class VllmGenerationWorker:
             engine_kwargs["enable_chunked_prefill"] = False
         if tp > 1:
             os.environ.update(_tensor_parallel_env(self.use_gpu, device_ids, tp))
+        node = current_node_id()
+        if node is not None:  # the rank processes vLLM spawns check ring handles against it
+            os.environ[NODE_ID_ENV] = node
         self.llm = LLM(
             model=self.model_path,
             tensor_parallel_size=tp,
@@ -136,16 +138,20 @@ class VllmGenerationWorker:
         self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
         self.asleep = False
         self.last_load_path: LoadPath | None = None  # how the last refit was loaded
+        # Load refits through vLLM's reload path even where loading in place is exact (tests
+        # and debugging: both paths on any host).
+        self.force_reload = False
         self.receiver = RefitReceiver(
-            self._load_weights,
+            self._load_stream,
             device=torch.device("cuda") if self.use_gpu else torch.device("cpu"),
+            tensor_parallel_size=tp,
             expected_shapes=_checkpoint_shapes(self.model_path),
         )
         return True
 
     @property
     def weight_version(self) -> int:
-        """Committed refits (0: the checkpoint's weights)."""
+        """Version of the last refit loaded in full (0: the checkpoint's weights)."""
         return self.receiver.version
 
     # ------------------------------------------------------------------ generation
@@ -184,11 +190,13 @@ class VllmGenerationWorker:
 
         Raises:
             RuntimeError: the worker is asleep.
+            RefitError: the engine holds the weights of a refit that broke off.
         """
         if self.asleep:
             raise RuntimeError(
                 "the vLLM worker is asleep; call prepare_for_generation() before generate()"
             )
+        self.receiver.require_complete()
         input_ids: torch.Tensor = data["input_ids"]
         lengths = [int(n) for n in data["input_lengths"].tolist()]
         prompts = [input_ids[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -268,26 +276,39 @@ class VllmGenerationWorker:
 
     # ------------------------------------------------------------------ weight refit
 
-    def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Load a complete set of HF-named tensors into the engine (called at commit)."""
+    def _load_stream(
+        self,
+        reads: list[RingRead],
+        info: RefitInfo,
+        bucket_bytes: int,
+        version: int,
+        timeout_s: float,
+    ) -> list[LoadReport]:
+        """Load a stream into every rank of the engine (the receiver's loading function)."""
         if self.asleep and self.sleep_mode:
             raise RuntimeError(
                 "the engine is asleep (weights offloaded); call prepare_for_generation() "
-                "before committing a refit"
+                "before a refit"
             )
-        self.last_load_path = load_weights(self.llm, weights)
-        # cached KV blocks were computed with the old weights
-        self.llm.reset_prefix_cache()
+        reports = self.llm.collective_rpc(
+            load_from_rings,
+            args=(reads, info, bucket_bytes, version, timeout_s, self.force_reload),
+        )
+        if any(r["tensors"] for r in reports):
+            # cached KV blocks were computed with the old weights
+            self.llm.reset_prefix_cache()
+        paths = {r["path"] for r in reports if r["path"] is not None}
+        self.last_load_path = paths.pop() if len(paths) == 1 else None
+        return reports
 
     def refit(self, verb: str, *args: Any) -> Any:
         """Run one verb of the weight-sync protocol on this engine's
         :class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver` (verbs and their
-        arguments: :class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`). The
-        engine is untouched until ``commit_weight_update``."""
+        arguments: :class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`)."""
         return call_verb(self.receiver, RECEIVER_VERBS, verb, *args)
 
     def report_weight_version(self) -> int:
-        """How many weight updates this engine has received (0: the checkpoint's weights)."""
+        """The version of the last refit this engine loaded in full (0: the checkpoint's)."""
         return self.weight_version
 
     def shutdown(self) -> bool:

@@ -1,4 +1,11 @@
-"""Load a complete set of HF-named tensors into an in-process vLLM engine (a refit's commit).
+"""Load a refit stream into a vLLM engine, in every rank process, as its buckets arrive.
+
+:func:`load_from_rings` runs inside each rank process of the engine (``collective_rpc``: the
+actor's own process with one rank, vLLM's spawned processes with several): the rank maps the
+ring of its node or device (:mod:`nemo_rl.models.generation.refit.ring`) and hands the tensors
+of each bucket, views of the ring's slot, to its model's loaders as soon as the bucket is
+there; the loaders copy what the rank keeps (its shard, in a tensor-parallel engine), and the
+slot is released for the next bucket. Nothing is pickled and no rank holds a full copy.
 
 Two ways, chosen per load:
 
@@ -10,28 +17,31 @@ Two ways, chosen per load:
 * ``reload_weights`` otherwise: vLLM's layerwise reload puts every layer back into checkpoint
   format (fresh tensors), loads it, post-processes it and copies the result into the live
   storage: two copies of each byte plus the bookkeeping, about 2.5x the in-place load on the
-  benchmark model.
+  benchmark model. It holds a layer's tensors until the layer is complete, which may outlast
+  their ring slot, so this path loads copies of them.
 
 In place is exact only while every parameter is still in the format the loaders write, i.e.
 nothing repacked it after loading: no quantization, and every parameter has the shape and
 dtype vLLM recorded for it at model creation. The CPU backend breaks this where it hands a
-linear layer's weight to a oneDNN (or sgl / zentorch) kernel and empties the parameter; on a
-CPU without the instructions those kernels need (e.g. no AVX-512) it keeps ``torch``'s linear
-on the live weight, and unquantized CUDA layers never repack.
-
-Both run inside the engine's process through ``collective_rpc``: with the uni executor (one
-rank) the tensors (views of the refit's stream buffer) are passed by reference, never pickled;
-a tensor-parallel engine (multiprocessing executor) gets the full tensors pickled to each rank
-process, where the same loaders keep that rank's shard.
+linear layer's weight to a oneDNN (or sgl / zentorch) kernel and empties the parameter, which
+it does or not depending on the host's instructions (e.g. AVX-512 BF16 for bf16 weights);
+unquantized CUDA layers never repack. ``reload=True`` forces the reload path (tests cover both
+paths on any host that way).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
+
+from nemo_rl.models.generation.refit.buckets import StreamLayout
+from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.interfaces import RefitInfo
+from nemo_rl.models.generation.refit.ipc import RingRead, attach_ring
 
 # How a load went (see the module docstring).
 LoadPath = Literal["in_place", "reload"]
@@ -62,40 +72,66 @@ def _quiet_expected_reload_warnings() -> None:
         layerwise.addFilter(_ExpectedReloadWarnings())
 
 
-def load_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
-    """Load ``weights`` (every HF tensor of the model, unsharded) into the ``vllm.LLM`` on this
-    process: into its one rank, or into every rank of a tensor-parallel engine, whose loaders
-    each keep their own shard of the full tensors.
+def load_from_rings(
+    worker: Any,
+    reads: list[RingRead],
+    info: RefitInfo,
+    bucket_bytes: int,
+    version: int,
+    timeout_s: float,
+    reload: bool = False,
+) -> dict[str, Any]:
+    """Runs in each rank process (``worker``: vLLM's worker of that rank): load stream
+    ``version`` from the ring ``reads[rank]`` names.
 
     Returns:
-        The way it was loaded: "in_place" or "reload".
-
-    Raises:
-        RuntimeError: an in-place load left model parameters unloaded (the engine then holds
-            a mix of old and new weights until a load succeeds), or the ranks loaded in
-            different ways.
+        The rank's report: ``path`` ("in_place" or "reload"), ``tensors`` (handed to the
+        loaders), ``wait_s`` (waiting for buckets), ``error`` (None, or why the load broke
+        off: the ring is then aborted for every participant).
     """
-    if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
-        # The ranks are other processes: the tensors travel to each of them pickled, so they
-        # are gathered first (an iterator cannot be pickled) as compact copies (a pickled view
-        # carries its whole storage: the refit's entire stream buffer, once per tensor).
-        weights = [(name, tensor.clone()) for name, tensor in weights]
-    paths = llm.collective_rpc(_load_on_worker, args=(weights,))
-    if len(set(paths)) != 1:
-        raise RuntimeError(f"the engine's ranks loaded the refit in different ways: {paths}")
-    return paths[0]
+    read = reads[worker.rank]
+    layout = StreamLayout(info, bucket_bytes)
+    report: dict[str, Any] = {"path": None, "tensors": 0, "wait_s": 0.0, "error": None}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        tick = time.perf_counter()
+        for header, payload in ring.buckets(read.reader, layout, version, timeout_s):
+            report["wait_s"] += time.perf_counter() - tick
+            for name, tensor in layout.tensors(header.index, payload):
+                report["tensors"] += 1
+                yield name, tensor
+            tick = time.perf_counter()
+
+    buffer = None
+    try:
+        buffer, ring = attach_ring(read.ring)
+        stream = tensors()
+        report["path"] = _load_on_worker(worker, stream, reload)
+        if next(stream, None) is not None:
+            raise RefitError("the engine's loaders left tensors of the stream unread")
+    except Exception as err:  # reported to the engine's receiver, which decides
+        if buffer is not None:
+            ring.abort(version)
+        report["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        if buffer is not None:
+            buffer.close()
+    return report
 
 
-def _load_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> LoadPath:
-    """Runs on the vLLM worker (``worker``): the load itself."""
+def _load_on_worker(
+    worker: Any, weights: Iterator[tuple[str, torch.Tensor]], reload: bool = False
+) -> LoadPath:
+    """Runs on the vLLM worker (``worker``): the load itself (``reload``: vLLM's reload path
+    even where loading in place would be exact)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     config = worker.vllm_config
     model = worker.model_runner.get_model()
-    if config.quant_config is not None or not in_checkpoint_format(model):
+    if reload or config.quant_config is not None or not in_checkpoint_format(model):
         _quiet_expected_reload_warnings()
-        worker.reload_weights(weights_iterator=weights)
+        worker.reload_weights(weights_iterator=((n, t.clone()) for n, t in weights))
         _repack_cpu_experts(model)
         return "reload"
     with set_current_vllm_config(config), torch.no_grad():

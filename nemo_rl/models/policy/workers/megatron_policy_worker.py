@@ -232,8 +232,8 @@ class MegatronPolicyWorker:
         """Run one verb of the weight-sync protocol on this rank's
         :class:`~nemo_rl.models.generation.refit.sender.RefitSender` (verbs and arguments:
         :class:`~nemo_rl.models.generation.refit.interfaces.WeightSender`). Every rank is
-        called (the export is collective over TP/PP, and over EP for a mixture-of-experts
-        model); rank 0 sends and returns the result."""
+        called (the export is collective over each replica's TP/PP ranks, and over EP for a
+        mixture-of-experts model)."""
         if self._refit is None:
             from megatron.core import parallel_state
 
@@ -245,10 +245,10 @@ class MegatronPolicyWorker:
             policy = self.policy
             self._refit = RefitSender(
                 lambda dtype: export_hf_weights(policy.model.module, policy.bridge, dtype),
-                # The ranks of the experts' first data-parallel replica: the dense one's
-                # (DP x CP rank 0) and, with EP > 1, the EP ranks holding the other experts.
-                exports=parallel_state.get_expert_data_parallel_rank() == 0,
-                is_source=torch.distributed.get_rank() == 0,
+                rank=torch.distributed.get_rank(),
+                # The experts' first data-parallel replica: the dense one's (DP x CP rank 0)
+                # and, with EP > 1, the EP ranks holding the other experts.
+                in_first_replica=parallel_state.get_expert_data_parallel_rank() == 0,
                 device=device,
                 settings=self.config.refit_settings(),
             )

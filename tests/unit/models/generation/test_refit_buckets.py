@@ -1,11 +1,13 @@
-"""Bucket packing and checking, the shared-memory buffers, the colocated sender -> receiver
-stream and the broadcast group of the refit package, without Ray or vLLM (the end-to-end refit
-is in test_refit.py)."""
+"""Bucket layout, packing and checks, the staging ring, the shared-memory buffers, the
+colocated sender -> ring -> readers stream and the broadcast group of the refit package,
+without Ray or vLLM (the end-to-end refit is in test_refit.py)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,25 +25,35 @@ from nemo_rl.models.generation.refit import RefitError, buckets
 from nemo_rl.models.generation.refit.buckets import (
     ALIGNMENT,
     BucketPacker,
-    StagingArea,
     StreamLayout,
     bucket_checksum,
+    check_header,
     copy_pieces,
+    verify_payload,
 )
 from nemo_rl.models.generation.refit.cuda_ipc import CudaIpcBuffer
 from nemo_rl.models.generation.refit.interfaces import RefitInfo, RefitSettings
-from nemo_rl.models.generation.refit.ipc import IpcBucket, stream_buffer_bytes
-from nemo_rl.models.generation.refit.receiver import RefitReceiver
+from nemo_rl.models.generation.refit.ipc import (
+    NODE_ID_ENV,
+    IpcStream,
+    attach_ring,
+    create_ring,
+    require_device_memory,
+)
+from nemo_rl.models.generation.refit.plan import engine_reads, plan_rings
+from nemo_rl.models.generation.refit.ring import RING_SLOTS, RingSpec, staging_bytes
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.refit.shared_memory import (
     PREFIX,
+    SHM_DIR_ENV,
     SharedMemoryBuffer,
     remove_stale_segments,
 )
+from nemo_rl.utils import fault_injection
 
-
+CPU = torch.device("cpu")
 # 256-byte buckets, the tensors' own dtypes, checksums on.
-SETTINGS = RefitSettings(bucket_bytes=256, dtype=None, timeout_s=60.0, checksums=True)
+SETTINGS = RefitSettings(bucket_bytes=256, dtype=None, timeout_s=30.0, checksums=True)
 
 
 def named_tensors() -> dict[str, torch.Tensor]:
@@ -59,39 +71,31 @@ def named_tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def many_tensors(count: int = 80) -> dict[str, torch.Tensor]:
+    """A stream many times larger than a ring of 256-byte slots."""
+    gen = torch.Generator().manual_seed(1)
+    return {f"layer{i}": torch.randn(16 + (i * 7) % 40, generator=gen) for i in range(count)}
+
+
 def info_of(tensors: dict[str, torch.Tensor]) -> RefitInfo:
     return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-
-
-def transfer(
-    tensors: dict[str, torch.Tensor], bucket_bytes: int, version: int = 1
-) -> tuple[StagingArea, list]:
-    """Pack every bucket into its window of one stream buffer and check it there, as a
-    colocated refit does (the receiver's layout is built from the refit info on its own)."""
-    layout = StreamLayout(info_of(tensors), bucket_bytes)
-    packer = BucketPacker(layout, iter(tensors.items()), version)
-    buffer = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8)  # stale bytes
-    staging = StagingArea(StreamLayout(info_of(tensors), bucket_bytes), buffer)
-    headers = []
-    for index in range(layout.num_buckets):
-        start, stop = layout.span(index)
-        header = packer.fill(index, buffer[start:stop])
-        staging.destination(header)
-        staging.verify(header)
-        headers.append(header)
-    assert packer.done
-    return staging, headers
-
-
-def deliver(staging: StagingArea, header, payload: torch.Tensor) -> None:
-    """Copy a bucket into its window and check it, as a broadcast receiver does."""
-    staging.destination(header).copy_(payload[: header.nbytes])
-    staging.verify(header)
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
+
+
+def pack_all(tensors: dict[str, torch.Tensor], bucket_bytes: int, checksums: bool = True):
+    """Every bucket packed into a buffer of its own, with its header."""
+    layout = StreamLayout(info_of(tensors), bucket_bytes)
+    packer = BucketPacker(layout, iter(tensors.items()), 1, checksums)
+    out = []
+    for index in range(layout.num_buckets):
+        buffer = torch.full((layout.slot_bytes,), 0xAB, dtype=torch.uint8)  # stale bytes
+        out.append((packer.fill(index, buffer), buffer))
+    assert packer.done
+    return layout, out
 
 
 # ------------------------------------------------------------------------------ layout and packing
@@ -100,62 +104,42 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("bucket_bytes", [64, 128, 1024, 1 << 20])
 def test_round_trip_is_bitwise_exact(bucket_bytes):
     tensors = named_tensors()
-    staging, headers = transfer(tensors, bucket_bytes)
-    out = dict(staging.tensors())
-    assert list(out) == list(tensors)
+    layout, packed = pack_all(tensors, bucket_bytes)
+    receiver_layout = StreamLayout(info_of(tensors), bucket_bytes)  # from the refit info
+    got = {}
+    for index, (header, buffer) in enumerate(packed):
+        check_header(receiver_layout, header, index, version=1)
+        verify_payload(header, buffer)
+        got.update(receiver_layout.tensors(index, buffer))
+    assert list(got) == list(tensors)
     for name, tensor in tensors.items():
-        assert_bitwise_equal(out[name], tensor)
-    assert all(h.version == 1 and h.num_buckets == len(headers) for h in headers)
+        assert_bitwise_equal(got[name], tensor)
 
 
-def test_bucket_boundaries_and_alignment():
+def test_buckets_hold_whole_aligned_tensors_and_a_larger_tensor_alone():
     tensors = named_tensors()
     layout = StreamLayout(info_of(tensors), 256)
-    assert layout.total_bytes % ALIGNMENT == 0
+    assert [s.name for s in layout.slots] == list(tensors)  # each tensor in one bucket
     assert all(s.offset % ALIGNMENT == 0 for s in layout.slots)
-    assert layout.num_buckets == -(-layout.total_bytes // 256)
-    spans = [layout.span(k) for k in range(layout.num_buckets)]
-    assert spans[0][0] == 0 and spans[-1][1] == layout.total_bytes
-    assert all(stop - start == 256 for start, stop in spans[:-1])
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    # every byte of every tensor is in exactly one manifest piece, in order
-    covered: dict[str, int] = {}
-    for k in range(layout.num_buckets):
-        for e in layout.manifest(k):
-            assert covered.get(e.name, 0) == e.tensor_offset
-            assert 0 <= e.bucket_offset and e.bucket_offset + e.length <= spans[k][1] - spans[k][0]
-            covered[e.name] = e.tensor_offset + e.length
-    assert covered == {s.name: s.nbytes for s in layout.slots}
-    # a tensor cut by a boundary is named by both buckets
-    assert layout.plan()[0][-1] == layout.plan()[1][0] == "embed"
+    for index in range(layout.num_buckets):
+        manifest = layout.manifest(index)
+        end = max(s.offset + s.nbytes for s in manifest)
+        assert layout.bucket_sizes[index] == -(-max(end, 1) // ALIGNMENT) * ALIGNMENT
+        if len(manifest) > 1:
+            assert end <= 256  # several tensors share a bucket only within its size
+    big = next(s for s in layout.slots if s.name == "big")  # 2800 bytes > 256
+    assert layout.manifest(big.bucket) == (big,) and big.offset == 0
+    assert layout.slot_bytes == 2816 == max(layout.bucket_sizes)
+    assert layout.plan() == [[s.name for s in layout.manifest(k)] for k in range(layout.num_buckets)]
+    assert layout.total_bytes == sum(layout.bucket_sizes)
 
 
-def test_staged_tensors_are_views_of_the_stream_buffer():
-    staging, _ = transfer(named_tensors(), 256)
-    base = staging.buffer.data_ptr()
-    for name, view in staging.tensors():
-        assert view.untyped_storage().data_ptr() == base, name  # no copy on the receiver
-        assert view.untyped_storage().nbytes() == staging.buffer.numel(), name
-
-
-def test_staging_needs_a_buffer_of_the_whole_stream_and_checks_in_order():
-    layout = StreamLayout(info_of(named_tensors()), 256)
-    with pytest.raises(ValueError, match=f">= {layout.total_bytes} bytes"):
-        StagingArea(layout, torch.empty(layout.total_bytes - 64, dtype=torch.uint8))
-    packer = BucketPacker(layout, iter(named_tensors().items()), 1)
-    buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
-    header = packer.fill(0, buffer[:256])
-    with pytest.raises(RuntimeError, match="after destination"):
-        StagingArea(layout, buffer).verify(header)
-
-
-def test_oversize_tensor_spans_many_buckets():
-    big = {"huge": torch.arange(10_000, dtype=torch.float32), "after": torch.ones(3)}
-    staging, headers = transfer(big, 1024)
-    assert len(headers) == 40
-    assert [e.name for e in headers[5].manifest] == ["huge"]
-    out = dict(staging.tensors())
-    assert torch.equal(out["huge"], big["huge"]) and torch.equal(out["after"], big["after"])
+def test_staged_tensors_are_views_of_the_bucket():
+    tensors = named_tensors()
+    layout, packed = pack_all(tensors, 1 << 20)
+    (header, buffer), = packed
+    for name, view in layout.tensors(0, buffer):
+        assert view.untyped_storage().data_ptr() == buffer.data_ptr(), name  # no copy
 
 
 def test_checksum_is_the_wrapping_sum_of_words():
@@ -208,26 +192,14 @@ def test_checksum_bypasses_torch_function_modes():
     assert calls == [] and got == want
 
 
-def test_buckets_without_checksums_round_trip_and_skip_the_check():
-    """``checksums=False``: headers carry None, the receiver checks order, sizes and manifest
-    only, and the stream still arrives bitwise (a flipped byte is not noticed: the price of
-    turning checksums off)."""
-    tensors = named_tensors()
-    layout = StreamLayout(info_of(tensors), 128)
-    packer = BucketPacker(layout, iter(tensors.items()), 1, checksums=False)
-    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    staging = StagingArea(StreamLayout(info_of(tensors), 128), buffer)
-    for index in range(layout.num_buckets):
-        start, stop = layout.span(index)
-        header = packer.fill(index, buffer[start:stop])
-        assert header.checksum is None
-        if index == 1:
-            buffer[start] ^= 1
-        staging.destination(header)
-        staging.verify(header)
-    got = dict(staging.tensors())
-    changed = [n for n, t in tensors.items() if not torch.equal(got[n], t)]
-    assert len(changed) == 1  # the flipped byte's tensor, loaded as it is
+def test_buckets_without_checksums_skip_the_check():
+    """``checksums=False``: headers carry None and a flipped byte is not noticed (order, sizes
+    and manifest are still checked): the price of turning checksums off."""
+    layout, packed = pack_all(named_tensors(), 128, checksums=False)
+    header, buffer = packed[1]
+    assert header.checksum is None
+    buffer[0] ^= 1
+    verify_payload(header, buffer)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 100, -64, 64.0])
@@ -260,7 +232,7 @@ def test_export_with_too_many_or_too_few_tensors_is_refused():
         packer_for(iter(items[:-1])).fill(0, torch.empty(1 << 20, dtype=torch.uint8))
 
 
-def test_advance_consumes_the_same_tensors_as_fill():
+def test_advance_and_drain_consume_the_export_as_fill_does():
     pulled: list[str] = []
 
     def stream():
@@ -269,63 +241,36 @@ def test_advance_consumes_the_same_tensors_as_fill():
             yield name, t
 
     packer = packer_for(stream(), bucket_bytes=256)
-    for index in range(3):
+    for index in range(2):
         packer.advance(index)
-    starting = [e.name for k in range(3) for e in packer.layout.manifest(k) if e.tensor_offset == 0]
-    assert pulled == starting
-    with pytest.raises(RefitError, match="requested but the stream is at bucket 3"):
+    assert pulled == [s.name for k in range(2) for s in packer.layout.manifest(k)]
+    with pytest.raises(RefitError, match="requested but the stream is at bucket 2"):
         packer.fill(1, torch.empty(256, dtype=torch.uint8))
+    packer.drain()  # a sender that gave up: the rest of the export is consumed all the same
+    assert packer.done and pulled == list(named_tensors())
 
 
 # ------------------------------------------------------------------------------ receiver checks
 
 
-def staging_for(info: RefitInfo, bucket_bytes: int = 256) -> StagingArea:
-    layout = StreamLayout(info, bucket_bytes)
-    return StagingArea(layout, torch.empty(layout.total_bytes, dtype=torch.uint8))
-
-
-def staged_pair(bucket_bytes: int = 256) -> tuple[BucketPacker, StagingArea, torch.Tensor]:
-    """A sender, a broadcast-style receiver and the sender's bucket buffer."""
+def test_corrupt_missing_or_foreign_buckets_are_refused():
     tensors = named_tensors()
-    layout = StreamLayout(info_of(tensors), bucket_bytes)
-    return (
-        BucketPacker(layout, iter(tensors.items()), 7),
-        staging_for(info_of(tensors), bucket_bytes),
-        torch.empty(bucket_bytes, dtype=torch.uint8),
-    )
-
-
-def test_corrupt_bucket_is_refused():
-    packer, staging, buffer = staged_pair()
-    header = packer.fill(0, buffer)
+    layout, packed = pack_all(tensors, 256)
+    header, buffer = packed[0]
     buffer[10] ^= 0x40
-    with pytest.raises(RefitError, match="bucket 0 of refit version 7 is corrupt"):
-        deliver(staging, header, buffer)
-
-
-def test_missing_bucket_is_refused_and_incomplete_stream_cannot_be_read():
-    packer, staging, buffer = staged_pair()
-    deliver(staging, packer.fill(0, buffer), buffer)
-    packer.fill(1, buffer)  # lost in transit
+    with pytest.raises(RefitError, match="bucket 0 of refit version 1 is corrupt"):
+        verify_payload(header, buffer)
     with pytest.raises(RefitError, match="bucket 2 arrived where bucket 1 was expected"):
-        deliver(staging, packer.fill(2, buffer), buffer)
-    with pytest.raises(RefitError, match="only 1 of"):
-        staging.tensors()
-
-
-def test_stream_that_disagrees_with_the_receivers_refit_info_is_refused():
-    tensors = named_tensors()
-    packer, _, buffer = staged_pair()
-    other = {**info_of(tensors), "half": ((3, 5), torch.float16)}
-    staging = staging_for(other)
+        check_header(layout, packed[2][0], 1, version=1)
+    with pytest.raises(RefitError, match="belongs to refit version 1, the stream to version 2"):
+        check_header(layout, packed[1][0], 1, version=2)
+    other = StreamLayout({**info_of(tensors), "half": ((3, 5), torch.float16)}, 256)
+    index = next(s.bucket for s in layout.slots if s.name == "half")
     with pytest.raises(RefitError, match="has 'half' \\(5, 3\\).*refit info has 'half' \\(3, 5\\)"):
-        for index in range(packer.layout.num_buckets):
-            deliver(staging, packer.fill(index, buffer), buffer)
-    wider = staging_for(info_of(tensors), 512)
-    packer, _, buffer = staged_pair()
+        check_header(other, packed[index][0], index, version=1)
+    wider = StreamLayout(info_of(tensors), 1 << 20)
     with pytest.raises(RefitError, match="both sides need the same refit info"):
-        deliver(wider, packer.fill(0, buffer), buffer)
+        check_header(wider, packed[0][0], 0, version=1)
 
 
 # ------------------------------------------------------------------------------ shared memory
@@ -360,6 +305,18 @@ def test_shared_memory_is_shared_across_processes_and_unlinked_on_close():
         SharedMemoryBuffer.attach(handle)
 
 
+def test_buffers_go_into_the_nodes_shared_memory_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    buffer = SharedMemoryBuffer.create(128)
+    try:
+        assert buffer.path.parent == tmp_path
+    finally:
+        buffer.close()
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path / "missing"))
+    with pytest.raises(RuntimeError, match=f"missing does not exist.*{SHM_DIR_ENV}"):
+        SharedMemoryBuffer.create(128)
+
+
 def test_segments_of_dead_processes_are_removed(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -381,171 +338,280 @@ def test_cuda_ipc_fails_clearly_without_cuda():
         CudaIpcBuffer.create(1024, torch.device("cuda"))
 
 
-# ------------------------------------------------------------------------------ colocated stream
+def test_a_ring_without_room_on_the_gpu_is_refused_with_the_fix(monkeypatch):
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gb, 80 * gb))
+    require_device_memory(2 * gb, torch.device("cuda", 0), "policy rank 0")
+    with pytest.raises(RefitError, match=r"5\.00 GB.*3\.00 GB free of 80\.00 GB.*refit_buffer"):
+        require_device_memory(5 * gb, torch.device("cuda", 0), "policy rank 0")
+    require_device_memory(5 * gb, CPU, "policy rank 0")  # no check on the CPU
 
 
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x01]))
+# ------------------------------------------------------------------------------ the ring
 
 
-def stream_ipc(sender: RefitSender, receiver: RefitReceiver, corrupt: int | None = None) -> list:
-    """One colocated stream of 256-byte buckets; flips a byte of bucket ``corrupt`` in the
-    shared buffer after the sender packed it. Returns the buckets."""
-    buckets = []
-    for keys in sender.prepare_weights_for_ipc().plan:
-        bucket = sender.get_weights_ipc_handles(keys)
-        if bucket.header.index == corrupt:
-            flip_byte(bucket.buffer.path, bucket.header.index * 256 + 10)
-        buckets.append(bucket)
-        receiver.update_weights_from_ipc_handles(bucket)
-    return buckets
-
-
-def test_colocated_stream_loads_views_of_the_senders_buffer_and_refuses_corruption():
-    tensors = named_tensors()
-    loads: list[dict[str, torch.Tensor]] = []
-
-    def load(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        loads.append(dict(weights))
-
-    cpu = torch.device("cpu")
-    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu, SETTINGS)
-    receiver = RefitReceiver(load, cpu)
+def read_stream(stream: IpcStream, reader: int, info: RefitInfo, out: dict, delay: float = 0.0,
+                timeout_s: float = 30.0) -> None:
+    """A reader as an engine rank is one: map the ring, copy every tensor out of its slot."""
+    layout = StreamLayout(info, stream.bucket_bytes)
+    buffer, ring = attach_ring(stream.ring)
     try:
-        receiver.prepare_refit_info(sender.prepare_refit_info())
-        buckets = stream_ipc(sender, receiver)
-        assert receiver.commit_weight_update()["version"] == 1
-        timings = sender.finish_weights_ipc()
-        assert set(timings) == {"export_s", "pack_s", "stream_s"}
-        # one buffer of the whole stream: every bucket names it
-        assert len({b.buffer for b in buckets}) == 1 and len(buckets) > 4
-        total = buckets[0].buffer.nbytes
-        assert total == stream_buffer_bytes(StreamLayout(info_of(tensors), 256))
-        for name, tensor in tensors.items():
-            assert_bitwise_equal(loads[0][name], tensor)
-            # a view of the whole mapped buffer, not a copy
-            assert loads[0][name].untyped_storage().nbytes() == total, name
-
-        with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
-            stream_ipc(sender, receiver, corrupt=2)
-        with pytest.raises(RefitError, match="no staged refit to commit"):
-            receiver.commit_weight_update()
-        assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran
-
-        # every bucket of a stream must lie in the stream's one buffer
-        plan = sender.prepare_weights_for_ipc().plan
-        receiver.update_weights_from_ipc_handles(sender.get_weights_ipc_handles(plan[0]))
-        second = sender.get_weights_ipc_handles(plan[1])
-        other = SharedMemoryBuffer.create(total)
-        try:
-            with pytest.raises(RefitError, match="another shared buffer than bucket 0"):
-                receiver.update_weights_from_ipc_handles(IpcBucket(second.header, other.handle))
-        finally:
-            other.close()
-        sender.finish_weights_ipc()
-
-        stream_ipc(sender, receiver)  # the buffer is reused by the next stream
-        assert receiver.commit_weight_update()["version"] == 4 and len(loads) == 2
-        for name, tensor in tensors.items():
-            assert_bitwise_equal(loads[1][name], tensor)
+        for header, payload in ring.buckets(reader, layout, stream.version, timeout_s):
+            out.update((n, t.clone()) for n, t in layout.tensors(header.index, payload))
+            time.sleep(delay)
+    except RefitError as err:
+        out["error"] = str(err)
     finally:
-        receiver.close()
-        sender.close()
-    assert not Path(buckets[0].buffer.path).exists()
+        buffer.close()
 
 
-def test_whole_stream_is_checked_from_the_bucket_records_while_it_is_packed():
-    """One call per side: the receiver polls the records the sender publishes after each
-    bucket, here while the sender packs on another thread; corrupt, partial and stale streams
-    are refused and leave the receiver's version alone."""
-    tensors = named_tensors()
-    loads: list[dict[str, torch.Tensor]] = []
-    cpu = torch.device("cpu")
-    sender = RefitSender(lambda dtype: iter(tensors.items()), True, True, cpu, SETTINGS)
-    receiver = RefitReceiver(lambda weights: loads.append(dict(weights)), cpu)
-    finished = lambda: "finished"  # noqa: E731
+def ring_bytes_on_disk(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob(f"{PREFIX}_*"))
+
+
+def test_a_stream_passes_through_a_ring_of_two_slots_to_every_reader(tmp_path, monkeypatch):
+    """Three streams of a model 20x the ring's size reach two readers of different speeds
+    exactly, while the node's shared memory never holds more than the ring: RING_SLOTS
+    bucket-sized slots (measured on the node's directory) plus its control words."""
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    tensors = many_tensors()
+    sender = RefitSender(lambda dtype: iter(tensors.items()), 0, True, CPU, SETTINGS)
+    info = sender.prepare_refit_info()
+    layout = StreamLayout(info, SETTINGS.bucket_bytes)
+    spec = RingSpec.for_layout(layout, readers=2)
+    assert layout.total_bytes > 20 * staging_bytes(layout.slot_bytes)
+    peak = [0]
     try:
-        receiver.prepare_refit_info(sender.prepare_refit_info())
-        stream = sender.prepare_weights_for_ipc()
-        assert len(stream.plan) > 4
-        packing = threading.Thread(target=lambda: (time.sleep(0.05), sender.stream_weights_ipc()))
-        packing.start()  # the receiver starts polling before the first bucket is packed
-        receiver.receive_weights_ipc_stream(
-            stream, lambda: None if packing.is_alive() else "finished", timeout_s=30
+        for version in (1, 2, 3):
+            stream = sender.prepare_weights_for_ipc({0: 2})
+            assert stream.version == version and stream.plan == layout.plan()
+            outs: list[dict] = [{}, {}]
+            readers = [
+                threading.Thread(target=read_stream, args=(stream, r, info, outs[r], 0.002 * r))
+                for r in range(2)
+            ]
+            for r in readers:
+                r.start()
+            for keys in stream.plan:  # bucket by bucket, measuring between them
+                sender.get_weights_ipc_handles(keys)
+                peak[0] = max(peak[0], ring_bytes_on_disk(tmp_path))
+            for r in readers:
+                r.join()
+            sender.finish_weights_ipc()
+            for out in outs:
+                assert "error" not in out
+                for name, tensor in tensors.items():
+                    assert_bitwise_equal(out[name], tensor)
+        assert peak[0] == spec.nbytes
+        assert spec.nbytes - staging_bytes(layout.slot_bytes) < 256  # control words only
+        assert RING_SLOTS == 2
+    finally:
+        sender.close()
+    assert ring_bytes_on_disk(tmp_path) == 0  # unlinked at close
+
+
+def test_keys_must_be_whole_buckets_of_the_plan_in_order():
+    tensors = many_tensors(6)
+    sender = RefitSender(lambda dtype: iter(tensors.items()), 0, True, CPU, SETTINGS)
+    try:
+        sender.prepare_refit_info()
+        stream = sender.prepare_weights_for_ipc({})  # no ring: this rank only exports
+        assert stream is None
+        plan = StreamLayout(sender.info, 256).plan()
+        assert len(plan) > 2
+        with pytest.raises(RefitError, match="stream is at bucket 0"):
+            sender.get_weights_ipc_handles(plan[1])
+        assert sender.get_weights_ipc_handles(plan[0] + plan[1]) is None
+        with pytest.raises(RefitError, match="request whole buckets"):
+            sender.get_weights_ipc_handles(["not-a-weight"])
+    finally:
+        sender.close()
+
+
+def test_a_reader_that_finds_a_corrupt_bucket_aborts_the_stream_for_everyone(monkeypatch):
+    """Fault injection flips a byte after the checksum: the reader refuses the bucket and
+    aborts the stream; the writer stops waiting for it (and drains its export), the other
+    reader stops too; the next stream goes through."""
+    monkeypatch.setenv(
+        fault_injection.FAULTS_ENV,
+        json.dumps([{"point": "refit.pack", "bucket": 3, "action": "corrupt"}]),
+    )
+    fault_injection._armed.cache_clear()
+    tensors = many_tensors()
+    sender = RefitSender(lambda dtype: iter(tensors.items()), 0, True, CPU, SETTINGS)
+    try:
+        info = sender.prepare_refit_info()
+        for attempt in range(2):
+            stream = sender.prepare_weights_for_ipc({0: 2})
+            outs: list[dict] = [{}, {}]
+            readers = [threading.Thread(target=read_stream, args=(stream, r, info, outs[r]))
+                       for r in range(2)]
+            for r in readers:
+                r.start()
+            keys = [n for b in stream.plan for n in b]
+            if attempt == 0:
+                with pytest.raises(RefitError, match="aborted"):
+                    sender.get_weights_ipc_handles(keys)
+            else:
+                sender.get_weights_ipc_handles(keys)
+            for r in readers:
+                r.join()
+            sender.finish_weights_ipc()
+            if attempt == 0:
+                assert any("bucket 3 of refit version 1 is corrupt" in o.get("error", "")
+                           for o in outs)
+                assert all("error" in o for o in outs)
+            else:
+                assert all("error" not in o for o in outs)
+    finally:
+        sender.close()
+        fault_injection._armed.cache_clear()
+
+
+_WRITER = """
+import sys, time, torch
+from nemo_rl.models.generation.refit.interfaces import RefitSettings
+from nemo_rl.models.generation.refit.sender import RefitSender
+sys.path.insert(0, sys.argv[1])
+from test_refit_buckets import many_tensors
+tensors = many_tensors()
+settings = RefitSettings(bucket_bytes=256, dtype=None, timeout_s=30.0, checksums=True)
+sender = RefitSender(lambda dtype: iter(tensors.items()), 0, True, torch.device("cpu"), settings)
+sender.prepare_refit_info()
+stream = sender.prepare_weights_for_ipc({0: 1})
+import pickle
+data = pickle.dumps(stream)
+sys.stdout.buffer.write(len(data).to_bytes(8, "little") + data)
+sys.stdout.buffer.flush()
+sender.get_weights_ipc_handles(stream.plan[0])  # then the ring is full: it waits, and is killed
+time.sleep(60)
+"""
+
+
+def test_a_reader_notices_a_killed_writer_within_a_poll():
+    """The writer process is killed mid-stream: the reader fails at once, naming it, not
+    after its timeout."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        import pickle
+
+        size = int.from_bytes(writer.stdout.read(8), "little")
+        stream = pickle.loads(writer.stdout.read(size))
+        out: dict = {}
+        reading = threading.Thread(
+            target=read_stream, args=(stream, 0, info_of(many_tensors()), out, 0.0, 300.0)
         )
-        packing.join()
-        assert receiver.commit_weight_update()["version"] == stream.version == 1
-        sender.finish_weights_ipc()
-        for name, tensor in tensors.items():
-            assert_bitwise_equal(loads[0][name], tensor)
-
-        stream = sender.prepare_weights_for_ipc()
-        sender.stream_weights_ipc()
-        flip_byte(stream.buffer.path, 2 * 256 + 10)
-        with pytest.raises(RefitError, match="bucket 2 of refit version 2 is corrupt"):
-            receiver.receive_weights_ipc_stream(stream, finished, timeout_s=30)
-        sender.finish_weights_ipc()
-
-        stream = sender.prepare_weights_for_ipc()  # a sender that dies after two buckets
-        for keys in stream.plan[:2]:
-            sender.get_weights_ipc_handles(keys)
-        with pytest.raises(RefitError, match="bucket 2 was never packed: the sender failed"):
-            receiver.receive_weights_ipc_stream(stream, lambda: "failed: killed", timeout_s=30)
-        with pytest.raises(RefitError, match="bucket 2 was not packed within"):
-            receiver.receive_weights_ipc_stream(stream, lambda: None, timeout_s=0.05)
-        sender.finish_weights_ipc()
-
-        # a new stream clears the records: the last stream's are never taken for its own
-        stream = sender.prepare_weights_for_ipc()
-        with pytest.raises(RefitError, match="bucket 0 was never packed"):
-            receiver.receive_weights_ipc_stream(stream, finished, timeout_s=30)
-        with pytest.raises(RefitError, match="no staged refit to commit"):
-            receiver.commit_weight_update()
-        assert (receiver.version, len(loads)) == (1, 1)  # the loader never ran again
+        reading.start()
+        time.sleep(1.0)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(timeout=30)
+        tick = time.perf_counter()
+        reading.join(timeout=30)
+        assert not reading.is_alive() and time.perf_counter() - tick < 10
+        assert "the ring's writer" in out["error"] and "died" in out["error"]
+        assert "layer0" in out  # what arrived before the kill was delivered
     finally:
-        receiver.close()
-        sender.close()
+        if writer.poll() is None:
+            writer.kill()
+        remove_stale_segments()
+
+
+def test_a_ring_is_only_read_on_its_own_node(monkeypatch):
+    monkeypatch.setenv(NODE_ID_ENV, "node-a")
+    buffer, ring = create_ring(RingSpec(256, 1), CPU, "policy rank 0")
+    try:
+        from nemo_rl.models.generation.refit.ipc import ring_handle
+
+        handle = ring_handle(buffer, ring.spec, "policy rank 0")
+        assert handle.node_id == "node-a"
+        attach_ring(handle)[0].close()
+        monkeypatch.setenv(NODE_ID_ENV, "node-b")
+        with pytest.raises(RefitError, match="policy rank 0 lives on node node-a and this "
+                                             "process runs on node node-b"):
+            attach_ring(handle)
+    finally:
+        buffer.close()
+
+
+# ------------------------------------------------------------------------------ the refit plan
+
+
+def test_the_plan_gives_each_node_one_ring_read_by_every_engine_rank_there():
+    # two nodes, two policy ranks each; engines of TP=2 (one per node)
+    rings = plan_rings(["a", "a", "b", "b"], [["a", "a"], ["b", "b"]])
+    assert [(r.writer, r.readers, r.place) for r in rings] == [
+        (0, ((0, 0), (0, 1)), "a"), (2, ((1, 0), (1, 1)), "b")
+    ]
+    assert [(ring.writer, reader) for ring, reader in engine_reads(rings, 1, 2)] == [(2, 0), (2, 1)]
+    # per device (GPU): every policy rank writes the ring of the engine rank on its device
+    devices = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    rings = plan_rings(devices, [[("a", 0)], [("a", 1)], [("b", 0)], [("b", 1)]])
+    assert [(r.writer, r.readers) for r in rings] == [(k, ((k, 0),)) for k in range(4)]
+    with pytest.raises(RefitError, match="rank 0 of engine 1 runs at 'c', where no policy rank"):
+        plan_rings(["a", "b"], [["a"], ["c"]])
 
 
 # ------------------------------------------------------------------------------ broadcast group
 
 
 def _collective_rank(rank: int, port: int, info: RefitInfo, queue: multiprocessing.Queue) -> None:
-    """Two streams: a good one, then one whose export breaks off at the 'big' tensor."""
+    """Two streams: a good one, then one whose export breaks off at the 'big' tensor. Each
+    receiver has a ring of its own and a reader thread standing in for its engine."""
     from nemo_rl.models.generation.refit.collective import RefitCollective
 
     try:
-        group = RefitCollective("127.0.0.1", port, 3, rank, torch.device("cpu"), timeout_s=60)
+        group = RefitCollective("127.0.0.1", port, 3, rank, CPU, timeout_s=60)
         tensors = named_tensors()
         broken = {**tensors, "big": torch.zeros(3)}
+        layout = StreamLayout(info_of(tensors), 256)
         for stream in (tensors, broken):
             if rank == 0:
-                layout = StreamLayout(info_of(tensors), 256)
                 packer = BucketPacker(layout, iter(stream.items()), 3)
                 try:
-                    group.send(packer, [torch.empty(256, dtype=torch.uint8) for _ in range(2)])
+                    group.send(
+                        packer, [torch.empty(layout.slot_bytes, dtype=torch.uint8) for _ in "ab"]
+                    )
                     outcome: Any = "sent"
                 except RefitError as err:
                     outcome = f"RefitError: {err}"
                 queue.put((rank, outcome, torch.distributed.is_initialized()))
-            else:
-                staging = staging_for(info)
+                continue
+            mine = StreamLayout(info, 256)
+            buffer, ring = create_ring(RingSpec.for_layout(mine, 1), CPU, "receiver")
+            got: dict = {}
+
+            def read(version: int) -> None:
                 try:
-                    group.receive(staging)
-                    queue.put((rank, dict(staging.tensors()), torch.distributed.is_initialized()))
+                    for header, payload in ring.buckets(0, mine, version, 60):
+                        got.update((n, t.clone()) for n, t in mine.tensors(header.index, payload))
                 except RefitError as err:
-                    queue.put((rank, f"RefitError: {err}", group.broken))
+                    got["error"] = str(err)
+
+            readers: list[threading.Thread] = []
+
+            def started(version: int) -> None:
+                readers.append(threading.Thread(target=read, args=(version,)))
+                readers[0].start()
+
+            try:
+                group.receive(mine, ring, started, 60)
+                outcome = None
+            except RefitError as err:
+                outcome = f"RefitError: {err}"
+            for r in readers:
+                r.join()
+            buffer.close()
+            queue.put((rank, outcome or got, group.broken))
         group.close()
     except Exception as err:  # report instead of hanging the parent
         queue.put((rank, f"{type(err).__name__}: {err}", None))
 
 
 @pytest.mark.slow
-def test_broadcast_group_delivers_exact_buckets_and_failures_stay_contained():
+def test_broadcast_group_delivers_exact_buckets_into_rings_and_failures_stay_contained():
     tensors = named_tensors()
     wrong = {**info_of(tensors), "half": ((3, 5), torch.float16)}
     with socket.socket() as sock:
@@ -571,26 +637,16 @@ def test_broadcast_group_delivers_exact_buckets_and_failures_stay_contained():
                 p.kill()
     # stream 1: exact on the receiver with the right info; the other drains and refuses
     assert results[0][0] == ("sent", False)  # the default process group was never created
-    received, default_group = results[1][0]
-    assert default_group is False
+    received, broken = results[1][0]
+    assert broken is False and "error" not in received
     for name, tensor in tensors.items():
         assert_bitwise_equal(received[name], tensor)
     message, broken = results[2][0]
     assert "disagrees with the refit info" in message
     assert broken is False  # it drained the stream: the group is still usable
-    # stream 2: the sender's export breaks off; every receiver is released at once
+    # stream 2: the sender's export breaks off; every receiver is released at once (rank 2
+    # reports its own first problem, the disagreement), the group stays usable
     assert "the export yielded 'big' (3,)" in results[0][1][0]
-    for rank in (1, 2):
-        message, broken = results[rank][1]
-        assert "the sender gave up" in message and broken is False
-
-
-def test_a_refit_buffer_without_room_on_the_gpu_is_refused_with_the_fix(monkeypatch):
-    from nemo_rl.models.generation.refit.ipc import require_device_memory
-
-    gb = 10**9
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gb, 80 * gb))
-    require_device_memory(2 * gb, torch.device("cuda", 0), "the sending policy rank")
-    with pytest.raises(RefitError, match=r"5\.00 GB.*3\.00 GB free of 80\.00 GB.*precision"):
-        require_device_memory(5 * gb, torch.device("cuda", 0), "the sending policy rank")
-    require_device_memory(5 * gb, torch.device("cpu"), "the sending policy rank")  # no check
+    assert "the sender gave up" in results[1][1][0]
+    assert "disagrees with the refit info" in results[2][1][0]
+    assert results[1][1][1] is False and results[2][1][1] is False
