@@ -35,13 +35,49 @@ def engine_state(generation: VllmGeneration) -> dict[str, Any]:
     return ray.get(generation.worker_group.workers[0].__ray_call__.remote(state))
 
 
-def colocated_refit(sender: Any, generation: VllmGeneration) -> None:
-    """One colocated refit with the sender (a ``RefitSender``) in this process, as
-    refit_policy_generation runs it: the bucket stream, every engine's checks, the commit."""
-    checks = []
-    for keys in sender.prepare_weights_for_ipc().plan:
-        bucket = sender.get_weights_ipc_handles(keys)
-        checks += generation.refit("update_weights_from_ipc_handles", bucket)
-    ray.get(checks)
-    ray.get(generation.refit("commit_weight_update"))
-    sender.finish_weights_ipc()
+def colocated_refit(sender: Any, generation: VllmGeneration, timeout_s: float = 120.0) -> list:
+    """One colocated refit with the sender (a ``RefitSender`` in this process, on the engines'
+    node) writing the one ring every rank of every engine reads, as refit_policy_generation
+    runs it: the engines load while the sender packs. Returns the engines' reports."""
+    tp = generation.layout.tensor_parallel_size
+    stream = sender.prepare_weights_for_ipc({sender.rank: generation.num_replicas * tp})
+    loads = [
+        engine.refit.remote(
+            "update_weights_from_ipc_handles",
+            [(stream, e * tp + t) for t in range(tp)],
+            timeout_s,
+        )
+        for e, engine in enumerate(generation.engines)
+    ]
+    try:
+        sender.get_weights_ipc_handles([n for bucket in stream.plan for n in bucket])
+        return ray.get(loads)
+    finally:
+        sender.finish_weights_ipc()
+
+
+def ring_refit_in_process(llm: Any, sender: Any, reload: bool = False) -> dict[str, Any]:
+    """One refit of ``llm`` (an in-process ``vllm.LLM`` of one rank) from ``sender`` (a
+    ``RefitSender`` of this process) through its ring, with the engine's real loading function
+    (``reload``: vLLM's reload path even where loading in place is exact); the rank's report."""
+    import threading
+
+    from nemo_rl.models.generation.refit.ipc import RingRead
+    from nemo_rl.models.generation.vllm.weight_loading import load_from_rings
+
+    stream = sender.prepare_weights_for_ipc({sender.rank: 1})
+    packing = threading.Thread(
+        target=sender.get_weights_ipc_handles, args=([n for b in stream.plan for n in b],)
+    )
+    packing.start()
+    try:
+        (report,) = llm.collective_rpc(
+            load_from_rings,
+            args=([RingRead(stream.ring, 0)], sender.info, stream.bucket_bytes, stream.version,
+                  60.0, reload),
+        )
+    finally:
+        packing.join()
+        sender.finish_weights_ipc()
+    assert report["error"] is None, report["error"]
+    return report

@@ -11,7 +11,7 @@ Each armed fault fires at most once per process. Unset (production), :func:`faul
 dictionary lookup.
 
 Points and their actions:
-    ``refit.pack`` (context ``bucket``, ``rank``): ``corrupt`` flips a byte of the packed bucket
+    ``refit.pack`` (context ``version``, ``bucket``, ``rank``): ``corrupt`` flips a byte of the packed bucket
     after its checksum was taken; ``stop`` makes the writer give up on the stream, as one that
     failed mid-stream.
 """

@@ -165,7 +165,7 @@ class RefitSender:
         ring = self._ring[1]
         slot = ring.slot_for(index, packer.version, self.settings.timeout_s)
         header = packer.fill(index, slot)
-        fault = fault_at("refit.pack", bucket=index, rank=self.rank)
+        fault = fault_at("refit.pack", version=packer.version, bucket=index, rank=self.rank)
         if fault == "stop":
             raise RefitError(f"fault injected: the writer stopped before bucket {index}")
         if fault == "corrupt":

@@ -125,25 +125,60 @@ def _load_on_worker(
     """Runs on the vLLM worker (``worker``): the load itself (``reload``: vLLM's reload path
     even where loading in place would be exact)."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     config = worker.vllm_config
     model = worker.model_runner.get_model()
+    stream = _UntilBroken(weights)
     if reload or config.quant_config is not None or not in_checkpoint_format(model):
+        # vLLM's reload_weights, with its finalization also after a stream that broke off:
+        # layers left incomplete get their previous tensors back instead of staying on the
+        # meta device (which would leave the engine unusable for every later refit).
         _quiet_expected_reload_warnings()
-        worker.reload_weights(weights_iterator=((n, t.clone()) for n, t in weights))
-        _repack_cpu_experts(model)
+        initialize_layerwise_reload(model)
+        try:
+            model.load_weights((n, t.clone()) for n, t in stream)
+        finally:
+            finalize_layerwise_reload(model, config.model_config)
+            _repack_cpu_experts(model)
+        stream.raise_if_broken()
         return "reload"
     with set_current_vllm_config(config), torch.no_grad():
-        loaded = model.load_weights(weights)
+        try:
+            loaded = model.load_weights(stream)
+        finally:  # rebuild what layers derive from their weights, also after a partial load
+            process_weights_after_loading(model, config.model_config, worker.device)
+        stream.raise_if_broken()
         missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
         if missing:
             raise RuntimeError(
                 f"the refit left {len(missing)} engine parameters unloaded, e.g. {missing[:5]}; "
                 "the exported names do not cover the engine's model"
             )
-        process_weights_after_loading(model, config.model_config, worker.device)
     return "in_place"
+
+
+class _UntilBroken:
+    """The tensors of ``weights`` until it raises: then the iteration just ends, so that the
+    engine's loader finishes in order, and :meth:`raise_if_broken` raises the error after."""
+
+    def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self._error: BaseException | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from self._weights
+        except Exception as err:  # noqa: BLE001 - raised again by raise_if_broken
+            self._error = err
+
+    def raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _repack_cpu_experts(model: torch.nn.Module) -> int:

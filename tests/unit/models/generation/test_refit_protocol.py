@@ -69,10 +69,19 @@ def test_the_seeds_verbs_are_the_senders_verbs():
 
 
 def test_a_worker_runs_only_the_protocols_verbs():
-    receiver = RefitReceiver(lambda weights: None, device=__import__("torch").device("cpu"))
-    assert call_verb(receiver, RECEIVER_VERBS, "abort_weight_update") is None
-    with pytest.raises(ValueError, match="unknown refit verb 'close'.*commit_weight_update"):
+    receiver = RefitReceiver(lambda *args: [], device=__import__("torch").device("cpu"))
+    assert call_verb(receiver, RECEIVER_VERBS, "close_collective") is None
+    with pytest.raises(ValueError, match="unknown refit verb 'close'.*update_weights_from"):
         call_verb(receiver, RECEIVER_VERBS, "close")
+
+
+def test_the_orchestrator_uses_every_verb_of_the_protocol():
+    """No verb exists beside the path the driver takes (its sequence names each one)."""
+    from nemo_rl.models.generation.refit import orchestrate
+
+    source = inspect.getsource(orchestrate)
+    unused = sorted(v for v in SENDER_VERBS | RECEIVER_VERBS if v not in source)
+    assert unused == []
 
 
 def test_refit_settings_come_from_the_policy_config():
@@ -86,7 +95,12 @@ def test_refit_settings_come_from_the_policy_config():
     assert settings.bucket_bytes == int(0.001 * 1024**3) // 64 * 64
     assert (settings.dtype, settings.timeout_s, settings.checksums) == ("bfloat16", 30, False)
     default = PolicyConfig().refit_settings()
-    assert (default.bucket_bytes, default.checksums) == (256 * 1024**2, False)
+    assert (default.bucket_bytes, default.checksums, default.max_retries) == (
+        256 * 1024**2, False, 2
+    )
+    assert PolicyConfig(refit_max_retries=0).refit_settings().max_retries == 0
+    with pytest.raises(ValueError, match="refit_max_retries"):
+        PolicyConfig(refit_max_retries=-1)
     with pytest.raises(ValueError, match="refit_buffer_size_gb"):
         PolicyConfig(refit_buffer_size_gb=0)
 

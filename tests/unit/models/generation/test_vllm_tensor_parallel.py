@@ -93,9 +93,8 @@ def run(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, Any]]
         ]
         gens: list[VllmGeneration] = []
         sender = RefitSender(
-            lambda dtype: iter(b.items()), exports=True, is_source=True,
-            device=torch.device("cpu"),
-            settings=RefitSettings(512 * 1024, "float32", timeout_s=120.0, checksums=True),
+            lambda dtype: iter(b.items()), 0, True, torch.device("cpu"),
+            RefitSettings(512 * 1024, "float32", timeout_s=120.0, checksums=True),
         )
         try:
             gens += start_together(
@@ -152,7 +151,7 @@ def test_tp2_greedy_equals_tp1_token_for_token(run):
 
 
 def test_refit_fills_every_tp_rank_with_its_shard(run):
-    # A committed refit takes the version of the sender's stream: TP=2 took the second one.
+    # A complete load takes the version of the sender's stream: TP=2 took the second one.
     assert run["versions"] == [1, 2]
     embed, norm = run["b"]["model.embed_tokens.weight"], run["b"]["model.norm.weight"]
     shards = run["shards"]

