@@ -278,12 +278,18 @@ def check_prompt_lengths(
     }
 
 
-def build_task_data_spec(data_cfg: Any) -> TaskDataSpec:
+def build_task_data_spec(data_cfg: Any, synthetic_rows: Optional[bool] = None) -> TaskDataSpec:
     """The task spec of a :class:`~nemo_rl.algorithms.grpo_config.DataConfig`: its task name,
     the prompt template of ``prompt_file`` (the synthetic task's default instruction when the
-    rows are synthetic and no file is set) and the system prompt of ``system_prompt_file``."""
+    rows are synthetic and no file is set) and the system prompt of ``system_prompt_file``.
+
+    ``synthetic_rows``: whether the rows the spec renders are the synthetic task's; None: the
+    training rows' (``data_cfg.uses_synthetic``). A row of a file gets the same prompt in
+    every split and command (an eval recipe with only ``val_path`` renders it as the
+    training recipe with ``train_path`` did)."""
     prompt = load_prompt_file(data_cfg.prompt_file, "data.prompt_file")
-    if prompt is None and data_cfg.uses_synthetic:
+    synthetic = data_cfg.uses_synthetic if synthetic_rows is None else synthetic_rows
+    if prompt is None and synthetic:
         prompt = default_prompt_template(data_cfg.synthetic.answer_format)
     return TaskDataSpec(
         task_name=data_cfg.task_name or SYNTHETIC_TASK_NAME,
@@ -293,7 +299,8 @@ def build_task_data_spec(data_cfg: Any) -> TaskDataSpec:
 
 
 class Split(NamedTuple):
-    """Rows of one split, where they came from, and whether they use the canonical keys."""
+    """Rows of one split, where they came from, and whether they use the canonical keys (the
+    synthetic task's generated rows do; they alone get its default instruction)."""
 
     rows: Rows
     source: str
@@ -364,11 +371,14 @@ def setup_datasets(
     def make(split: Split, source_cfg: Any = None) -> PromptDataset:
         prompt_key = getattr(source_cfg, "prompt_key", None) or data_cfg.prompt_key
         answer_key = getattr(source_cfg, "answer_key", None) or data_cfg.answer_key
+        split_spec = build_task_data_spec(data_cfg, synthetic_rows=split.canonical_keys)
         task_name = getattr(source_cfg, "task_name", None)
+        if task_name is not None:
+            split_spec = TaskDataSpec(**{**split_spec, "task_name": task_name})
         return PromptDataset(
             split.rows,
             tokenizer,
-            spec if task_name is None else TaskDataSpec(**{**spec, "task_name": task_name}),
+            split_spec,
             data_cfg.max_input_seq_length,
             prompt_key="prompt" if split.canonical_keys else prompt_key,
             answer_key="answer" if split.canonical_keys else answer_key,
