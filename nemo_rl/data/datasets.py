@@ -76,19 +76,28 @@ def _present_fields(row: Mapping[str, Any]) -> list[str]:
     return sorted(k for k, v in dict(row).items() if v is not None)
 
 
-def check_rows_have(rows: Rows, key: str, config_key: str, source: str) -> None:
-    """Raise if some row lacks field ``key`` (missing or null).
+def check_rows_have(
+    rows: Rows, key: str, config_key: str, source: str, allow_null: bool = False
+) -> None:
+    """Raise if some row lacks field ``key`` (missing, or null unless ``allow_null``).
 
     Raises:
         DataError: naming the first bad row index, the field, ``config_key`` and ``source``.
     """
-    for idx, value in enumerate(_column(rows, key)):
-        if value is None:
-            present = _present_fields(rows[idx])
-            raise DataError(
-                f"{source}: row {idx} has no field {key!r} ({config_key}); its fields are "
-                f"{present}. Fix the row or set {config_key} to the field holding it"
-            )
+    column_names = getattr(rows, "column_names", None)
+    if allow_null and column_names is not None:
+        bad = [] if key in column_names else [0]
+    elif allow_null:
+        bad = [idx for idx, row in enumerate(rows) if key not in row][:1]
+    else:
+        bad = [idx for idx, value in enumerate(_column(rows, key)) if value is None][:1]
+    if bad:
+        null_hint = " (or to null for none)" if allow_null else ""
+        raise DataError(
+            f"{source}: row {bad[0]} has no field {key!r} ({config_key}); its fields are "
+            f"{_present_fields(rows[bad[0]])}. Fix the row or set {config_key} to the field "
+            f"holding it{null_hint}"
+        )
 
 
 class PromptDataset(Dataset):
@@ -358,7 +367,9 @@ def setup_datasets(
 
     Raises:
         nemo_rl.data.files.DataError: a file that does not parse, a row without its prompt,
-            with an unknown task or without a field its task's environment needs.
+            without the field a renamed ``answer_key`` names (the default ``"answer"`` may be
+            absent: rows without answers), with an unknown task or without a field its task's
+            environment needs.
     """
     if data_cfg.max_input_seq_length is None:
         raise ValueError(
@@ -368,9 +379,15 @@ def setup_datasets(
     spec = build_task_data_spec(data_cfg)
     train_split, val_split = load_data_splits(data_cfg)
 
-    def make(split: Split, source_cfg: Any = None) -> PromptDataset:
+    def make(split: Split, source_cfg: Any = None, where: str = "data") -> PromptDataset:
         prompt_key = getattr(source_cfg, "prompt_key", None) or data_cfg.prompt_key
         answer_key = getattr(source_cfg, "answer_key", None) or data_cfg.answer_key
+        if answer_key not in (None, "answer") and not split.canonical_keys:
+            # A renamed answer column must exist; the default may be absent (no answers).
+            answer_where = where if getattr(source_cfg, "answer_key", None) else "data"
+            check_rows_have(
+                split.rows, answer_key, f"{answer_where}.answer_key", split.source, allow_null=True
+            )
         split_spec = build_task_data_spec(data_cfg, synthetic_rows=split.canonical_keys)
         task_name = getattr(source_cfg, "task_name", None)
         if task_name is not None:
@@ -390,8 +407,8 @@ def setup_datasets(
     if not data_cfg.train_datasets:
         return make(train_split), val, spec
     parts = [
-        make(Split(load_rows(s.path, s.split, s.subset), s.path), s)
-        for s in data_cfg.train_datasets
+        make(Split(load_rows(s.path, s.split, s.subset), s.path), s, f"data.train_datasets[{i}]")
+        for i, s in enumerate(data_cfg.train_datasets)
     ]
     weights = [s.weight for s in data_cfg.train_datasets]
     return MixedPromptDataset(parts, weights, seed), val, spec
