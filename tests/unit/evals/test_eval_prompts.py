@@ -16,7 +16,7 @@ import torch
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_inputs import load_run_inputs
 from nemo_rl.evals.config import EvalMasterConfig
-from nemo_rl.evals.eval import _prompt_batches
+from nemo_rl.evals.eval import prompt_batches
 from nemo_rl.utils.config import load_typed_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -64,7 +64,7 @@ def test_eval_prompts_equal_the_training_prompts_of_the_same_rows(
     eval_cfg = load_typed_config("my_eval.yaml", ["eval.num_prompts_per_step=4"], EvalMasterConfig)
     inputs = load_run_inputs(train_cfg)
     trained = [inputs.train[i] for i in range(len(inputs.train))]
-    batches = _prompt_batches(eval_cfg, inputs.tokenizer)
+    batches = prompt_batches(eval_cfg, inputs.tokenizer)
     evaluated = [
         {"message_log": log, "idx": idx}
         for batch in batches for log, idx in zip(batch["message_log"], batch["idx"])
