@@ -44,7 +44,9 @@ def _is_writer() -> bool:
 
 
 def copy_hf_assets(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """Copy tokenizer/generation files (everything but weights, index and config.json).
+    """Copy tokenizer/generation files (everything but weights, index and config.json); the
+    copies' modes are the umask's, not the source files' (a private cache's 0600 stays
+    private to the cache).
 
     Returns:
         The copied file names.
@@ -56,7 +58,7 @@ def copy_hf_assets(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
             and item.name not in ("config.json", INDEX_FILE, BRIDGE_FILE)
             and not item.name.endswith(_WEIGHT_SUFFIXES)
         ):
-            shutil.copy2(item, Path(dst_dir) / item.name)
+            shutil.copyfile(item, Path(dst_dir) / item.name)
             copied.append(item.name)
     return copied
 

@@ -44,6 +44,7 @@ from megatron_bridge.checkpoint import (
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
 from megatron_bridge.fallback_warnings import quiet_fallback_warnings
+from megatron_bridge.folders import make_unique_dir
 from megatron_bridge.hub import resolve_hf_checkpoint
 from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.tensor_check import check_hf_tensors
@@ -131,8 +132,7 @@ def _prepare_output(dst: Path, overwrite: bool) -> Path:
     """A fresh temporary folder next to ``dst``; refuses an existing ``dst`` without overwrite."""
     if dst.exists() and not overwrite:
         raise CliError(f"output {dst} already exists; pass --overwrite to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    return make_unique_dir(dst.parent, f".{dst.name}.partial-")
 
 
 def _commit_output(tmp: Path, dst: Path) -> None:

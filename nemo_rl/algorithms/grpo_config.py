@@ -313,7 +313,9 @@ class DataConfig(ConfigModel):
     )
     answer_key: str | None = Field(
         default="answer",
-        description="Field of a record holding the ground-truth answer. None: no answers.",
+        description="Field of a record holding the ground-truth answer. Another name than "
+        "'answer' must be a field of every row (a null value: that row has no answer); the "
+        "default may be absent (rows without answers). None: no answers.",
     )
     task_name: str | None = Field(
         default=None,

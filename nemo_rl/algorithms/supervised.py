@@ -10,7 +10,8 @@ A step takes one batch of ``train_global_batch_size`` samples (a sample is
 ``rows_per_sample`` rows: 1 for SFT, a chosen and a rejected row for DPO and RM), flattens its
 conversations (loss on assistant tokens only), adds the reference policy's logprobs when the
 loss needs them and makes one optimizer step. Validation runs the same loss without updates
-(``eval_mode``) on each validation batch and averages the metrics over the batches.
+(``eval_mode``) on each validation batch (the last one padded with masked rows) and reports
+the metrics over the whole validation set (means over its samples, counts summed).
 """
 
 from __future__ import annotations
@@ -80,26 +81,28 @@ def validation_batches(
     collate_fn: Callable[[list[Any]], BatchedDataDict],
     section: str,
 ) -> list[BatchedDataDict]:
-    """The first ``val_batches`` full batches of ``val_global_batch_size`` samples of
-    ``dataset`` (all full batches when ``val_batches`` is 0); none without validation.
+    """The first ``val_batches`` batches of ``val_global_batch_size`` samples of ``dataset``
+    (every sample when ``val_batches`` is 0); none without validation.
 
-    Raises:
-        ValueError: the validation set is smaller than one batch, naming the keys.
+    A last, partial batch is padded to a whole one (the layout the policy's data-parallel
+    split and micro-batches need) with copies of its first sample whose rows have
+    ``loss_multiplier`` 0: the losses mask them out of every sum and count.
     """
-    if dataset is None or not loop.validates:
+    if dataset is None or not loop.validates or len(dataset) == 0:
         return []
     size = loop.val_global_batch_size
-    count = len(dataset) // size
-    if count == 0:
-        raise ValueError(
-            f"the validation set has {len(dataset)} samples, fewer than one batch of "
-            f"{section}.val_global_batch_size={size}; lower it or add validation data"
-        )
+    count = -(-len(dataset) // size)
     if loop.val_batches:
         count = min(count, loop.val_batches)
-    return [
-        collate_fn([dataset[i] for i in range(b * size, (b + 1) * size)]) for b in range(count)
-    ]
+    batches = []
+    for b in range(count):
+        samples = [dataset[i] for i in range(b * size, min((b + 1) * size, len(dataset)))]
+        real = len(samples)
+        batch = collate_fn(samples + [samples[0]] * (size - real))
+        rows_per_sample = len(batch["loss_multiplier"]) // size
+        batch["loss_multiplier"][real * rows_per_sample :] = 0.0
+        batches.append(batch)
+    return batches
 
 
 def load_tokenizer(cfg: SupervisedMasterConfig) -> tuple[Any, int]:
@@ -274,9 +277,15 @@ def train_step(run: SupervisedRun, batches: Iterator[BatchedDataDict]) -> Metric
 
 
 def validate(run: SupervisedRun) -> Metrics:
-    """The loss's metrics on every validation batch (no update), averaged over the batches."""
+    """The loss's metrics on every validation batch (no update), over the whole validation
+    set: each mean weighted by its batch's valid samples (valid tokens for a token-level
+    loss, SFT's), so it is the mean over every sample (token); counts (``num_*``) summed."""
+    from nemo_rl.algorithms.loss.interfaces import LossType
+
     rows = run.algorithm.rows_per_sample
-    totals: Metrics = {}
+    token_level = run.algorithm.loss_fn.loss_type == LossType.TOKEN_LEVEL
+    weight_name = "num_unmasked_tokens" if token_level else "num_valid_samples"
+    per_batch: list[Metrics] = []
     with run.timer.time("validation"):
         for batch in run.val_batches:
             results = run.policy.train(
@@ -286,9 +295,16 @@ def validate(run: SupervisedRun) -> Metrics:
                 gbs=rows * run.loop.val_global_batch_size,
                 mbs=rows * run.loop.val_micro_batch_size,
             )
-            for name, value in _step_metrics(results, 0).items():
-                totals[name] = totals.get(name, 0.0) + value
-    return {name: value / len(run.val_batches) for name, value in totals.items()}
+            per_batch.append(_step_metrics(results, 0))
+    weights = [m[weight_name] for m in per_batch]
+    total = sum(weights)
+    if total == 0:  # nothing valid (every row cut): plain means of the batches' zeros
+        weights, total = [1.0] * len(per_batch), float(len(per_batch))
+    return {
+        name: sum(m[name] for m in per_batch) if name.startswith("num_")
+        else sum(w * m[name] for w, m in zip(weights, per_batch)) / total
+        for name in per_batch[0]
+    }
 
 
 def train(run: SupervisedRun) -> Metrics:

@@ -76,19 +76,28 @@ def _present_fields(row: Mapping[str, Any]) -> list[str]:
     return sorted(k for k, v in dict(row).items() if v is not None)
 
 
-def check_rows_have(rows: Rows, key: str, config_key: str, source: str) -> None:
-    """Raise if some row lacks field ``key`` (missing or null).
+def check_rows_have(
+    rows: Rows, key: str, config_key: str, source: str, allow_null: bool = False
+) -> None:
+    """Raise if some row lacks field ``key`` (missing, or null unless ``allow_null``).
 
     Raises:
         DataError: naming the first bad row index, the field, ``config_key`` and ``source``.
     """
-    for idx, value in enumerate(_column(rows, key)):
-        if value is None:
-            present = _present_fields(rows[idx])
-            raise DataError(
-                f"{source}: row {idx} has no field {key!r} ({config_key}); its fields are "
-                f"{present}. Fix the row or set {config_key} to the field holding it"
-            )
+    column_names = getattr(rows, "column_names", None)
+    if allow_null and column_names is not None:
+        bad = [] if key in column_names else [0]
+    elif allow_null:
+        bad = [idx for idx, row in enumerate(rows) if key not in row][:1]
+    else:
+        bad = [idx for idx, value in enumerate(_column(rows, key)) if value is None][:1]
+    if bad:
+        null_hint = " (or to null for none)" if allow_null else ""
+        raise DataError(
+            f"{source}: row {bad[0]} has no field {key!r} ({config_key}); its fields are "
+            f"{_present_fields(rows[bad[0]])}. Fix the row or set {config_key} to the field "
+            f"holding it{null_hint}"
+        )
 
 
 class PromptDataset(Dataset):
@@ -278,12 +287,18 @@ def check_prompt_lengths(
     }
 
 
-def build_task_data_spec(data_cfg: Any) -> TaskDataSpec:
+def build_task_data_spec(data_cfg: Any, synthetic_rows: Optional[bool] = None) -> TaskDataSpec:
     """The task spec of a :class:`~nemo_rl.algorithms.grpo_config.DataConfig`: its task name,
     the prompt template of ``prompt_file`` (the synthetic task's default instruction when the
-    rows are synthetic and no file is set) and the system prompt of ``system_prompt_file``."""
+    rows are synthetic and no file is set) and the system prompt of ``system_prompt_file``.
+
+    ``synthetic_rows``: whether the rows the spec renders are the synthetic task's; None: the
+    training rows' (``data_cfg.uses_synthetic``). A row of a file gets the same prompt in
+    every split and command (an eval recipe with only ``val_path`` renders it as the
+    training recipe with ``train_path`` did)."""
     prompt = load_prompt_file(data_cfg.prompt_file, "data.prompt_file")
-    if prompt is None and data_cfg.uses_synthetic:
+    synthetic = data_cfg.uses_synthetic if synthetic_rows is None else synthetic_rows
+    if prompt is None and synthetic:
         prompt = default_prompt_template(data_cfg.synthetic.answer_format)
     return TaskDataSpec(
         task_name=data_cfg.task_name or SYNTHETIC_TASK_NAME,
@@ -293,7 +308,8 @@ def build_task_data_spec(data_cfg: Any) -> TaskDataSpec:
 
 
 class Split(NamedTuple):
-    """Rows of one split, where they came from, and whether they use the canonical keys."""
+    """Rows of one split, where they came from, and whether they use the canonical keys (the
+    synthetic task's generated rows do; they alone get its default instruction)."""
 
     rows: Rows
     source: str
@@ -351,7 +367,9 @@ def setup_datasets(
 
     Raises:
         nemo_rl.data.files.DataError: a file that does not parse, a row without its prompt,
-            with an unknown task or without a field its task's environment needs.
+            without the field a renamed ``answer_key`` names (the default ``"answer"`` may be
+            absent: rows without answers), with an unknown task or without a field its task's
+            environment needs.
     """
     if data_cfg.max_input_seq_length is None:
         raise ValueError(
@@ -361,14 +379,23 @@ def setup_datasets(
     spec = build_task_data_spec(data_cfg)
     train_split, val_split = load_data_splits(data_cfg)
 
-    def make(split: Split, source_cfg: Any = None) -> PromptDataset:
+    def make(split: Split, source_cfg: Any = None, where: str = "data") -> PromptDataset:
         prompt_key = getattr(source_cfg, "prompt_key", None) or data_cfg.prompt_key
         answer_key = getattr(source_cfg, "answer_key", None) or data_cfg.answer_key
+        if answer_key not in (None, "answer") and not split.canonical_keys:
+            # A renamed answer column must exist; the default may be absent (no answers).
+            answer_where = where if getattr(source_cfg, "answer_key", None) else "data"
+            check_rows_have(
+                split.rows, answer_key, f"{answer_where}.answer_key", split.source, allow_null=True
+            )
+        split_spec = build_task_data_spec(data_cfg, synthetic_rows=split.canonical_keys)
         task_name = getattr(source_cfg, "task_name", None)
+        if task_name is not None:
+            split_spec = TaskDataSpec(**{**split_spec, "task_name": task_name})
         return PromptDataset(
             split.rows,
             tokenizer,
-            spec if task_name is None else TaskDataSpec(**{**spec, "task_name": task_name}),
+            split_spec,
             data_cfg.max_input_seq_length,
             prompt_key="prompt" if split.canonical_keys else prompt_key,
             answer_key="answer" if split.canonical_keys else answer_key,
@@ -380,8 +407,8 @@ def setup_datasets(
     if not data_cfg.train_datasets:
         return make(train_split), val, spec
     parts = [
-        make(Split(load_rows(s.path, s.split, s.subset), s.path), s)
-        for s in data_cfg.train_datasets
+        make(Split(load_rows(s.path, s.split, s.subset), s.path), s, f"data.train_datasets[{i}]")
+        for i, s in enumerate(data_cfg.train_datasets)
     ]
     weights = [s.weight for s in data_cfg.train_datasets]
     return MixedPromptDataset(parts, weights, seed), val, spec

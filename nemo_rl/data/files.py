@@ -32,19 +32,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
     Raises:
         DataError: ``path:line`` of the first line that is not a JSON object, with the
-            parse error.
+            parse error and its column (1-based, as editors count).
     """
     rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            # Without its newline: json would count a fault past the line's end as "line 2,
+            # column 1" of the text.
+            text = line.rstrip("\r\n")
             try:
-                value = json.loads(line)
+                value = json.loads(text)
             except json.JSONDecodeError as err:
+                end = ", the end of the line" if err.pos >= len(text) else ""
                 raise DataError(
-                    f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); fix or "
-                    "remove the line"
+                    f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.pos + 1}{end}); "
+                    "fix or remove the line"
                 ) from None
             rows.append(_check_object(value, f"{path}:{lineno}"))
     return rows

@@ -127,7 +127,9 @@ def reward_fn_processor(
 ) -> DatumSpec:
     """A prompt for a reward function (``env.<task>.reward_fn``): ``extra_env_info`` holds the
     row's ``"prompt"`` (as in the data, before any template), its ``"answer"`` (None when the
-    row has none) and ``"metadata"``, the row's other fields."""
+    row has none) and ``"metadata"``: every field of the row but ``prompt``, ``answer`` and
+    ``task_name``, under the file's names (a prompt or answer column named otherwise, e.g.
+    ``instruction``, is in it too)."""
     rest = {k: v for k, v in datum_dict.items() if k not in ("prompt", "answer", "task_name")}
     info = {"prompt": datum_dict["prompt"], "answer": datum_dict.get("answer"), "metadata": rest}
     return _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, info)

@@ -141,6 +141,7 @@ class CalculatorEnvironment(EnvironmentInterface):
 
     default_processor = "math"
     required_fields = ("answer",)
+    returns_answers = True
 
     def __init__(self, cfg: Optional[CalculatorEnvConfig] = None) -> None:
         self.cfg = cfg or CalculatorEnvConfig()

@@ -72,9 +72,11 @@ def batch_success_metrics(batch: Any, threshold: float = 1.0) -> dict[str, float
     return success_metrics(torch.as_tensor(batch["total_reward"]), idx, threshold)
 
 
-def final_step_return(rewards: torch.Tensor) -> EnvironmentReturn:
-    """Every sample's episode ends with ``rewards[i]`` (``[B]`` float32) and nothing more: an
-    empty observation, no metadata, stop strings or answer."""
+def final_step_return(
+    rewards: torch.Tensor, answers: Optional[list[Optional[str]]] = None
+) -> EnvironmentReturn:
+    """Every sample's episode ends with ``rewards[i]`` (``[B]`` float32) and ``answers[i]``
+    (None: no answers) and nothing more: an empty observation, no metadata or stop strings."""
     size = int(rewards.numel())
     return EnvironmentReturn(
         observations=[{"role": "environment", "content": ""} for _ in range(size)],
@@ -82,5 +84,5 @@ def final_step_return(rewards: torch.Tensor) -> EnvironmentReturn:
         next_stop_strings=[None] * size,
         rewards=rewards.to(torch.float32),
         terminateds=torch.ones(size, dtype=torch.bool),
-        answers=[None] * size,
+        answers=[None] * size if answers is None else list(answers),
     )

@@ -141,14 +141,24 @@ class PluginEnvConfig(EnvActorConfig):
         "fn(prompt, response, answer, metadata) -> float, run batched in a built-in "
         "environment's actor (processor 'reward_fn').",
     )
+    answer_fn: Optional[str] = Field(
+        default=None,
+        description="With reward_fn: import path 'package.module:function' of "
+        "fn(prompt, response, answer, metadata) -> str or None, called like the reward "
+        "function: the answer the response gives (what nemo-rl eval's maj@k votes over and "
+        "samples.jsonl records). None: the task extracts no answers, so maj@k is refused.",
+    )
 
     def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
         """The class of ``cls`` with the section's extra keys, or the reward-function
-        environment with ``reward_fn``."""
+        environment with ``reward_fn`` (and ``answer_fn`` when set)."""
         kwargs = dict(self.model_extra or {})
         if self.cls is not None:
             return self.cls, "cls", (), kwargs
-        return REWARD_FN_ENVIRONMENT, "reward_fn", (), {"reward_fn": self.reward_fn}
+        functions = {"reward_fn": self.reward_fn}
+        if self.answer_fn is not None:
+            functions["answer_fn"] = self.answer_fn
+        return REWARD_FN_ENVIRONMENT, "reward_fn", (), functions
 
     @model_validator(mode="after")
     def _one_plugin(self) -> PluginEnvConfig:
@@ -156,6 +166,11 @@ class PluginEnvConfig(EnvActorConfig):
             raise ValueError(
                 "a plug-in environment section needs exactly one of cls "
                 "('package.module:Class') and reward_fn ('package.module:function')"
+            )
+        if self.answer_fn is not None and self.reward_fn is None:
+            raise ValueError(
+                "answer_fn goes with reward_fn; an environment class (cls) returns its answers "
+                "from step() and sets returns_answers = True"
             )
         if self.reward_fn is not None and self.model_extra:
             raise ValueError(

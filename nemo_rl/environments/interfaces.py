@@ -49,15 +49,27 @@ class EnvironmentInterface(ABC):
         required_fields: fields every row of the task must have (after the ``data.prompt_key``
             / ``answer_key`` mapping, so ``"answer"`` is the ground truth); checked when the
             data loads, naming the file and row of the first one missing.
+        returns_answers: whether :meth:`step` returns the answer it extracted from each
+            response (:attr:`EnvironmentReturn.answers`, None where it found none): what
+            ``nemo-rl eval``'s maj@k votes over; maj@k is refused for a task whose environment
+            returns none. Default False.
     """
 
     default_processor: ClassVar[str] = "prompt"
     required_fields: ClassVar[tuple[str, ...]] = ()
+    returns_answers: ClassVar[bool] = False
 
     @classmethod
     def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
         """Called when the recipe is validated with the arguments the environment will get;
         raise ValueError naming ``where`` (the recipe field) for a bad one. Default: no check."""
+
+    @classmethod
+    def returns_answers_with(cls, *args: Any, **kwargs: Any) -> bool:
+        """Whether the environment started with these arguments returns answers (see
+        ``returns_answers``); for a class where that depends on them. Default:
+        ``returns_answers``."""
+        return cls.returns_answers
 
     @abstractmethod
     def step(

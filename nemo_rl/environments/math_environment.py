@@ -112,6 +112,7 @@ class MathEnvironment(EnvironmentInterface):
 
     default_processor = "math"
     required_fields = ("answer",)
+    returns_answers = True
 
     def __init__(self, cfg: Optional[MathEnvConfig] = None) -> None:
         self.cfg = cfg or MathEnvConfig()

@@ -41,6 +41,7 @@ class NumberGuessEnvironment(EnvironmentInterface):
 
     default_processor = "prompt"
     required_fields = ("secret",)
+    returns_answers = True
 
     def __init__(self, cfg: Optional[NumberGuessEnvConfig] = None) -> None:
         self.cfg = cfg or NumberGuessEnvConfig()

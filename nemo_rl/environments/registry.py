@@ -36,6 +36,8 @@ class EnvironmentSpec:
         processor: turns the task's rows into prompts.
         required_fields: fields every row of the task must have (canonical names: ``prompt``,
             ``answer`` after the ``data.prompt_key``/``answer_key`` mapping).
+        returns_answers: the environment returns the answers it extracts (what maj@k votes
+            over; :meth:`EnvironmentInterface.returns_answers_with`).
     """
 
     task_name: str
@@ -45,6 +47,7 @@ class EnvironmentSpec:
     num_cpus: float = 0.25
     processor: TaskDataProcessFnCallable | None = None
     required_fields: tuple[str, ...] = ()
+    returns_answers: bool = False
 
 
 def _check_environment_class(obj: Any, where: str, path: str, args: tuple, kwargs: dict) -> None:
@@ -95,4 +98,5 @@ def resolve_environment(task_name: str, section: EnvActorConfig) -> EnvironmentS
         num_cpus=section.num_cpus,
         processor=processor,
         required_fields=tuple(cls.required_fields),
+        returns_answers=cls.returns_answers_with(*args, **kwargs),
     )

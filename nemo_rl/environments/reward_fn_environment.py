@@ -7,15 +7,20 @@ Ray actor, on the batch of samples the rollout sends in one step::
 
 ``prompt`` is the row's prompt as in the data (before any template or chat rendering; a list of
 messages for chat-format rows), ``response`` the model's reply text, ``answer`` the row's answer
-(``data.answer_key``; None when the row has none) and ``metadata`` a dict of the row's other
-fields. Every episode ends after one turn. The rows are prepared by the ``reward_fn`` processor
-(:func:`nemo_rl.data.processors.reward_fn_processor`).
+(``data.answer_key``; None when the row has none) and ``metadata`` a dict of every field of the
+row but ``prompt``, ``answer`` and ``task_name`` (so a prompt or answer column of another name,
+``instruction``, is in it too). Every episode ends after one turn. The rows are prepared by the
+``reward_fn`` processor (:func:`nemo_rl.data.processors.reward_fn_processor`).
+
+An optional ``env.<task>.answer_fn`` is called the same way and returns the answer the response
+gives (a string, or None when it gives none): the environment returns it, ``nemo-rl eval``'s
+maj@k votes over it and ``samples.jsonl`` records it. Without one the task returns no answers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -29,6 +34,7 @@ from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentRet
 from nemo_rl.utils.plugins import load_function
 
 REWARD_FN_SIGNATURE = "fn(prompt, response, answer, metadata) -> float"
+ANSWER_FN_SIGNATURE = "fn(prompt, response, answer, metadata) -> str or None"
 
 
 def load_reward_fn(path: str, where: str = "reward_fn") -> Callable[..., Any]:
@@ -40,35 +46,58 @@ def load_reward_fn(path: str, where: str = "reward_fn") -> Callable[..., Any]:
     return load_function(path, 4, where, REWARD_FN_SIGNATURE)
 
 
+def load_answer_fn(path: str, where: str = "answer_fn") -> Callable[..., Any]:
+    """The answer function at import path ``path``, checked to take four arguments.
+
+    Raises:
+        nemo_rl.utils.plugins.PluginError: naming ``where`` (the recipe field).
+    """
+    return load_function(path, 4, where, ANSWER_FN_SIGNATURE)
+
+
 class RewardFnEnvironment(EnvironmentInterface):
     """Scores each sample with a user reward function; usable in-process or as a Ray actor.
 
     Args:
         reward_fn: import path ``"package.module:function"`` of the function.
+        answer_fn: import path of the function giving each response's answer; None: no
+            answers.
 
     Metadata per sample: ``{"prompt", "answer", "metadata"}`` (the ``reward_fn`` processor's).
     """
 
     default_processor = "reward_fn"
 
-    def __init__(self, reward_fn: str) -> None:
+    def __init__(self, reward_fn: str, answer_fn: Optional[str] = None) -> None:
         self.reward_fn_path = reward_fn
         self.reward_fn = load_reward_fn(reward_fn)
+        self.answer_fn_path = answer_fn
+        self.answer_fn = None if answer_fn is None else load_answer_fn(answer_fn)
 
     @classmethod
     def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
-        """The function resolves and takes four arguments."""
+        """The functions resolve and take four arguments."""
         load_reward_fn(kwargs["reward_fn"], where)
+        if kwargs.get("answer_fn") is not None:
+            load_answer_fn(kwargs["answer_fn"], where.removesuffix("reward_fn") + "answer_fn")
 
-    def _score(self, i: int, log: LLMMessageLogType, meta: dict[str, Any]) -> float:
+    @classmethod
+    def returns_answers_with(cls, *args: Any, **kwargs: Any) -> bool:
+        """With an ``answer_fn``."""
+        return kwargs.get("answer_fn") is not None
+
+    @staticmethod
+    def _arguments(i: int, log: LLMMessageLogType, meta: dict[str, Any]) -> tuple[Any, ...]:
+        """``(prompt, response, answer, metadata)`` of sample ``i``."""
         if "prompt" not in (meta or {}):
             raise KeyError(
                 f"sample {i}: metadata has no 'prompt' (keys: {sorted(meta or {})}); rows of a "
                 "reward_fn task need the 'reward_fn' processor (env.<task>.processor)"
             )
-        value = self.reward_fn(
-            meta["prompt"], last_assistant_content(log), meta.get("answer"), meta.get("metadata", {})
-        )
+        return meta["prompt"], last_assistant_content(log), meta.get("answer"), meta.get("metadata", {})
+
+    def _score(self, i: int, arguments: tuple[Any, ...]) -> float:
+        value = self.reward_fn(*arguments)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(
                 f"reward function {self.reward_fn_path!r} returned {value!r} for sample {i}; "
@@ -76,19 +105,36 @@ class RewardFnEnvironment(EnvironmentInterface):
             )
         return float(value)
 
+    def _answer(self, i: int, arguments: tuple[Any, ...]) -> Optional[str]:
+        assert self.answer_fn is not None
+        value = self.answer_fn(*arguments)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"answer function {self.answer_fn_path!r} returned {value!r} for sample {i}; "
+                "it must return a string, or None when the response gives no answer"
+            )
+        return value
+
     def step(
         self, message_log_batch: list[LLMMessageLogType], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        """Reward of each sample's reply; every episode ends.
+        """Reward (and answer, with an ``answer_fn``) of each sample's reply; every episode
+        ends.
 
         Raises:
-            ValueError: the function returned something other than a finite number.
+            ValueError: the reward function returned something other than a finite number, or
+                the answer function something other than a string or None.
         """
-        rewards = [
-            self._score(i, log, meta)
+        arguments = [
+            self._arguments(i, log, meta)
             for i, (log, meta) in enumerate(zip(message_log_batch, metadata, strict=True))
         ]
-        return final_step_return(torch.tensor(rewards, dtype=torch.float32))
+        rewards = torch.tensor(
+            [self._score(i, args) for i, args in enumerate(arguments)], dtype=torch.float32
+        )
+        if self.answer_fn is None:
+            return final_step_return(rewards)
+        return final_step_return(rewards, [self._answer(i, args) for i, args in enumerate(arguments)])
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         """``accuracy`` (share of samples with reward >= 1) and ``pass@k``; batch unchanged."""

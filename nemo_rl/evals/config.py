@@ -5,15 +5,38 @@ GRPO's, and the prompts evaluated are the data's validation split."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.grpo_config import ClusterConfig, DataConfig, GRPOMasterConfig
 from nemo_rl.algorithms.loop_config import check_generation_layout
+from nemo_rl.data.synthetic import SYNTHETIC_TASK_NAME
 from nemo_rl.environments.config import EnvConfigs
+from nemo_rl.environments.registry import EnvironmentSpec
 from nemo_rl.models.generation.config import GenerationConfig
-from nemo_rl.utils.config import ConfigModel
+from nemo_rl.utils.config import ConfigError, ConfigModel
+
+
+def check_tasks_return_answers(
+    metric: str, tasks: Iterable[str], specs: Mapping[str, EnvironmentSpec]
+) -> None:
+    """maj@k (``metric``) votes over the answers the environments extract: each of ``tasks``
+    must have an environment that returns them.
+
+    Raises:
+        ConfigError: naming the first task without, and what to set.
+    """
+    for task in dict.fromkeys(tasks):
+        if not specs[task].returns_answers:
+            raise ConfigError(
+                f"eval.metric={metric} votes over the answers a task's environment extracts, "
+                f"but task {task!r} (env.{task}) returns none: give its reward_fn an answer_fn "
+                "('package.module:function', fn(prompt, response, answer, metadata) -> str or "
+                "None), set returns_answers = True on its environment class if its step() "
+                "returns answers, or use eval.metric=pass@k"
+            )
 
 
 class EvalConfig(ConfigModel):
@@ -22,7 +45,9 @@ class EvalConfig(ConfigModel):
     metric: Literal["pass@k", "maj@k", "cons@k"] = Field(
         default="pass@k",
         description="The headline score of the summary (all are computed and saved): pass@k, "
-        "or maj@k (also called cons@k): majority vote over k samples.",
+        "or maj@k (also called cons@k): majority vote over the answers the environment "
+        "extracts from k samples (refused for a task whose environment returns none; maj@k is "
+        "then left out of the summary).",
     )
     num_tests_per_prompt: int = Field(
         default=1, ge=1, description="Samples generated per prompt (n of the pass@k estimator)."
@@ -49,6 +74,11 @@ class EvalConfig(ConfigModel):
         description="Folder for samples.jsonl (every prompt, response, answer and reward), "
         "summary.json and config.yaml. None: print the summary only.",
     )
+
+    @property
+    def votes(self) -> bool:
+        """Whether the headline is maj@k (cons@k)."""
+        return self.metric != "pass@k"
 
     @model_validator(mode="after")
     def _check_k(self) -> EvalConfig:
@@ -104,6 +134,9 @@ class EvalMasterConfig(ConfigModel):
         if self.data.max_input_seq_length is None:
             self.data.max_input_seq_length = max_len
         GRPOMasterConfig._check_task(self)  # type: ignore[arg-type]  # reads .data and .env
+        if self.eval.votes:  # the rows' own task names are checked when the data loads
+            task = self.data.task_name or SYNTHETIC_TASK_NAME
+            check_tasks_return_answers(self.eval.metric, [task], self.env.specs())
         check_generation_layout(
             self.generation.vllm_cfg.tensor_parallel_size,
             self.cluster,

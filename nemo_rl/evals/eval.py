@@ -6,23 +6,31 @@ export_checkpoint`) is served by vLLM engines; the prompts are the data's valida
 each repeated ``eval.num_tests_per_prompt`` times, and are rolled out and judged exactly as a
 GRPO validation does (:func:`~nemo_rl.experience.grouped_rollouts.repeat_prompts`, then
 :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` against the task's environment
-actors). ``generation.temperature: 0`` is argmax decoding. Scores: :mod:`nemo_rl.evals.metrics`.
+actors). The prompts are rendered as training renders the same rows. ``generation.temperature:
+0`` is argmax decoding. Scores: :mod:`nemo_rl.evals.metrics` (maj@k only when every evaluated
+task's environment returns the answers it extracts). Prompts that leave fewer than
+``generation.max_new_tokens`` tokens under ``generation.vllm_cfg.max_model_len`` cost one
+warning with the numbers; responses cut at a token limit are counted (``num_truncated``).
 With ``eval.save_path`` the run writes ``samples.jsonl`` (one line per sample: prompt index,
-sample index, prompt, response, later turns, extracted answer, ground truth, reward, passed),
-``summary.json`` and ``config.yaml`` there.
+sample index, prompt and its token ids, response with its token ids and the engine's logprobs,
+later turns, extracted answer, ground truth, reward, passed, truncated), ``summary.json`` and
+``config.yaml`` there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from nemo_rl.evals.config import EvalMasterConfig
+from nemo_rl.evals.config import EvalMasterConfig, check_tasks_return_answers
 from nemo_rl.evals.metrics import summarize
 from nemo_rl.utils.config import ConfigError, config_to_yaml
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_eval_model(model_name: str, workdir: Path) -> str:
@@ -51,12 +59,17 @@ def resolve_eval_model(model_name: str, workdir: Path) -> str:
         raise ConfigError(f"generation.model_name={model_name!r}: {err}") from err
 
 
-def _prompt_batches(cfg: EvalMasterConfig, tokenizer: Any) -> list[Any]:
-    """The validation prompts, collated ``eval.num_prompts_per_step`` at a time."""
+def prompt_batches(cfg: EvalMasterConfig, tokenizer: Any) -> list[Any]:
+    """The validation prompts, collated ``eval.num_prompts_per_step`` at a time.
+
+    Raises:
+        ConfigError: no validation split; maj@k asked of a task that returns no answers.
+    """
     from nemo_rl.data.datasets import setup_datasets
     from nemo_rl.data.llm_message_utils import rl_collate_fn
 
-    _, val, _ = setup_datasets(cfg.data, tokenizer, cfg.env.specs())
+    specs = cfg.env.specs()
+    _, val, _ = setup_datasets(cfg.data, tokenizer, specs)
     if val is None or len(val) == 0:
         raise ConfigError(
             "the data has no validation split to evaluate: set data.val_path, or "
@@ -64,20 +77,66 @@ def _prompt_batches(cfg: EvalMasterConfig, tokenizer: Any) -> list[Any]:
         )
     count = len(val) if cfg.eval.max_num_prompts is None else min(len(val), cfg.eval.max_num_prompts)
     rows = [val[i] for i in range(count)]
+    if cfg.eval.votes:
+        check_tasks_return_answers(cfg.eval.metric, [r["task_name"] for r in rows], specs)
     size = count if cfg.eval.num_prompts_per_step == -1 else cfg.eval.num_prompts_per_step
     return [rl_collate_fn(rows[i : i + size]) for i in range(0, count, size)]
+
+
+def check_generation_room(batches: list[Any], max_new_tokens: int, max_model_len: int) -> None:
+    """Warn once when some prompts leave fewer than ``max_new_tokens`` tokens under
+    ``max_model_len`` (their responses stop early, counted in ``num_truncated``).
+
+    Raises:
+        ConfigError: a prompt leaves no room at all.
+    """
+    lengths = [int(n) for batch in batches for n in batch["length"]]
+    longest = max(lengths)
+    if longest >= max_model_len:
+        raise ConfigError(
+            f"a prompt has {longest} tokens, not below generation.vllm_cfg.max_model_len="
+            f"{max_model_len}: nothing can be generated after it; raise max_model_len above "
+            f"{longest} or shorten the prompts"
+        )
+    short = sum(n + max_new_tokens > max_model_len for n in lengths)
+    if short:
+        logger.warning(
+            "%d of %d prompts leave fewer than generation.max_new_tokens=%d tokens under "
+            "generation.vllm_cfg.max_model_len=%d (the longest has %d tokens: its responses "
+            "stop after %d); such responses are cut there and counted in num_truncated. Raise "
+            "max_model_len to %d to give every response its max_new_tokens",
+            short, len(lengths), max_new_tokens, max_model_len, longest,
+            max_model_len - longest, longest + max_new_tokens,
+        )
+
+
+def _turn(message: dict[str, Any]) -> dict[str, Any]:
+    """A later message of a sample's conversation as JSON: role, text, token ids (and the
+    engine's logprobs of an assistant turn)."""
+    turn = {"role": message["role"], "content": message["content"],
+            "token_ids": message["token_ids"].tolist()}
+    if "generation_logprobs" in message:
+        turn["logprobs"] = message["generation_logprobs"].tolist()
+    return turn
 
 
 def sample_records(
     prompts: Any, rollout: Any, num_tests: int, threshold: float
 ) -> list[dict[str, Any]]:
     """One JSON-ready record per rolled-out sample of ``prompts`` (rows repeated
-    ``num_tests`` times in a row, as :func:`repeat_prompts` lays them out)."""
+    ``num_tests`` times in a row, as :func:`repeat_prompts` lays them out): the prompt (text
+    and token ids), the first response (text, ``response_token_ids``, ``response_logprobs``:
+    the engine's logprob of each of them), the later turns, the environment's answer, the
+    ground truth, the reward, ``passed`` and ``truncated`` (the last response stopped at a
+    token limit)."""
+    import torch
+
     records = []
     for row, log in enumerate(rollout["message_log"]):
         prompt_row = row // num_tests
         prompt_log = prompts["message_log"][prompt_row]
-        later = log[len(prompt_log) :]
+        later = [_turn(m) for m in log[len(prompt_log) :]]
+        first = later[0] if later else {"content": "", "token_ids": []}
         reward = float(rollout["total_reward"][row])
         info = prompts["extra_env_info"][prompt_row] or {}
         records.append({
@@ -85,28 +144,35 @@ def sample_records(
             "sample": row % num_tests,
             "task_name": prompts["task_name"][prompt_row],
             "prompt": "".join(m["content"] for m in prompt_log),
-            "response": later[0]["content"] if later else "",
-            "later_turns": [{"role": m["role"], "content": m["content"]} for m in later[1:]],
+            "prompt_token_ids": torch.cat([m["token_ids"] for m in prompt_log]).tolist(),
+            "response": first["content"],
+            "response_token_ids": first["token_ids"],
+            "response_logprobs": first.get("logprobs"),
+            "later_turns": later[1:],
             "answer": rollout["answers"][row],
             "ground_truth": info.get("ground_truth"),
             "reward": reward,
             "passed": reward >= threshold,
+            "truncated": bool(rollout["response_truncated"][row]),
         })
     return records
 
 
-def score_records(records: list[dict[str, Any]], k: int) -> dict[str, float]:
-    """:func:`~nemo_rl.evals.metrics.summarize` over records grouped by prompt (in order)."""
+def score_records(records: list[dict[str, Any]], k: int, vote: bool = True) -> dict[str, float]:
+    """:func:`~nemo_rl.evals.metrics.summarize` over records grouped by prompt (in order),
+    plus ``num_truncated``; ``vote``: score maj@k (the tasks return answers)."""
     by_prompt: dict[int, list[dict[str, Any]]] = {}
     for record in records:
         by_prompt.setdefault(record["prompt_index"], []).append(record)
     groups = list(by_prompt.values())
-    return summarize(
+    scores = summarize(
         [[r["passed"] for r in g] for g in groups],
-        [[r["answer"] for r in g] for g in groups],
+        [[r["answer"] for r in g] for g in groups] if vote else None,
         [[r["reward"] for r in g] for g in groups],
         k,
     )
+    scores["num_truncated"] = float(sum(r["truncated"] for r in records))
+    return scores
 
 
 def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -126,7 +192,11 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = _prompt_batches(cfg, tokenizer)
+    batches = prompt_batches(cfg, tokenizer)
+    max_model_len = int(cfg.generation.vllm_cfg.max_model_len)
+    check_generation_room(batches, cfg.generation.max_new_tokens, max_model_len)
+    specs = cfg.env.specs()
+    vote = all(specs[task].returns_answers for batch in batches for task in batch["task_name"])
     c, n = cfg.cluster, cfg.eval.num_tests_per_prompt
     per_node = c.gpus_per_node or c.cpu_bundles_per_node
     cpus = (c.cpus_per_node - cfg.env.total_cpus) / per_node
@@ -152,7 +222,7 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
                 repeated,
                 tokenizer,
                 task_to_env,
-                max_seq_len=int(cfg.generation.vllm_cfg.max_model_len),
+                max_seq_len=max_model_len,
                 max_rollout_turns=cfg.eval.max_rollout_turns,
                 greedy=cfg.generation.temperature == 0,
             )
@@ -163,7 +233,7 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
             generation.shutdown()
         shutdown_environments(task_to_env)
         cluster.shutdown()
-    return records, score_records(records, cfg.eval.k_value)
+    return records, score_records(records, cfg.eval.k_value, vote)
 
 
 def format_summary(scores: dict[str, float], cfg: EvalMasterConfig) -> str:
@@ -173,10 +243,13 @@ def format_summary(scores: dict[str, float], cfg: EvalMasterConfig) -> str:
     lines = [f"evaluation of {cfg.generation.model_name}  ({int(scores['num_prompts'])} prompts "
              f"x {cfg.eval.num_tests_per_prompt} samples, temperature "
              f"{cfg.generation.temperature:g})"]
-    width = max(len(name) for name in scores)
+    width = max(len(name) for name in [*scores, f"maj@{k}"])
     for name, value in scores.items():
         shown = f"{int(value)}" if name.startswith("num_") else f"{value:.4f}"
         lines.append(f"  {name:<{width}}  {shown}{'   <- eval.metric' if name == headline else ''}")
+    if f"maj@{k}" not in scores:
+        lines.append(f"  {f'maj@{k}':<{width}}  not scored: a task's environment returns no "
+                     "answers to vote over (a reward_fn task: set its answer_fn)")
     return "\n".join(lines)
 
 

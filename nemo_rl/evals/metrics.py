@@ -6,7 +6,9 @@ prompt's n samples passes, computed in closed form from the n samples' pass coun
 ``1 - C(n - c, k) / C(n, k)``, averaged over prompts. maj@k takes the answer most of a
 prompt's first k samples gave (as the environment extracted it; samples without an answer do
 not vote, ties go to the answer given first) and scores the prompt by whether a sample giving
-that answer passed.
+that answer passed. It needs environments that return the answers they extract (a reward
+function's task: its ``answer_fn``); without them it is not scored (``nemo-rl eval`` refuses
+``eval.metric: maj@k`` for such a task).
 """
 
 from __future__ import annotations
@@ -43,16 +45,17 @@ def majority_passes(answers: Sequence[Optional[str]], passed: Sequence[bool]) ->
 
 def summarize(
     passed: Sequence[Sequence[bool]],
-    answers: Sequence[Sequence[Optional[str]]],
+    answers: Optional[Sequence[Sequence[Optional[str]]]],
     rewards: Sequence[Sequence[float]],
     k: int,
 ) -> dict[str, float]:
-    """The scores of P prompts, each with its n samples' pass flags, answers and rewards.
+    """The scores of P prompts, each with its n samples' pass flags, answers (None: the
+    environments return none) and rewards.
 
     Returns:
         ``accuracy`` (mean pass flag over all samples: pass@1 estimated from n samples),
         ``reward`` (mean reward), ``pass@1``, ``pass@{k}``, ``maj@{k}`` (over each prompt's
-        first k samples), ``num_prompts``, ``num_samples``.
+        first k samples; left out without answers), ``num_prompts``, ``num_samples``.
     """
     if not passed:
         raise ValueError("no prompts to score")
@@ -63,10 +66,11 @@ def summarize(
         "reward": sum(r for row in rewards for r in row) / len(flat),
         "pass@1": sum(pass_at_k(len(row), sum(row), 1) for row in passed) / num_prompts,
         f"pass@{k}": sum(pass_at_k(len(row), sum(row), k) for row in passed) / num_prompts,
-        f"maj@{k}": sum(
-            majority_passes(list(a[:k]), list(p[:k])) for a, p in zip(answers, passed)
-        ) / num_prompts,
-        "num_prompts": float(num_prompts),
-        "num_samples": float(len(flat)),
     }
+    if answers is not None:
+        scores[f"maj@{k}"] = sum(
+            majority_passes(list(a[:k]), list(p[:k])) for a, p in zip(answers, passed)
+        ) / num_prompts
+    scores["num_prompts"] = float(num_prompts)
+    scores["num_samples"] = float(len(flat))
     return scores

@@ -18,12 +18,12 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from megatron_bridge.folders import make_unique_dir
 from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
 from nemo_rl.utils.errors import ModelNotFoundError
 
@@ -414,8 +414,7 @@ def build_tiny_model(
     # Only complete builds are ever renamed into place, so an existing folder is complete.
     if final_dir.is_dir():
         return final_dir
-    root.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{final_dir.name}-", dir=root))
+    tmp_dir = make_unique_dir(root, f".tmp-{final_dir.name}-")  # the umask's mode: a shared cache
     try:
         _write_checkpoint(family, vocab, sizes, moe, tmp_dir)
         os.rename(tmp_dir, final_dir)

@@ -1,8 +1,10 @@
 """Config loading: YAML recipes with ``defaults:`` inheritance, dotted overrides, typed validation.
 
 A recipe is a YAML mapping. Its optional ``defaults:`` key names one parent recipe or a list
-of them (paths relative to the recipe's folder); parents are deep-merged in list order and the
-recipe itself is merged last, so the child wins. Lists are replaced, not concatenated.
+of them: a path relative to the recipe's folder, or the file name of a config shipped in the
+repository's ``configs/`` (``defaults: grpo_tiny_cpu``, ".yaml" optional), used when no such
+file sits next to the recipe. Parents are deep-merged in list order and the recipe itself is
+merged last, so the child wins. Lists are replaced, not concatenated.
 
 Command-line overrides, applied after the recipe:
 
@@ -36,6 +38,9 @@ from pydantic_core import to_jsonable_python
 from nemo_rl.utils.errors import InputError
 
 DEFAULTS_KEY = "defaults"
+
+# The shipped recipes, which a recipe anywhere may name in ``defaults:`` by file name.
+SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -143,11 +148,36 @@ def _load_recipe(path: Path, chain: tuple[Path, ...]) -> DictConfig:
         raise ConfigError(
             f"{path}: '{DEFAULTS_KEY}' must be a file name or a list of file names, got {parents!r}"
         )
-    layers = [_load_recipe((path.parent / p).resolve(), (*chain, path)) for p in parents]
+    layers = [_load_recipe(_find_parent(path, p), (*chain, path)) for p in parents]
     try:
         return OmegaConf.merge(*layers, OmegaConf.create(data))  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot merge {path} over its defaults: {exc}") from exc
+
+
+def _find_parent(recipe: Path, name: str) -> Path:
+    """The file ``defaults:`` entry ``name`` of ``recipe`` names: ``name`` (then ``name.yaml``)
+    in the recipe's folder; for a bare file name, then in :data:`SHIPPED_CONFIGS_DIR`.
+
+    Raises:
+        ConfigError: no such file, listing every path tried.
+    """
+    names = [name] if Path(name).suffix else [name, f"{name}.yaml"]
+    folders = [recipe.parent]
+    if Path(name).name == name:
+        folders.append(SHIPPED_CONFIGS_DIR)
+    tried = [(folder / n).resolve() for folder in folders for n in names]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    message = (
+        f"{recipe}: {DEFAULTS_KEY}: {name!r} names no file; tried {', '.join(map(str, tried))} "
+        "(a path is relative to the recipe's folder; name a config of the repository's "
+        "configs/ by its file name alone, e.g. defaults: grpo_tiny_cpu)"
+    )
+    shipped = sorted(p.stem for p in SHIPPED_CONFIGS_DIR.glob("*.yaml"))
+    close = difflib.get_close_matches(Path(name).stem, shipped, n=1, cutoff=0.6)
+    raise ConfigError(message + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ A truncated shard of the newest checkpoint costs one warning line and the rerun 
 the previous checkpoint with the uninterrupted run's numbers; SIGTERM during a step saves that
 step and stops with exit code 75, and the rerun continues with the uninterrupted run's numbers;
 ``checkpoint_must_save_by`` of one second saves after the first step and stops; the
-``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind.
+``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind. Every
+folder and file of the checkpoints has the mode the umask gives (others on a shared cluster
+read them as the user's umask allows).
 
 The runs compared with the uninterrupted one start with a short SFT warm start: the KL penalty
 then anchors to the warm-started weights, so a resumed run must rebuild that reference policy
@@ -31,6 +33,7 @@ import pytest
 from nemo_rl.utils.config import config_to_yaml
 from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
+from file_modes import current_umask, modes_against_umask
 from tiny_grpo import WARM_RUN_STEPS, run_grpo, train_records, warm_started_config
 
 pytestmark = pytest.mark.slow
@@ -51,6 +54,13 @@ def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
             assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
                 step, name
             )
+
+
+def test_checkpoints_have_the_modes_the_umask_gives(warm_colocated_run) -> None:
+    """The driver's folders and manifests, the policy workers' dist checkpoint, the copied
+    tokenizer files and the warm start's folder: no private (mkdtemp) folder, no file with
+    the mode of the file it was copied from."""
+    assert modes_against_umask(warm_colocated_run / "ckpt", current_umask()) == []
 
 
 def test_truncated_newest_checkpoint_resumes_from_previous(

@@ -6,7 +6,9 @@ spans both CPU bundles), is evaluated with ``nemo-rl eval``'s code on its checkp
 folder (exported to HF on the fly, served by vLLM): with the validation's sampling settings
 (greedy, the same prompts in the same batches) the accuracy is the one the validation logged,
 and every response equals the greedy continuation of the Megatron model loaded from the saved
-policy folder (the trained weights as the policy holds them). The run's first step also shows
+policy folder (the trained weights as the policy holds them), token for token as
+``samples.jsonl`` records them (with the prompt's ids and the engine's logprobs); the
+responses cut at ``max_new_tokens`` are the summary's ``num_truncated``. The run's first step also shows
 that the refit of the warm-started weights reached both engine ranks: vLLM's logprobs agree with
 the TP=2 policy's (token_mult_prob_error ~ 1) and the step is on-policy (ratio 1).
 """
@@ -109,5 +111,13 @@ def test_exported_model_on_vllm_answers_as_the_saved_policy_greedily(trained, ev
     prompts = [torch.cat([m["token_ids"] for m in val[i]["message_log"]]) for i in range(VAL_PROMPTS)]
     expected = megatron_greedy(policy_dir, prompts, tokenizer.eos_token_id, MAX_NEW_TOKENS)
     records = [json.loads(line) for line in (trained / "eval" / "samples.jsonl").read_text().splitlines()]
-    responses = [r["response"] for r in sorted(records, key=lambda r: r["prompt_index"])]
-    assert responses == [tokenizer.decode(ids) for ids in expected]
+    records.sort(key=lambda r: r["prompt_index"])
+    assert [r["response"] for r in records] == [tokenizer.decode(ids) for ids in expected]
+    assert [r["response_token_ids"] for r in records] == expected
+    assert [r["prompt_token_ids"] for r in records] == [ids.tolist() for ids in prompts]
+    for r in records:
+        assert len(r["response_logprobs"]) == len(r["response_token_ids"])
+        assert all(-1e4 < lp <= 0.0 for lp in r["response_logprobs"]), r["response_logprobs"]
+    cut = [len(ids) == MAX_NEW_TOKENS and ids[-1] != tokenizer.eos_token_id for ids in expected]
+    assert [r["truncated"] for r in records] == cut
+    assert evaluated["num_truncated"] == sum(cut)

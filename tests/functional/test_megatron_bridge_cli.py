@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from safetensors.torch import load_file
 
 from megatron_bridge.cli import main
 from nemo_rl.models.tiny import build_tiny_model
+
+from file_modes import modes_against_umask
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,22 @@ def _convert_both_ways(hf_src: Path, root: Path, layout: list[str]) -> tuple[Pat
 @pytest.fixture(scope="module")
 def converted(hf_src, tmp_path_factory):
     return _convert_both_ways(hf_src, tmp_path_factory.mktemp("cli_convert"), ["--tp", "2"])
+
+
+def test_outputs_follow_the_umask(hf_src, tmp_path):
+    """Both conversions' folders and files get the modes the user's umask gives (not
+    mkdtemp's private 0700, not the source files' own modes): 0750 / 0640 under umask 027."""
+    source = tmp_path / "source"
+    shutil.copytree(hf_src, source)
+    (source / "tokenizer.json").chmod(0o600)  # a private cache's file is copied as the umask says
+    previous = os.umask(0o027)
+    try:
+        mg, hf = tmp_path / "out" / "megatron", tmp_path / "out" / "hf"
+        assert main(["convert", "--from", "hf", "--to", "megatron", str(source), str(mg)]) == 0
+        assert main(["convert", "--from", "megatron", "--to", "hf", str(mg), str(hf)]) == 0
+    finally:
+        os.umask(previous)
+    assert modes_against_umask(mg, 0o027) == [] and modes_against_umask(hf, 0o027) == []
 
 
 def _load_sharded(path: Path) -> dict[str, torch.Tensor]:

@@ -34,6 +34,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "logger.console_enabled=false",
             f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
             "checkpointing.save_period=1000",  # the last step only
+            # 128 pairs = 48 + 48 + 32: the last validation batch is padded with masked pairs
+            "rm.val_global_batch_size=48",
         ],
         RMMasterConfig,
     )
@@ -55,8 +57,9 @@ def test_held_out_pair_accuracy_rises(run: dict[str, Any]) -> None:
 
 
 def test_export_scores_the_validation_pairs_as_the_run_did(run: dict[str, Any]) -> None:
-    """The exported HF classifier, on the run's validation pairs (rows padded with its
-    pad_token_id), gives the run's last validation metrics."""
+    """The exported HF classifier, on all the run's validation pairs (rows padded with its
+    pad_token_id), gives the run's last validation metrics: the validation scored every pair
+    once, the last partial batch too, and weighted the batches by their pairs."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -76,6 +79,7 @@ def test_export_scores_the_validation_pairs_as_the_run_did(run: dict[str, Any]) 
     chosen, rejected = rewards[0::2], rewards[1::2]
     end = run["validation"][max(run["validation"])]
     assert model.config.pad_token_id == 0
+    assert end["num_valid_samples"] == 2 * len(chosen) == 256
     assert abs(float((chosen > rejected).double().mean()) - end["accuracy"]) <= 1 / len(chosen)
     assert float(chosen.mean()) == pytest.approx(end["rewards_chosen_mean"], abs=1e-4)
     assert float(rejected.mean()) == pytest.approx(end["rewards_rejected_mean"], abs=1e-4)

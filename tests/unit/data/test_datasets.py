@@ -239,6 +239,48 @@ def test_rows_must_hold_what_their_environment_declares(chat_tokenizer: Any) -> 
     assert ok[0]["extra_env_info"] == {"secret": 3} and ok[0]["task_name"] == "number_guess"
 
 
+def test_an_answer_key_naming_no_field_of_the_rows_is_refused(
+    chat_tokenizer: Any, tmp_path: Path
+) -> None:
+    """A renamed answer column must be a field of every row (null: that row has no answer),
+    as the prompt column must; before, a typo trained with answer None everywhere."""
+    from nemo_rl.environments.config import EnvConfigs
+
+    tasks = EnvConfigs.model_validate({"number_guess": {}}).specs()
+    rows = [{"question": f"Guess {i}", "secret": i, "allowed": "0123"} for i in range(3)]
+    rows[2]["allowed"] = None
+    path = str(_jsonl(tmp_path / "own.jsonl", rows))
+    base = {"prompt_key": "question", "task_name": "number_guess", "max_input_seq_length": 64}
+    with pytest.raises(DataError) as info:
+        setup_datasets(DataConfig(train_path=path, answer_key="alowed", **base), chat_tokenizer, tasks)
+    assert str(info.value) == (
+        f"{path}: row 0 has no field 'alowed' (data.answer_key); its fields are ['allowed', "
+        "'question', 'secret']. Fix the row or set data.answer_key to the field holding it "
+        "(or to null for none)"
+    )
+    del rows[1]["allowed"]
+    _jsonl(tmp_path / "own.jsonl", rows)
+    with pytest.raises(DataError, match="own.jsonl: row 1 has no field 'allowed'"):
+        setup_datasets(DataConfig(train_path=path, answer_key="allowed", **base), chat_tokenizer, tasks)
+    mixed = DataConfig(train_datasets=[{"path": path, "answer_key": "allowed"}], **base)
+    with pytest.raises(DataError, match="row 1 has no field 'allowed' "
+                                        "\(data.train_datasets\[0\].answer_key\)"):
+        setup_datasets(mixed, chat_tokenizer, tasks)
+    val = str(_jsonl(tmp_path / "val.jsonl", [{"question": "Guess", "secret": 1}]))
+    ok = str(_jsonl(tmp_path / "ok.jsonl", rows[:1]))
+    with pytest.raises(DataError, match="val.jsonl: row 0 has no field 'allowed'"):
+        setup_datasets(DataConfig(train_path=ok, val_path=val, answer_key="allowed", **base),
+                       chat_tokenizer, tasks)
+    # the default 'answer' may be absent (rows without answers), a null answer is no answer
+    train, _, _ = setup_datasets(DataConfig(train_path=path, **base), chat_tokenizer, tasks)
+    assert "answer" not in train.canonical_row(0)
+    rows[1]["allowed"] = None
+    _jsonl(tmp_path / "own.jsonl", rows)
+    train, _, _ = setup_datasets(DataConfig(train_path=path, answer_key="allowed", **base),
+                                 chat_tokenizer, tasks)
+    assert [train.canonical_row(i).get("answer") for i in range(3)] == ["0123", None, None]
+
+
 def test_missing_data_file_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="data.train_path: file 'missing.jsonl' does not exist"):
         DataConfig(train_path="missing.jsonl")

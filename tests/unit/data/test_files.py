@@ -37,6 +37,33 @@ def test_malformed_jsonl_line_is_named_file_colon_line(tmp_path: Path) -> None:
         read_data_file(path)
 
 
+ROW_81 = '{"instruction": "Write a long number after 1.", "allowed": "0123456789", "n": 1,}'
+
+
+@pytest.mark.parametrize(
+    ("line", "column", "what"),
+    [
+        # the row cut short (its closing brace lost): the fault is past the last character
+        (ROW_81[:-2], "column 80, the end of the line", "Expecting ',' delimiter"),
+        (ROW_81[:-3], "column 79, the end of the line", "Expecting value"),
+        (ROW_81, "column 81)", "Expecting property name"),  # the '}' after a comma
+    ],
+)
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_malformed_jsonl_line_names_the_column_of_the_fault(
+    tmp_path: Path, line: str, column: str, what: str, newline: str
+) -> None:
+    """The column is the fault's on the line as an editor shows it (1-based), also when the
+    line ends before the JSON does (json counted the line's own newline as a second line and
+    said "column 1")."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes((json.dumps(ROWS[0]) + newline + line + newline).encode())
+    with pytest.raises(DataError) as info:
+        read_data_file(path)
+    assert str(info.value).startswith(f"{path}:2: not valid JSON: {what}")
+    assert f"({column}" in str(info.value), str(info.value)
+
+
 def test_json_must_be_an_array_of_objects(tmp_path: Path) -> None:
     path = tmp_path / "rows.json"
     path.write_text('{"prompt": "a"}')

@@ -90,3 +90,18 @@ def test_reward_fn_processor_keeps_the_raw_prompt_answer_and_other_fields(
     assert datum["extra_env_info"] == {
         "prompt": "Name a fruit", "answer": None, "metadata": {"colour": "red"}
     }
+
+
+def test_reward_fn_metadata_holds_renamed_prompt_and_answer_columns(chat_tokenizer: Any) -> None:
+    """What the README says: ``metadata`` is every field of the row but prompt, answer and
+    task_name, so the columns data.prompt_key / answer_key name are in it under their names."""
+    from nemo_rl.data.datasets import PromptDataset, processor_tasks
+
+    rows = [{"instruction": "Write digits.", "allowed": "0123", "level": 2}]
+    spec = TaskDataSpec(task_name="reward_fn", prompt=None, system_prompt=None)
+    dataset = PromptDataset(rows, chat_tokenizer, spec, 64, prompt_key="instruction",
+                            answer_key="allowed", tasks=processor_tasks())
+    assert dataset[0]["extra_env_info"] == {
+        "prompt": "Write digits.", "answer": "0123",
+        "metadata": {"instruction": "Write digits.", "allowed": "0123", "level": 2},
+    }

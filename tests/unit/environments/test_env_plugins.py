@@ -63,6 +63,14 @@ def not_a_number(prompt, response, answer, metadata):
     return "high"
 
 
+def first_word(prompt, response, answer, metadata):
+    return response.split()[0] if response.split() else None
+
+
+def a_number(prompt, response, answer, metadata):
+    return 7
+
+
 def my_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
     raise NotImplementedError
 '''
@@ -101,6 +109,7 @@ def test_builtins_resolve_through_the_same_mechanism() -> None:
     assert guess.cls is NumberGuessEnvironment and guess.processor is prompt_only_processor
     assert guess.required_fields == ("secret",) and guess.num_cpus == 0.5
     assert guess.args[0].max_turns == 6  # the typed section is the class's one argument
+    assert specs["math"].returns_answers and guess.returns_answers
 
 
 def test_plugin_class_with_its_own_kwargs(plugins: str) -> None:
@@ -128,6 +137,25 @@ def test_reward_function_is_batched_in_the_builtin_environment(plugins: str) -> 
     bad = RewardFnEnvironment(f"{plugins}:not_a_number")
     with pytest.raises(ValueError, match="returned 'high' for sample 0; it must return a finite"):
         bad.step([message("x")], meta[:1])
+    assert not spec.returns_answers and out.answers == [None, None]  # maj@k has nothing to vote
+
+
+def test_answer_function_gives_the_answers_of_a_reward_function_task(plugins: str) -> None:
+    """``answer_fn`` is called like the reward function; its strings (or None) are the
+    environment's answers, which maj@k votes over."""
+    section = {"reward_fn": f"{plugins}:length_reward", "answer_fn": f"{plugins}:first_word"}
+    spec = env({"len": section}).specs()["len"]
+    assert spec.kwargs == {"reward_fn": section["reward_fn"], "answer_fn": section["answer_fn"]}
+    assert spec.returns_answers
+    instance = spec.cls(*spec.args, **spec.kwargs)
+    meta = [{"prompt": "a", "answer": None, "metadata": {}}] * 2
+    out = instance.step([message("seven days"), message(" " * 5)], meta)
+    assert out.answers == ["seven", None] and out.rewards.tolist() == [1.0, 0.5]
+    bad = RewardFnEnvironment(section["reward_fn"], f"{plugins}:a_number")
+    with pytest.raises(ValueError, match="returned 7 for sample 0; it must return a string, or "
+                                         "None"):
+        bad.step([message("x")], meta[:1])
+    assert not env({"echo": {"cls": f"{plugins}:EchoEnv", "word": "a"}}).specs()["echo"].returns_answers
 
 
 def test_processor_named_by_import_path(plugins: str) -> None:
@@ -152,6 +180,13 @@ def test_processor_named_by_import_path(plugins: str) -> None:
         ({"reward_fn": "{m}:length_reward", "scale": 2}, ["reward_fn takes no other keys"]),
         ({"num_cpus": 0.1}, ["needs exactly one of cls", "and reward_fn"]),
         ({"cls": "{m}:EchoEnv", "reward_fn": "{m}:length_reward"}, ["exactly one of cls"]),
+        ({"reward_fn": "{m}:length_reward", "answer_fn": "{m}:wrong_arity"}, [
+            "env.mine.answer_fn='{m}:wrong_arity' cannot be called as "
+            "fn(prompt, response, answer, metadata) -> str or None"
+        ]),
+        ({"cls": "{m}:EchoEnv", "word": "a", "answer_fn": "{m}:first_word"}, [
+            "answer_fn goes with reward_fn", "returns_answers = True"
+        ]),
         ({"reward_fn": "{m}:length_reward", "processor": "mathh"}, [
             "env.mine.processor='mathh': no data processor is registered", "'reward_fn'"
         ]),

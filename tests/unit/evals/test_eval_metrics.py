@@ -1,17 +1,22 @@
-"""pass@k against the closed form and against counting every k-subset, maj@k by hand, the eval
-config's checks, and the per-sample records of a rollout."""
+"""pass@k against the closed form and against counting every k-subset, maj@k by hand (and only
+for tasks that return answers), the eval config's checks, the warning about prompts that leave
+too little room to generate, and the per-sample records of a rollout (with token ids and
+logprobs)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 from math import comb
+from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_rl.evals.config import EvalMasterConfig
-from nemo_rl.evals.eval import sample_records, score_records
+from nemo_rl.evals.eval import check_generation_room, format_summary, sample_records, score_records
 from nemo_rl.evals.metrics import majority_passes, pass_at_k, summarize
+from nemo_rl.utils.config import ConfigError
 
 
 def subsets_with_a_pass(passed: list[bool], k: int) -> float:
@@ -63,31 +68,50 @@ def test_summarize_hand_made():
     # first two samples: prompt 0 votes 7 vs 6 (tie -> 7, passed); prompt 1 only "1" (failed)
     assert scores["maj@2"] == 0.5
     assert scores["num_prompts"] == 2 and scores["num_samples"] == 8
+    without = summarize(passed, None, rewards, k=2)  # environments that return no answers
+    assert "maj@2" not in without and without == {k: v for k, v in scores.items() if k != "maj@2"}
+
+
+def reply(text: str, ids: list[int], logprobs: list[float]) -> dict:
+    return {"role": "assistant", "content": text, "token_ids": torch.tensor(ids),
+            "generation_logprobs": torch.tensor(logprobs)}
 
 
 def test_records_of_a_rollout_and_their_scores():
-    prompt = [{"role": "user", "content": "What is 1 + 1?", "token_ids": torch.tensor([1])}]
+    prompt = [{"role": "system", "content": "Be brief. ", "token_ids": torch.tensor([4, 5])},
+              {"role": "user", "content": "What is 1 + 1?", "token_ids": torch.tensor([1])}]
     prompts = {
         "message_log": [prompt, prompt],
         "extra_env_info": [{"ground_truth": "2"}, {"ground_truth": "3"}],
         "task_name": ["math", "math"],
         "idx": [10, 11],
     }
-    replies = ["\\boxed{2}", "\\boxed{5}", "\\boxed{3}", "\\boxed{3}"]
+    replies = [reply(f"\\boxed{{{n}}}", [20 + n, 9], [-0.5, -0.25]) for n in (2, 5, 3, 3)]
+    observation = {"role": "environment", "content": "again", "token_ids": torch.tensor([7])}
     rollout = {
-        "message_log": [prompt + [{"role": "assistant", "content": r}] for r in replies],
+        "message_log": [prompt + [r] for r in replies[:3]]
+        + [prompt + [replies[3], observation, reply("3", [23], [-1.0])]],
         "total_reward": torch.tensor([1.0, 0.0, 1.0, 1.0]),
         "answers": ["2", "5", "3", "3"],
+        "response_truncated": torch.tensor([False, True, False, False]),
     }
     records = sample_records(prompts, rollout, num_tests=2, threshold=1.0)
     assert [(r["prompt_index"], r["sample"]) for r in records] == [(10, 0), (10, 1), (11, 0), (11, 1)]
     assert records[1] == {
-        "prompt_index": 10, "sample": 1, "task_name": "math", "prompt": "What is 1 + 1?",
-        "response": "\\boxed{5}", "later_turns": [], "answer": "5", "ground_truth": "2",
-        "reward": 0.0, "passed": False,
+        "prompt_index": 10, "sample": 1, "task_name": "math",
+        "prompt": "Be brief. What is 1 + 1?", "prompt_token_ids": [4, 5, 1],
+        "response": "\\boxed{5}", "response_token_ids": [25, 9], "response_logprobs": [-0.5, -0.25],
+        "later_turns": [], "answer": "5", "ground_truth": "2",
+        "reward": 0.0, "passed": False, "truncated": True,
     }
+    assert records[3]["later_turns"] == [
+        {"role": "environment", "content": "again", "token_ids": [7]},
+        {"role": "assistant", "content": "3", "token_ids": [23], "logprobs": [-1.0]},
+    ]
     scores = score_records(records, k=2)
     assert scores["accuracy"] == 0.75 and scores["pass@2"] == 1.0 and scores["pass@1"] == 0.75
+    assert scores["num_truncated"] == 1 and scores["maj@2"] == 1.0  # 2-vs-5 tie goes to 2
+    assert "maj@2" not in score_records(records, k=2, vote=False)
 
 
 def test_config_checks_name_the_fields():
@@ -97,6 +121,62 @@ def test_config_checks_name_the_fields():
         EvalMasterConfig.model_validate({})
     cfg = EvalMasterConfig.model_validate({"generation": {"vllm_cfg": {"max_model_len": 64}}})
     assert cfg.data.max_input_seq_length == 64
+
+
+REWARD_MODULE = """
+def score(prompt, response, answer, metadata):
+    return float(answer in response)
+
+
+def digits(prompt, response, answer, metadata):
+    return "".join(ch for ch in response if ch.isdigit()) or None
+"""
+
+
+def test_maj_at_k_needs_a_task_that_returns_answers(tmp_path: Path, monkeypatch) -> None:
+    """A reward function's task returns no answers unless its section has an answer_fn:
+    maj@k is refused for it at config time (pass@k leaves maj@k out of the summary)."""
+    (tmp_path / "eval_reward_q.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = {"generation": {"vllm_cfg": {"max_model_len": 64}}, "data": {"task_name": "digits"},
+            "env": {"math": None, "digits": {"reward_fn": "eval_reward_q:score"}}}
+    for metric in ("maj@k", "cons@k"):
+        with pytest.raises(ValueError) as info:
+            EvalMasterConfig.model_validate({**base, "eval": {"metric": metric}})
+        assert (f"eval.metric={metric} votes over the answers a task's environment extracts, "
+                "but task 'digits' (env.digits) returns none: give its reward_fn an answer_fn"
+                ) in str(info.value)
+    cfg = EvalMasterConfig.model_validate({**base, "eval": {"metric": "pass@k", "k_value": 2,
+                                                            "num_tests_per_prompt": 2}})
+    table = format_summary({"accuracy": 0.5, "pass@2": 1.0, "num_prompts": 1.0}, cfg)
+    assert table.endswith("\n  maj@2        not scored: a task's environment returns no answers "
+                          "to vote over (a reward_fn task: set its answer_fn)")
+    voting = {**base, "eval": {"metric": "maj@k"},
+              "env": {"math": None, "digits": {"reward_fn": "eval_reward_q:score",
+                                               "answer_fn": "eval_reward_q:digits"}}}
+    assert EvalMasterConfig.model_validate(voting).env.specs()["digits"].returns_answers
+    math = EvalMasterConfig.model_validate({**base, "eval": {"metric": "maj@k"},
+                                            "data": {"task_name": None}, "env": {}})
+    assert math.eval.votes
+
+
+def test_prompts_without_room_for_max_new_tokens_warn_once(caplog) -> None:
+    batches = [{"length": torch.tensor([40, 54])}, {"length": torch.tensor([58, 30])}]
+    with caplog.at_level(logging.WARNING, logger="nemo_rl.evals.eval"):
+        check_generation_room(batches, max_new_tokens=16, max_model_len=64)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "2 of 4 prompts leave fewer than generation.max_new_tokens=16 tokens under "
+        "generation.vllm_cfg.max_model_len=64 (the longest has 58 tokens: its responses stop "
+        "after 6); such responses are cut there and counted in num_truncated. Raise "
+        "max_model_len to 74 to give every response its max_new_tokens"
+    )
+    caplog.clear()
+    check_generation_room(batches, max_new_tokens=6, max_model_len=64)
+    assert caplog.records == []
+    with pytest.raises(ConfigError, match="a prompt has 64 tokens, not below generation.vllm_cfg."
+                                          "max_model_len=64"):
+        check_generation_room([{"length": torch.tensor([64])}], 16, 64)
 
 
 def test_launch_sizes_an_eval_job_from_its_recipe():

@@ -81,8 +81,36 @@ def test_self_cycle_and_missing_parent(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="defaults cycle"):
         load_config(me)
     orphan = write(tmp_path, "orphan.yaml", "defaults: nowhere.yaml\n")
-    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+    with pytest.raises(ConfigError, match="defaults: 'nowhere.yaml' names no file") as info:
         load_config(orphan)
+    assert f"{tmp_path / 'nowhere.yaml'}, {REPO / 'configs' / 'nowhere.yaml'}" in str(info.value)
+
+
+def test_defaults_name_a_shipped_config_from_any_folder(tmp_path: Path) -> None:
+    """A recipe outside the repository names a config of configs/ by its file name, with or
+    without ".yaml"; a file of that name next to the recipe wins; a path with a folder is
+    relative to the recipe's folder only; a miss lists every file tried."""
+    shipped = load_config(REPO / "configs" / "grpo_tiny_cpu.yaml")
+    for name in ("grpo_tiny_cpu", "grpo_tiny_cpu.yaml", "[grpo_tiny_cpu]"):
+        mine = write(tmp_path / "elsewhere", "mine.yaml", f"defaults: {name}\ngrpo: {{seed: 7}}\n")
+        assert load_config(mine) == {**shipped, "grpo": {**shipped["grpo"], "seed": 7}}, name
+    write(tmp_path / "elsewhere", "grpo_tiny_cpu.yaml", "own: 1\n")
+    assert load_config(mine) == {"own": 1, "grpo": {"seed": 7}}
+    nested = write(tmp_path / "a", "b.yaml", "defaults: configs/grpo_tiny_cpu.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(nested)
+    assert str(info.value) == (
+        f"{nested}: defaults: 'configs/grpo_tiny_cpu.yaml' names no file; tried "
+        f"{tmp_path / 'a' / 'configs' / 'grpo_tiny_cpu.yaml'} (a path is relative to the "
+        "recipe's folder; name a config of the repository's configs/ by its file name alone, "
+        "e.g. defaults: grpo_tiny_cpu); did you mean 'grpo_tiny_cpu'?"
+    )
+    typo = write(tmp_path / "a", "c.yaml", "defaults: grpo_tiny_cpx\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(typo)
+    tried = [tmp_path / "a" / "grpo_tiny_cpx", tmp_path / "a" / "grpo_tiny_cpx.yaml",
+             REPO / "configs" / "grpo_tiny_cpx", REPO / "configs" / "grpo_tiny_cpx.yaml"]
+    assert f"tried {', '.join(map(str, tried))} (" in str(info.value)
 
 
 def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
