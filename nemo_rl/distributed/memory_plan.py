@@ -96,7 +96,9 @@ _MCFG = "policy.megatron_cfg"
 _VLLM = "policy.generation.vllm_cfg"
 
 
-def refit_staging_bytes(bucket_bytes: int, largest_tensor_bytes: int, slots: int = RING_SLOTS) -> int:
+def refit_staging_bytes(
+    bucket_bytes: int, largest_tensor_bytes: int, slots: int = RING_SLOTS
+) -> int:
     """Bytes of the refit ring: ``slots`` buckets, each of the configured bucket size or, when
     larger, the largest single tensor of the stream (a tensor is never split across slots).
 
@@ -151,7 +153,8 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         """Every expert of every expert layer (the part expert parallelism splits)."""
-        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        per_expert = 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return self.num_moe_layers * self.num_experts * per_expert
 
     @property
     def dense_layer_params(self) -> int:
@@ -159,16 +162,14 @@ class ModelShape:
         routers)."""
         dense_layers = self.num_layers - self.num_moe_layers
         routers = self.num_moe_layers * self.hidden_size * self.num_experts
-        return self.num_layers * self.attention_params + dense_layers * self.dense_mlp_params + routers
-
-    def vocab_matrices(self) -> int:
-        """Embedding and LM head matrices (1 when tied)."""
-        return 1 if self.tie_word_embeddings else 2
+        attention = self.num_layers * self.attention_params
+        return attention + dense_layers * self.dense_mlp_params + routers
 
     @property
     def total_params(self) -> int:
         """Every parameter of the HF model (unpadded vocabulary; norms and biases left out)."""
-        vocab = self.vocab_matrices() * self.vocab_size * self.hidden_size
+        vocab_matrices = 1 if self.tie_word_embeddings else 2  # embedding, LM head
+        vocab = vocab_matrices * self.vocab_size * self.hidden_size
         return self.dense_layer_params + self.expert_params + vocab
 
     def largest_stream_elements(self) -> int:
@@ -270,7 +271,7 @@ class Phase:
     Attributes:
         name: ``training``, ``logprobs``, ``refit`` or ``generation``.
         gpus: which GPUs go through it (``every GPU``, ``policy GPUs``, ``generation GPUs``).
-        terms: what is resident, largest first is not implied (plan order).
+        terms: what is resident then.
     """
 
     name: str
@@ -328,7 +329,15 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()
 
     def phase(self, name: str) -> Phase:
-        return next(p for p in self.phases if p.name == name)
+        """The phase called ``name``.
+
+        Raises:
+            KeyError: the plan has no such phase (a supervised run has only ``training``).
+        """
+        for phase in self.phases:
+            if phase.name == name:
+                return phase
+        raise KeyError(f"the plan has no {name!r} phase: {[p.name for p in self.phases]}")
 
     def peak(self) -> Phase:
         """The phase holding the most on one GPU."""
@@ -470,8 +479,12 @@ def _activation_term(model: ModelShape, t: TrainingSetup) -> Term:
             f"micro-batch(es) in flight + one layer's full activations"
         )
     else:
-        per_token = (dense_layers * dense_layer + model.num_moe_layers * moe_layer) / t.pp * in_flight
-        how = f"no recompute: {model.num_layers}/{t.pp} layers x {in_flight} micro-batch(es) in flight"
+        all_layers = dense_layers * dense_layer + model.num_moe_layers * moe_layer
+        per_token = all_layers / t.pp * in_flight
+        how = (
+            f"no recompute: {model.num_layers}/{t.pp} layers x {in_flight} micro-batch(es) in "
+            "flight"
+        )
     nbytes = int(tokens * per_token * t.param_bytes)
     split = f"/ CP {t.cp} " if t.cp > 1 else ""
     sp = ", sequence parallel" if t.sequence_parallel else ""
@@ -501,7 +514,7 @@ def _forward_activation_term(model: ModelShape, t: TrainingSetup, tokens: int) -
     )
 
 
-def _logits_term(model: ModelShape, t: TrainingSetup, tokens: int, key: str) -> Term:
+def _logits_term(t: TrainingSetup, tokens: int, key: str) -> Term:
     nbytes = tokens // t.cp * (t.padded_vocab_size // t.tp) * FP32_BYTES
     split = f" / CP {t.cp}" if t.cp > 1 else ""
     return Term(
@@ -671,7 +684,6 @@ def plan_memory(
             *static,
             _activation_term(model, training),
             _logits_term(
-                model,
                 training,
                 training.micro_batch_tokens,
                 "policy.sequence_packing.train_mb_tokens / policy.train_micro_batch_size",
@@ -690,7 +702,6 @@ def plan_memory(
             *static,
             _forward_activation_term(model, training, lp_tokens),
             _logits_term(
-                model,
                 training,
                 lp_tokens,
                 "policy.sequence_packing.logprob_mb_tokens / policy.logprob_batch_size",

@@ -10,7 +10,7 @@ a hub model in neither place has no plan (nothing is downloaded to make one).
 
 from __future__ import annotations
 
-from megatron_bridge import BridgeConfig
+from megatron_bridge import BridgeConfig, dtype_from_name
 from nemo_rl.distributed.memory_plan import (
     GenerationSetup,
     MemoryPlan,
@@ -22,8 +22,6 @@ from nemo_rl.distributed.memory_plan import (
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.published_configs import PUBLISHED_CONFIGS
 from nemo_rl.models.tiny import local_model_path
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def model_bridge(policy: PolicyConfig) -> tuple[BridgeConfig, str] | None:
@@ -102,7 +100,7 @@ def plan_policy_memory(
         ep=mcfg.expert_model_parallel_size,
         sequence_parallel=mcfg.sequence_parallel,
         activation_checkpointing=mcfg.activation_checkpointing,
-        param_bytes=DTYPE_BYTES[policy.precision],
+        param_bytes=dtype_from_name(policy.precision).itemsize,
         distributed_optimizer=mcfg.optimizer.use_distributed_optimizer,
         optimizer_moments=2 if mcfg.optimizer.optimizer == "adam" else 1,
         micro_batch_tokens=train_tokens,
@@ -115,8 +113,9 @@ def plan_policy_memory(
         generation = GenerationSetup(
             tensor_parallel_size=vllm.tensor_parallel_size,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
-            weight_bytes=DTYPE_BYTES[vllm.precision],
+            weight_bytes=dtype_from_name(vllm.precision).itemsize,
             colocated=policy.generation.colocated.enabled,
+            # None: vLLM takes the model's own limit, which may need a larger KV cache
             max_model_len=vllm.max_model_len or policy.max_total_sequence_length,
         )
     return plan_memory(
