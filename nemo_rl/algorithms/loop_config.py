@@ -44,10 +44,10 @@ class ClusterConfig(ConfigModel):
     gpu_memory_gb: float = Field(
         default=80.0,
         gt=0.0,
-        description="Memory of one GPU, GiB (80 for an H100 80GB, 141 for an H200). The recipe's "
-        "GPU memory plan (printed by --print-config and `nemo-rl launch slurm`) must fit in it: "
-        "a recipe whose plan needs more in some phase is refused, naming the largest term. "
-        "Ignored on CPU (gpus_per_node 0).",
+        description="Memory of one GPU, GiB (80 for an H100 80GB, about 140 for an H200). "
+        "The recipe's GPU memory plan (printed by --print-config and `nemo-rl launch slurm`) "
+        "must fit in it: a recipe whose plan needs more in some phase is refused, naming the "
+        "largest term. Ignored on CPU (gpus_per_node 0).",
     )
 
     @property

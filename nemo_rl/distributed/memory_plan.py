@@ -296,6 +296,11 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f}"
 
 
+def _count(n: int) -> str:
+    """A parameter count: ``8.03e9`` from a billion on, else with thousands separators."""
+    return f"{n / 1e9:.3g}e9" if n >= 1e9 else f"{n:,}"
+
+
 @dataclass(frozen=True)
 class NoMemoryPlan:
     """Why a run has no GPU memory plan (a CPU run, a model whose shape is not here)."""
@@ -549,10 +554,10 @@ def _static_terms(model: ModelShape, t: TrainingSetup) -> tuple[Term, ...]:
         Term(
             PARAMETERS,
             params * t.param_bytes,
-            f"{params / 1e9:.3g}e9 per GPU = model / {split}, {t.param_bytes} B each",
+            f"{_count(params)} per GPU = model / {split}, {t.param_bytes} B each",
             layout_fix,
         ),
-        Term(GRADIENTS, params * FP32_BYTES, f"{params / 1e9:.3g}e9 x 4 B (fp32)", layout_fix),
+        Term(GRADIENTS, params * FP32_BYTES, f"{_count(params)} x 4 B (fp32)", layout_fix),
         Term(
             OPTIMIZER,
             optimizer,
@@ -591,7 +596,7 @@ def _engine_terms(model: ModelShape, g: GenerationSetup, gpu_bytes: int) -> tupl
         Term(
             ENGINE_WEIGHTS,
             weights,
-            f"{model.total_params / 1e9:.3g}e9 x {g.weight_bytes} B / vLLM TP "
+            f"{_count(model.total_params)} x {g.weight_bytes} B / vLLM TP "
             f"{g.tensor_parallel_size}",
             f"lower {_VLLM}.gpu_memory_utilization (the weights and the KV cache share that "
             "budget; a larger tensor_parallel_size leaves more of a smaller budget to the KV "
