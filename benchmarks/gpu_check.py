@@ -10,7 +10,11 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
   ones. MFU = model FLOPs (``model_flops`` of ``bench_megatron_worker_train``) / median step
   time / the measured bf16 matmul peak (``torch.mm`` 8192^2 on the same GPU). Target >= 45 %.
   ``--profile FILE`` also profiles one more step (op tables, kernel time against the step's
-  wall time, host reads of device scalars).
+  wall time, host reads of device scalars). Beside it, the memory plan's training phase for
+  the same model and micro-batch on one GPU (``nemo_rl.distributed.memory_plan``: parameters,
+  gradients, optimizer state, activations, logits) next to the steps' measured peak (torch's
+  allocator; not measured in a dry run): printed and recorded to check the formula, not
+  judged.
 * ``offload``: right after those steps, in the same worker, twice: ``offload_before_refit``
   (optimizer state to the host, gradient buffers freed), ``offload_after_refit`` (parameters to
   the host) and ``prepare_for_training`` (everything back): seconds and bytes of each in the
@@ -184,6 +188,8 @@ def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list
     torch.manual_seed(0)
     worker = start_worker(path, mode.train_precision, mode.train_rows, mode.train_seq,
                           mode.train_mbs)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         times, losses = [], []
         for _ in range(steps + 1):  # the first step warms up (allocations, kernels)
@@ -194,6 +200,7 @@ def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list
         profiled = {} if profile_out is None else profile_step(worker, batch, profile_out)
         mfu = model_flops(lengths, mode.train_sizes, VOCAB_ROWS) / step_s / peak
         params = sum(p.numel() for p in worker.policy.model.parameters())
+        memory = memory_against_plan(worker)
         finite = all(math.isfinite(x) for x in losses)
         train = CheckResult(
             "train_step", judged(finite, mfu >= MFU_TARGET, mode),
@@ -201,9 +208,10 @@ def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list
             f"{peak / 1e12:.1f} TFLOP/s ({target_note(mode, f'target >= {MFU_TARGET:.0%}')}); "
             f"{params / 1e6:,.1f} M parameters, micro-batch {mode.train_mbs} x {mode.train_seq} "
             f"tokens, step {step_s:.3f} s (median of {steps}), "
-            f"{sum(lengths) / step_s:,.0f} tokens/s, losses {'finite' if finite else losses}",
+            f"{sum(lengths) / step_s:,.0f} tokens/s, losses {'finite' if finite else losses}; "
+            f"{memory['summary']}",
             dict(mfu=mfu, peak_flops=peak, step_s=step_s, step_times_s=times, losses=losses,
-                 parameters=params, tokens=sum(lengths), profile=profiled),
+                 parameters=params, tokens=sum(lengths), profile=profiled, memory=memory),
         )
         offload = offload_round_trip(worker, batch, mode)
     finally:
@@ -213,6 +221,39 @@ def phase_train(mode: Mode, steps: int, profile_out: Path | None = None) -> list
     except Exception as err:  # reported as the check's failure; the two above still count
         resume = CheckResult("resume", "FAIL", f"{type(err).__name__}: {err}")
     return [train, offload, resume]
+
+
+def memory_against_plan(worker: Any) -> dict[str, Any]:
+    """The memory plan's training phase for ``worker``'s model and micro-batch on one GPU (its
+    terms in bytes, their sum without the runtime allowance) next to the peak torch's allocator
+    saw since the last reset (allocated and reserved bytes; None without CUDA), and a one-line
+    summary. Compared, not judged: the plan is an estimate to check."""
+    import torch
+
+    from nemo_rl.distributed.memory_plan import RUNTIME, TRAINING, GiB
+    from nemo_rl.models.policy.gpu_memory import plan_policy_memory
+
+    def size(nbytes: int) -> str:  # the dry run's toy model is a few MiB
+        return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+    cuda = torch.cuda.is_available()
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else 80.0
+    plan = plan_policy_memory(worker.config, 1, gpu_gib, with_generation=False)
+    terms = {t.name: t.nbytes for t in plan.phase(TRAINING).terms}
+    planned = sum(nbytes for name, nbytes in terms.items() if name != RUNTIME)
+    allocated = torch.cuda.max_memory_allocated() if cuda else None
+    reserved = torch.cuda.max_memory_reserved() if cuda else None
+    measured = (
+        f"measured peak {size(allocated)} allocated, {size(reserved)} reserved"
+        if cuda else "peak not measured without CUDA"
+    )
+    parts = ", ".join(f"{name} {size(nbytes)}" for name, nbytes in terms.items() if name != RUNTIME)
+    return dict(
+        plan_terms=terms, plan_bytes=planned, peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        summary=f"memory: {measured}; the plan's training phase {size(planned)} ({parts}; "
+                f"+ {size(terms[RUNTIME])} runtime allowance)",
+    )
 
 
 def resume_step(mode: Mode) -> CheckResult:

@@ -1,8 +1,9 @@
 """The ``nemo-rl`` command: ``nemo-rl grpo --config RECIPE [overrides...] [--print-config]``.
 
 Each recipe command (see :mod:`nemo_rl.commands` for the registry and the parser) loads and
-validates its recipe against its typed schema, prints the resolved config and hands the
-validated model to the command's run function. The commands with their own arguments
+validates its recipe against its typed schema, prints the resolved config followed by its
+per-GPU memory plan (as YAML comments) and hands the validated model to the command's run
+function. The commands with their own arguments
 (``nemo-rl export ...``, ``nemo-rl launch ...``: ``TOOL_COMMANDS``) get the rest of the line.
 Exit codes: the run function's integer result (0 when it returns None), 2 for a usage error
 or bad input (:class:`~nemo_rl.utils.errors.InputError`: a config value, a data file, a model
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         RECIPE_COMMANDS,
         TOOL_COMMANDS,
         load_recipe,
+        memory_plan_of,
         parse_recipe_command,
     )
     from nemo_rl.utils.config import ConfigError, config_to_yaml
@@ -54,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"nemo-rl {args.command}: config error: {exc}", file=sys.stderr)
         return 2
-    _show_yaml(config_to_yaml(cfg))
+    plan = memory_plan_of(cfg)
+    # the plan as YAML comments: the printed config still parses
+    notes = "" if plan is None else "".join(f"# {line}\n" for line in plan.format().splitlines())
+    _show_yaml(config_to_yaml(cfg) + notes)
     if args.print_config:
         return 0
     try:

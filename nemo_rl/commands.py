@@ -25,6 +25,7 @@ from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
+from nemo_rl.distributed.memory_plan import MemoryPlan, NoMemoryPlan
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import load_typed_config
 
@@ -183,3 +184,11 @@ def load_recipe(args: argparse.Namespace) -> BaseModel:
         ConfigError: the recipe or an override does not load or validate.
     """
     return load_typed_config(args.config, args.overrides, RECIPE_COMMANDS[args.command].schema)
+
+
+def memory_plan_of(cfg: BaseModel) -> MemoryPlan | NoMemoryPlan | None:
+    """The per-GPU memory plan of a validated recipe (its config's ``memory_plan()``: GRPO and
+    the supervised algorithms); None for a command whose config has none (eval, distillation).
+    Validation has already refused a plan that does not fit."""
+    memory_plan = getattr(cfg, "memory_plan", None)
+    return None if memory_plan is None else memory_plan()

@@ -18,6 +18,7 @@ from nemo_rl.algorithms.loop_config import (
     check_parallel_layout,
     check_reward_head,
     derive_lr_decay_iters,
+    plan_gpu_memory,
 )
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.sft import SFTWarmupConfig
@@ -25,6 +26,7 @@ from nemo_rl.data.config import SyntheticArithmeticConfig
 from nemo_rl.data.files import FILE_READERS, check_data_file
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC, SYNTHETIC_TASK_NAME
 from nemo_rl.data_plane.config import DataPlaneConfig
+from nemo_rl.distributed.memory_plan import MemoryPlan, NoMemoryPlan
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.generation.placement import TP_FIELD
 from nemo_rl.models.policy.config import PolicyConfig
@@ -504,7 +506,12 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 f"with built-in replies); got dataset_name={self.data.dataset_name!r}, "
                 f"train_path={self.data.train_path!r}"
             )
+        self.memory_plan().check()
         return self
+
+    def memory_plan(self) -> MemoryPlan | NoMemoryPlan:
+        """The run's per-GPU memory plan: the policy's training and its vLLM engines."""
+        return plan_gpu_memory(self.policy, self.cluster, with_generation=True)
 
     def _check_async(self) -> None:
         """Async GRPO needs engines of its own, the in-memory loop, one generation batch per

@@ -11,8 +11,10 @@ from pydantic import Field, model_validator
 
 from nemo_rl.data.config import SyntheticArithmeticConfig
 from nemo_rl.data.files import check_data_file
+from nemo_rl.distributed.memory_plan import MemoryPlan, NoMemoryPlan
 from nemo_rl.models.generation.placement import GenerationLayout, plan_generation_layout
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.gpu_memory import plan_policy_memory
 from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
 from nemo_rl.models.tiny import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
@@ -39,6 +41,14 @@ class ClusterConfig(ConfigModel):
         description="CPU runs (gpus_per_node 0): worker slots per machine; each policy rank "
         "and each generation engine takes one. Ignored when gpus_per_node > 0 (one per GPU).",
     )
+    gpu_memory_gb: float = Field(
+        default=80.0,
+        gt=0.0,
+        description="Memory of one GPU, GiB (80 for an H100 80GB, about 140 for an H200). "
+        "The recipe's GPU memory plan (printed by --print-config and `nemo-rl launch slurm`) "
+        "must fit in it: a recipe whose plan needs more in some phase is refused, naming the "
+        "largest term. Ignored on CPU (gpus_per_node 0).",
+    )
 
     @property
     def slots_per_node(self) -> tuple[int, str]:
@@ -63,6 +73,19 @@ def check_parallel_layout(policy: PolicyConfig, cluster: ClusterConfig) -> Paral
     return plan_parallel_layout(
         policy, local_model_path(policy.model_name), world, world_source=source
     )
+
+
+def plan_gpu_memory(
+    policy: PolicyConfig, cluster: ClusterConfig, with_generation: bool
+) -> MemoryPlan | NoMemoryPlan:
+    """The per-GPU memory plan of training ``policy`` on the cluster's GPUs (each of
+    ``cluster.gpu_memory_gb``), with its vLLM engines when ``with_generation``; none on CPU or
+    for a model whose shape is not here (:mod:`nemo_rl.models.policy.gpu_memory`). Its
+    ``check()`` refuses a plan that does not fit."""
+    if not cluster.gpus_per_node:
+        return NoMemoryPlan("a CPU run: cluster.gpus_per_node is 0")
+    world, _ = cluster.ranks
+    return plan_policy_memory(policy, world, cluster.gpu_memory_gb, with_generation)
 
 
 def check_generation_layout(
@@ -250,4 +273,9 @@ class SupervisedMasterConfig(ConfigModel):
             )
         check_checkpoint_metric(self.checkpointing, loop.validates, section, ("val_loss", "train_loss"))
         derive_lr_decay_iters(self.policy, loop.max_num_steps, f"{section}.max_num_steps")
+        self.memory_plan().check()
         return self
+
+    def memory_plan(self) -> MemoryPlan | NoMemoryPlan:
+        """The run's per-GPU memory plan (training only: no generation engines)."""
+        return plan_gpu_memory(self.policy, self.cluster, with_generation=False)

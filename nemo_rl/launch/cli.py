@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
 
 
 def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
-    from nemo_rl.launch.recipe import check_recipe_inputs
+    from nemo_rl.launch.recipe import check_recipe_inputs, recipe_memory_plan
     from nemo_rl.launch.slurm import render_sbatch, resolve_shape, submit
 
     if cfg.attach and command:
@@ -137,6 +137,9 @@ def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
         raise ConfigError("give the driver command after '--' (or use --attach)")
     cfg = resolve_shape(cfg, command)
     check_recipe_inputs(command)  # bad data is refused now, not after the wait in the queue
+    plan = recipe_memory_plan(command)
+    if plan is not None:  # on stderr: a dry run's stdout is the job script
+        print(plan.format(), file=sys.stderr)
     script = render_sbatch(cfg, command)
     if dry_run:
         print(script, end="")

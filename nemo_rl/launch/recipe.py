@@ -1,8 +1,8 @@
 """What machines a ``nemo-rl <algorithm> --config RECIPE [overrides]`` driver command needs.
 
 Lets ``nemo-rl launch slurm`` take the node and GPU counts from the recipe, refuse a
-mismatch, and run the recipe's input checks (data files, the model's tokenizer) before the job
-waits in the queue.
+mismatch, run the recipe's input checks (data files, the model's tokenizer) and show its
+per-GPU memory plan before the job waits in the queue.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pydantic import BaseModel
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.loop_config import SupervisedMasterConfig
-from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, parse_recipe_command
+from nemo_rl.commands import RECIPE_COMMANDS, load_recipe, memory_plan_of, parse_recipe_command
+from nemo_rl.distributed.memory_plan import MemoryPlan, NoMemoryPlan
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.utils.config import ConfigError
 
@@ -80,6 +81,18 @@ def check_recipe_inputs(command: list[str]) -> None:
     check = RECIPE_COMMANDS[name].check_inputs_function()
     if check is not None:
         check(cfg)
+
+
+def recipe_memory_plan(command: list[str]) -> MemoryPlan | NoMemoryPlan | None:
+    """The per-GPU memory plan of a driver command's recipe
+    (:func:`~nemo_rl.commands.memory_plan_of`); None for other commands and for recipes
+    without one.
+
+    Raises:
+        ConfigError: the recipe does not load or validate (a plan that does not fit included).
+    """
+    loaded = _load_driver_recipe(command)
+    return None if loaded is None else memory_plan_of(loaded[1])
 
 
 def recipe_shape(command: list[str]) -> RecipeShape | None:

@@ -43,6 +43,51 @@ def test_print_config_shows_resolved_override(capsys: pytest.CaptureFixture[str]
     assert printed["loss_fn"]["ratio_clip_max"] == GRPOMasterConfig().loss_fn.ratio_clip_max
 
 
+def test_print_config_prints_the_memory_plan_as_yaml_comments(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    recipe = str(REPO / "configs/grpo_llama3.1_8b_2n8g.yaml")
+    assert cli.main(["grpo", "--config", recipe, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["cluster"]["gpu_memory_gb"] == 80.0  # still parses
+    config, plan = out.split("# GPU memory plan of meta-llama/Llama-3.1-8B-Instruct", 1)
+    lines = plan.splitlines()
+    assert all(line.startswith("#") for line in lines[1:])
+    assert lines[1].split() == ["#", "GiB", "per", "GPU", "training", "logprobs", "refit",
+                                "generation"]
+    assert "#   Peak: refit (every GPU), 51.4 of 80.0 GiB (64%): fits" in lines
+    # a CPU recipe says it has none
+    assert cli.main(["grpo", "--config", TINY, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("# GPU memory plan: none (a CPU run: cluster.gpus_per_node is 0)\n")
+
+
+def test_a_recipe_over_the_gpu_memory_is_refused_naming_the_largest_term(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The 8 B recipe on 32 GiB GPUs (training needs 35.7 GiB, most of it the fp32 gradient
+    buffer), and the 30B-A3B recipe with the gpu_memory_utilization 0.9 it shipped with (its
+    refit needs 80.3 GiB, most of it the engine's whole-model weights in that budget)."""
+    cases = [
+        ("grpo_llama3.1_8b_2n8g.yaml", "cluster.gpu_memory_gb=32",
+         "the training phase needs 35.7 GiB per GPU (every GPU), more than "
+         "cluster.gpu_memory_gb = 32.0 GiB; its largest term is gradient buffer = 15.0 GiB "
+         "(4.01e9 x 4 B (fp32)): raise policy.megatron_cfg.tensor_model_parallel_size or "
+         "pipeline_model_parallel_size"),
+        ("grpo_qwen3_30b_a3b_2n8g.yaml", "policy.generation.vllm_cfg.gpu_memory_utilization=0.9",
+         "the refit phase needs 80.3 GiB per GPU (every GPU), more than cluster.gpu_memory_gb = "
+         "80.0 GiB; its largest term is vLLM weights = 56.9 GiB (30.5e9 x 2 B / vLLM TP 1): "
+         "lower policy.generation.vllm_cfg.gpu_memory_utilization"),
+    ]
+    for recipe, override, needle in cases:
+        argv = ["grpo", "--config", str(REPO / "configs" / recipe), override, "--print-config"]
+        code = cli.main(argv)
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == ""
+        assert f"  - the GPU memory plan does not fit: {needle}" in captured.err
+        assert "Traceback" not in captured.err
+
+
 def test_tensor_parallel_without_the_ranks_is_refused_before_ray(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

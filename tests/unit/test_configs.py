@@ -1,7 +1,8 @@
 """Every recipe in configs/ loads and validates against the schema of the command its name
 starts with (``grpo_*``, ``eval_*``) (or is refused for exactly the feature it needs
 that is not implemented yet); the multi-node H100 recipes' parallel layouts fit their models and
-batch sizes, and the launcher asks for the nodes they need."""
+batch sizes, the launcher asks for the nodes they need, and their GPU memory plans fit an 80 GB
+H100 and are the ones docs/cluster.md shows."""
 
 from __future__ import annotations
 
@@ -11,42 +12,26 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.commands import RECIPE_COMMANDS
+from nemo_rl.commands import RECIPE_COMMANDS, memory_plan_of
+from nemo_rl.distributed.memory_plan import GiB, MemoryPlan
 from nemo_rl.launch.recipe import grpo_shape
 from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.policy.parallel_layout import plan_parallel_layout
+from nemo_rl.models.published_configs import PUBLISHED_CONFIGS
 from nemo_rl.utils.config import load_typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
 
-# Published config.json values of the models the H100 recipes train (what the layout checks read).
-ARCHITECTURES = {
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-        "vocab_size": 128256,
-    },
-    "Qwen/Qwen2.5-32B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 64, "hidden_size": 5120,
-        "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
-        "vocab_size": 152064,
-    },
-    "Qwen/Qwen3-30B-A3B": {
-        "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 48, "hidden_size": 2048,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
-        "vocab_size": 151936,
-    },
-}
 MULTI_NODE = {
     "grpo_llama3.1_8b_2n8g.yaml": 2,
     "grpo_qwen2.5_32b_4n8g.yaml": 4,
     "grpo_llama3.1_8b_4n8g_noncolocated.yaml": 4,
     "grpo_qwen3_30b_a3b_2n8g.yaml": 2,
+    "grpo_llama3.1_70b_16n8g.yaml": 16,
 }
+GPU_RECIPES = sorted(p.name for p in RECIPES if "_cpu" not in p.name)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
 
 
 def test_the_multi_node_recipes_exist() -> None:
@@ -69,7 +54,7 @@ def test_multi_node_recipe_layout_fits_model_and_cluster(name: str, tmp_path: Pa
     assert cfg.cluster.gpus_per_node == 8 and cfg.policy.precision == "bfloat16"
     # The hub model is not downloaded here, so validation skipped the model checks: run them
     # on its published config.json.
-    (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES[cfg.policy.model_name]))
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_CONFIGS[cfg.policy.model_name]))
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     layout = plan_parallel_layout(cfg.policy, tmp_path, world)
     # Tensor parallelism stays inside a node (NVLink).
@@ -93,5 +78,23 @@ def test_32b_recipe_generation_engines_span_four_gpus_of_one_node() -> None:
         assert list(bundles) == list(range(4 * replica, 4 * replica + 4))
         assert len({b // cfg.cluster.gpus_per_node for b in bundles}) == 1
     # Query and KV heads divide over the engine's ranks (vLLM shards them like Megatron's TP).
-    arch = ARCHITECTURES[cfg.policy.model_name]
+    arch = PUBLISHED_CONFIGS[cfg.policy.model_name]
     assert arch["num_attention_heads"] % tp == 0 and arch["num_key_value_heads"] % tp == 0
+
+
+def test_the_gpu_recipes_are_the_multi_node_ones_and_the_15b() -> None:
+    assert GPU_RECIPES == sorted([*MULTI_NODE, "grpo_qwen2.5_1.5b_1n8g.yaml"])
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_memory_plan_fits_an_h100_and_is_in_the_docs(name: str) -> None:
+    """Validation refuses a plan over cluster.gpu_memory_gb; here the plan exists (the model's
+    shape is known without a download), is against 80 GiB, and docs/cluster.md shows it as
+    the code computes it (regenerate the table from ``plan.markdown()`` when this fails)."""
+    cfg = load_typed_config(CONFIGS / name, [], GRPOMasterConfig)
+    plan = memory_plan_of(cfg)
+    assert isinstance(plan, MemoryPlan)
+    assert plan.gpu_bytes == 80 * GiB and plan.peak().total <= plan.gpu_bytes
+    plan.check()
+    section = DOCS.read_text().split("## Memory plan", 1)[1]
+    assert f"### `{name}`\n\n{plan.markdown()}\n" in section, plan.markdown()

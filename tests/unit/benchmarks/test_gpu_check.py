@@ -56,6 +56,23 @@ def test_train_step_reports_mfu_of_real_steps(dry_run):
 
 
 @pytest.mark.slow
+def test_train_step_prints_the_memory_plan_beside_the_measured_peak(dry_run):
+    """The plan's training phase for the trained model (fp32 in a dry run): its parameter term
+    counts the worker's parameters but the norms' vectors; the peak is measured only on CUDA."""
+    from nemo_rl.distributed.memory_plan import PARAMETERS, RUNTIME
+
+    result = dry_run[1]["train_step"]
+    memory, params = result["numbers"]["memory"], result["numbers"]["parameters"]
+    planned = memory["plan_terms"][PARAMETERS] // 4
+    assert 0 < params - planned <= 0.01 * params  # norms: 5 x 128 of ~557k parameters
+    assert memory["plan_bytes"] == sum(
+        v for k, v in memory["plan_terms"].items() if k != RUNTIME
+    )
+    assert memory["peak_allocated_bytes"] is None  # no CUDA in a dry run
+    assert "memory: peak not measured without CUDA; the plan's training phase" in result["summary"]
+
+
+@pytest.mark.slow
 def test_offload_restores_parameters_and_counts_bytes(dry_run):
     numbers = dry_run[1]["offload"]["numbers"]
     assert numbers["restored_equal"] is True

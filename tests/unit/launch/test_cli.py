@@ -43,6 +43,28 @@ def test_dry_run_prints_the_script_for_the_recipe(capsys: pytest.CaptureFixture[
     assert f"set -- nemo-rl grpo --config {TINY} grpo.seed=3\n" in out
 
 
+def test_dry_run_prints_the_recipes_memory_plan_beside_the_script(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The plan goes to stderr: stdout stays the job script (``> job.sh; sbatch job.sh``)."""
+    recipe = str(REPO / "configs/grpo_llama3.1_70b_16n8g.yaml")
+    code, out, err = launch(
+        ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", recipe], capsys
+    )
+    assert code == 0, err
+    assert out.startswith("#!/bin/bash\n") and "#SBATCH --nodes=16\n" in out
+    assert "memory plan" not in out
+    assert "GPU memory plan of meta-llama/Llama-3.1-70B-Instruct" in err
+    assert "  Peak: refit (every GPU), 62.3 of 80.0 GiB (78%): fits" in err.splitlines()
+    # the same recipe on GPUs declared smaller is refused before anything is queued
+    code, out, err = launch(
+        ["slurm", "--dry-run", "--", "nemo-rl", "grpo", "--config", recipe,
+         "cluster.gpu_memory_gb=60"], capsys
+    )
+    assert code == 2 and out == ""
+    assert "the GPU memory plan does not fit: the training phase needs 60.5 GiB" in err
+
+
 def test_option_errors_name_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = launch(
         ["slurm", "--nodes", "0", "--time", "2h", "--env", "A B", "--", "python", "x.py"], capsys
