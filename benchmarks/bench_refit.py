@@ -10,17 +10,16 @@ bundle of a local Ray cluster; each refit is ``refit_policy_generation(colocated
 
 Reported, median of ``--repeats`` refits after one warm-up (which also sends the refit info):
 
-* the refit's own split (:class:`RefitResult.seconds`): the sender's ``export_s`` (waiting for
-  ``export_hf_weights``) and ``pack_s`` (copying into the shared buffer, + checksum); the
-  engine's ``receive_s`` (checking each bucket in place) and ``load_s`` (the model's loaders
-  copying straight from the shared buffer into its live parameters, or vLLM's
-  ``reload_weights`` where the backend repacked them); ``stream_s`` (export +
-  transfer as the driver sees it) and ``total_s``.
+* the refit's own split (:class:`RefitResult.seconds`): the ring writer's ``export_s`` (waiting
+  for ``export_hf_weights``) and ``pack_s`` (copying into the ring's slots, + checksum),
+  ``send_s`` (its stream, open to the last bucket packed, slot waits included); the engine's
+  ``load_s`` (its whole load: checking each bucket in its slot and the model's loaders copying
+  from it into the live parameters, or vLLM's reload where the backend repacked them, bucket
+  by bucket as they arrive) and ``wait_s`` (of it, waiting for buckets); ``stream_s`` (export,
+  transfer and load as the driver sees them: they overlap) and ``total_s``.
 * ``transfer`` = ``stream_s - export_s``: moving the bytes from the policy process into the
-  engine's reach (one copy into the sender's shared buffer, a checksum on each side, one Ray
-  call per side for the whole stream). ``send_s`` is the sender's own part (opening the stream
-  to the last bucket packed); ``stream_s - send_s`` is what the Ray calls and the engine's check
-  of the last bucket add.
+  engine (one copy into a ring slot, a checksum on each side when on, the engine's own copy),
+  one Ray call per side for the whole stream.
 * memcpy: ``torch`` ``copy_`` of the same number of bytes between two warm buffers in this
   process, 1 thread and 2 threads (best of 3), measured right before each refit so both see
   the same load. Ratios are per refit against the memcpy just before it: median (min-max).
@@ -159,13 +158,12 @@ def report(label: str, m: Measurement, args: argparse.Namespace) -> dict[str, fl
 
 PHASES = (
     ("export (export_hf_weights)", "export_s"),
-    ("  pack + checksum (sender)", "pack_s"),
-    ("  check in place (engine)", "receive_s"),
-    ("  send (sender: open to last packed)", "send_s"),
+    ("  pack + checksum (ring writer)", "pack_s"),
+    ("  send (writer: open to last packed)", "send_s"),
+    ("engine load (check + vLLM loaders)", "load_s"),
+    ("  of it waiting for buckets", "wait_s"),
     ("transfer = stream - export", "transfer_s"),
-    ("stream (export + transfer)", "stream_s"),
-    ("engine load (vLLM loaders)", "load_s"),
-    ("commit (driver wall)", "commit_s"),
+    ("stream (export + transfer + load)", "stream_s"),
     ("refit end to end", "total_s"),
 )
 

@@ -29,8 +29,9 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
   (``CUDA_VISIBLE_DEVICES=``) and in a CUDA process on the same batch; PASS when
   max |CPU - CUDA| <= 1e-4.
 * ``ipc_refit``: ``measure_transport`` of ``bench_ipc_refit_transport``: the colocated refit
-  transport (CUDA IPC buffer, sender and receiver processes on the same GPU) against a
-  device-to-device copy of the same bytes. Target >= 0.5.
+  transport (a ring of two bucket-sized slots in a CUDA IPC buffer, writer and reader
+  processes on the same GPU, the reader loading each bucket as it arrives) against a
+  device-to-device copy of the same bytes. Target >= 0.5 (two copies back to back).
 
 In a dry run every device is the CPU, the models are toy-sized and fp32, and the targets are
 not judged (the numbers mean nothing on CPU): a check passes when its code ran and its
@@ -470,8 +471,8 @@ def phase_ipc(mode: Mode) -> list[CheckResult]:
         f"transfer / {baseline} {ratio:.2f} ({min(r.ratios):.2f}-{max(r.ratios):.2f}, "
         f"{target_note(mode, f'target >= {IPC_TARGET}')}); {r.nbytes / 1e9:.3f} GB in "
         f"{r.transfer_s * 1e3:.2f} ms vs {baseline} {r.baseline / 1e9:.1f} GB/s; pack "
-        f"{r.pack_s * 1e3:.2f} ms, receiver mapping {r.attach_s * 1e3:.2f} ms, load "
-        f"{r.load_s * 1e3:.2f} ms; with checksums "
+        f"{r.pack_s * 1e3:.2f} ms, load {r.load_s * 1e3:.2f} ms, ring "
+        f"{r.ring_bytes / 1e6:.1f} MB staged; with checksums "
         f"(every bucket verified) {summed_ratio:.2f}, pack {summed.pack_s * 1e3:.2f} ms",
         {**asdict(r), "checksummed": asdict(summed)},
     )]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_recipe_command,
     )
     from nemo_rl.utils.config import ConfigError, config_to_yaml
-    from nemo_rl.utils.errors import input_error_of
+    from nemo_rl.utils.errors import RunFault, reported_error_of
 
     if argv and argv[0] in TOOL_COMMANDS:
         return TOOL_COMMANDS[argv[0]].main()(argv[1:])
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = RECIPE_COMMANDS[args.command].run_function()(cfg)
-    except Exception as exc:  # bad input found while running: one message, exit 2
-        error = input_error_of(exc)
+    except Exception as exc:  # bad input (exit 2) or an unrecoverable fault (exit 1): one message
+        error = reported_error_of(exc)
         if error is None or args.debug or os.environ.get("NEMO_RL_DEBUG") == "1":
             raise
         kind = "config error" if isinstance(error, ConfigError) else "error"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             f"nemo-rl {args.command}: {kind}: {error}\n(--debug shows the traceback)",
             file=sys.stderr,
         )
-        return 2
+        return 1 if isinstance(error, RunFault) else 2
     return 0 if result is None else int(result)
 
 

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 
 GiB = 1024**3
 
-# Buckets of the refit ring: one filling while the other is consumed.
+# Slots of a refit ring (nemo_rl.models.generation.refit.ring): the writer fills one while the
+# engines load the other.
 RING_SLOTS = 2
 
 # One training process's CUDA context, NCCL communicator buffers, cuBLAS workspaces and the

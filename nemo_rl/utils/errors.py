@@ -1,8 +1,10 @@
-"""The one exception family the ``nemo-rl`` command reports without a traceback.
+"""The exception families the ``nemo-rl`` command reports in one line, without a traceback.
 
 :class:`InputError` marks a failure caused by what the user gave (a config value, a data file,
 a model path, a checkpoint, an environment that fails on the run's rows) rather than by a bug:
 :func:`nemo_rl.cli.main` prints its message, which names the problem and the fix, and exits 2.
+:class:`RunFault` marks a failure of the run's own machinery that it could not recover from
+(e.g. a weight refit that failed on every retry): one message naming what failed, exit 1.
 ``nemo-rl --debug ...`` (or ``NEMO_RL_DEBUG=1``) shows the traceback instead.
 """
 
@@ -18,16 +20,22 @@ class ModelNotFoundError(InputError, FileNotFoundError):
     downloadable Hugging Face Hub model."""
 
 
-def input_error_of(exc: BaseException) -> InputError | None:
-    """``exc`` when it is an :class:`InputError`, or the one a Ray task raised (a
-    ``RayTaskError`` keeps the remote exception as ``cause``); None otherwise."""
+class RunFault(Exception):
+    """A failure of the run's machinery that retries did not cure; the message names what
+    failed on each attempt."""
+
+
+def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
+    """``exc`` when it is an :class:`InputError` or a :class:`RunFault`, or the one a Ray task
+    raised (a ``RayTaskError`` keeps the remote exception as ``cause``); None otherwise."""
+    kinds = (InputError, RunFault)
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         cause = getattr(current, "cause", None)
-        if isinstance(cause, InputError):
+        if isinstance(cause, kinds):
             return cause
-        if isinstance(current, InputError):
+        if isinstance(current, kinds):
             return current
         seen.add(id(current))
         current = cause if isinstance(cause, BaseException) else None

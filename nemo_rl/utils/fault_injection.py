@@ -11,9 +11,9 @@ Each armed fault fires at most once per process. Unset (production), :func:`faul
 dictionary lookup.
 
 Points and their actions:
-    ``refit.pack`` (context ``version``, ``bucket``, ``rank``): ``corrupt`` flips a byte of the packed bucket
-    after its checksum was taken; ``stop`` makes the writer give up on the stream, as one that
-    failed mid-stream.
+    ``refit.pack`` (context ``version``, ``bucket``, ``rank``): ``corrupt`` flips a byte of the
+    packed bucket after its checksum was taken; ``stop`` makes the ring writer give up on the
+    stream before publishing the bucket, as one that failed mid-stream.
 """
 
 from __future__ import annotations

@@ -205,6 +205,12 @@ def _raise_a_bug(cfg: GRPOMasterConfig) -> int:
     raise ZeroDivisionError("a bug, not bad input")
 
 
+def _fail_every_refit(cfg: GRPOMasterConfig) -> int:
+    from nemo_rl.models.generation.refit.errors import RefitFailed
+
+    raise RefitFailed("the weight refit failed 3 times (policy.refit_max_retries=2): ...")
+
+
 def test_bad_input_found_while_running_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,3 +234,10 @@ def test_bad_input_found_while_running_is_one_line_and_exit_2(
     monkeypatch.setitem(RECIPE_COMMANDS, "grpo", bug)
     with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
         cli.main(["grpo", "--config", TINY])
+    # a fault the run's retries did not cure: one line too, exit 1
+    fault = RecipeCommand(GRPOMasterConfig, __name__, "_fail_every_refit")
+    monkeypatch.setitem(RECIPE_COMMANDS, "grpo", fault)
+    assert cli.main(["grpo", "--config", TINY]) == 1
+    err = capsys.readouterr().err
+    assert "nemo-rl grpo: error: the weight refit failed 3 times" in err
+    assert "Traceback" not in err

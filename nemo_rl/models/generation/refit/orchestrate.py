@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from nemo_rl.models.generation.refit.buckets import StreamLayout
-from nemo_rl.models.generation.refit.errors import RefitError
+from nemo_rl.models.generation.refit.errors import RefitError, RefitFailed
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.models.generation.refit.plan import RingAssignment, engine_reads, plan_rings
-from nemo_rl.models.generation.refit.ring import staging_bytes
+from nemo_rl.distributed.memory_plan import RING_SLOTS
 from nemo_rl.utils.timer import Timer
 
 if TYPE_CHECKING:
@@ -94,8 +94,8 @@ def refit_policy_generation(
         which rings it read.
 
     Raises:
-        RefitError: every attempt failed, or the policy exports another dtype than the
-            engines run.
+        RefitFailed: every attempt failed (the run stops with its one message).
+        RefitError: the policy exports another dtype than the engines run.
     """
     start = time.perf_counter()
     settings = policy.cfg.refit_settings()
@@ -135,10 +135,10 @@ def refit_policy_generation(
         }
         return RefitResult(
             versions.pop(), layout.total_bytes, layout.num_buckets,
-            staging_bytes(layout.slot_bytes), attempt, seconds,
+            RING_SLOTS * layout.slot_bytes, attempt, seconds,
             [{k: e[k] for k in ("node", "rings", "path")} for e in engines],
         )
-    raise RefitError(
+    raise RefitFailed(
         f"the weight refit failed {len(failures)} times (policy.refit_max_retries="
         f"{settings.max_retries}): " + "; ".join(failures)
     )

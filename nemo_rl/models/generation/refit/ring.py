@@ -40,11 +40,10 @@ from nemo_rl.models.generation.refit.buckets import (
     check_header,
     verify_payload,
 )
+from nemo_rl.distributed.memory_plan import RING_SLOTS
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.shared_memory import pid_alive
 
-# Slots per ring: the writer fills one while the readers load the other.
-RING_SLOTS = 2
 
 # Control words before the records: abort, writer pid, then one pid per reader.
 _ABORT = 0
@@ -91,12 +90,6 @@ class RingSpec:
     def for_layout(cls, layout: StreamLayout, readers: int) -> RingSpec:
         """The ring a stream of ``layout`` needs (slots as large as its largest bucket)."""
         return cls(layout.slot_bytes, readers)
-
-
-def staging_bytes(slot_bytes: int, slots: int = RING_SLOTS) -> int:
-    """Bytes a ring stages for slots of ``slot_bytes`` (control words aside): the refit's
-    memory per ring."""
-    return slots * slot_bytes
 
 
 def synchronize(device: torch.device) -> None:

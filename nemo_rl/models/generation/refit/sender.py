@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from megatron_bridge import dtype_from_name
-from nemo_rl.models.generation.refit.buckets import BucketHeader, BucketPacker, StreamLayout
+from nemo_rl.models.generation.refit.buckets import BucketPacker, StreamLayout
 from nemo_rl.models.generation.refit.collective import RefitCollective
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.expert_groups import StackedTensor, group_experts

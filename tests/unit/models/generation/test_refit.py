@@ -43,7 +43,7 @@ from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit import RefitError, refit_policy_generation
 from nemo_rl.models.generation.refit.orchestrate import colocated_plan
 from nemo_rl.models.generation.refit.plan import engine_reads
-from nemo_rl.models.generation.refit.ring import staging_bytes
+from nemo_rl.distributed.memory_plan import refit_staging_bytes
 from nemo_rl.models.generation.refit.shared_memory import PREFIX, remove_stale_segments, shm_dir
 from nemo_rl.utils.fault_injection import FAULTS_ENV
 from nemo_rl.models.generation.vllm import VllmGeneration
@@ -235,6 +235,10 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             out["initial_greedy"] = greedy(generation, prompts)
             out["initial_state"] = engine_state(generation)
             out["ring_files"] = ring_files()  # kept on CPU for the next refit
+            out["largest_tensor"] = max(
+                torch.Size(shape).numel() * dtype.itemsize
+                for shape, dtype in policy.prepare_refit_info().values()
+            )
 
             # A and B: the weights after one and two training steps (a checkpoint saved
             # before the first step has no optimizer state to restore later)
@@ -289,12 +293,14 @@ def run(tiny_llama_path: Path, tmp_path_factory) -> Iterator[dict[str, Any]]:
             # 7. version 11: the writer is killed after packing two buckets
             loads, plan = open_colocated_stream(policy, generation)
             ray.get(policy.refit("get_weights_ipc_handles", plan[0] + plan[1]))  # every rank
-            assert kill_actors([policy.worker_group.workers[0]]) == []
+            writer = policy.worker_group.workers[0]
+            writer_pid = ray.get(writer.__ray_call__.remote(lambda worker: os.getpid()))
+            assert kill_actors([writer]) == []
             out["killed_loads"] = failures(loads)
             out["killed_refusal"] = refused(generation, prompts)
             out["killed_version"] = generation.weight_version()
             # a killed writer cannot unlink its ring; the next sweep does
-            left = set(ring_files())
+            left = {name for name in ring_files() if f"_{writer_pid}_" in name}
             out["rings_left_by_dead_writer"] = sorted(left)
             out["rings_swept"] = sorted(set(remove_stale_segments()) & left)
             out["rings_after_sweep"] = sorted(set(ring_files()) & left)
@@ -320,10 +326,12 @@ def test_refit_of_the_checkpoint_weights_reproduces_the_checkpoint_engine(run):
 
 def test_the_node_stages_one_ring_of_two_buckets_not_the_model(run):
     """One policy rank of the node (rank 0 of the two) writes the node's one ring, both
-    engines read it, and it holds two slots of the largest bucket, far less than the stream."""
+    engines read it, and it holds two slots of the largest bucket, far less than the stream
+    and within the memory plan's refit term."""
     result = run["initial"]
     (ring_bytes,) = run["ring_files"].values()
-    assert staging_bytes(BUCKET_BYTES) <= result.staging_bytes <= ring_bytes
+    assert result.staging_bytes <= refit_staging_bytes(BUCKET_BYTES, run["largest_tensor"])
+    assert result.staging_bytes <= ring_bytes
     assert ring_bytes - result.staging_bytes < 1024  # the ring's control words
     assert ring_bytes < result.nbytes / 2
     for engine in result.engines:
@@ -390,10 +398,13 @@ def test_an_engine_whose_load_broke_off_refuses_to_generate_until_a_refit_comple
 
 
 def test_a_killed_writer_is_noticed_and_its_ring_swept(run):
-    assert len(run["killed_loads"]) == 2
-    assert all("the ring's writer" in e and "died" in e for e in run["killed_loads"])
+    errors = run["killed_loads"]
+    assert len(errors) == 2
+    # the engine that noticed first aborts the ring for the other
+    assert any("the ring's writer" in e and "died while waiting for bucket 2" in e for e in errors)
+    assert all("died" in e or "refit version 11 was aborted" in e for e in errors), errors
     assert "mix of weight versions 10 and 11" in run["killed_refusal"]
     assert run["killed_version"] == 10
-    assert len(run["rings_left_by_dead_writer"]) == 1  # the node's ring
+    assert len(run["rings_left_by_dead_writer"]) == 1  # the node's ring it wrote
     assert run["rings_swept"] == run["rings_left_by_dead_writer"]
     assert run["rings_after_sweep"] == []

@@ -41,7 +41,8 @@ from nemo_rl.models.generation.refit.ipc import (
     require_device_memory,
 )
 from nemo_rl.models.generation.refit.plan import engine_reads, plan_rings
-from nemo_rl.models.generation.refit.ring import RING_SLOTS, RingSpec, staging_bytes
+from nemo_rl.distributed.memory_plan import RING_SLOTS, refit_staging_bytes
+from nemo_rl.models.generation.refit.ring import RingSpec
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.refit.shared_memory import (
     PREFIX,
@@ -130,7 +131,8 @@ def test_buckets_hold_whole_aligned_tensors_and_a_larger_tensor_alone():
     big = next(s for s in layout.slots if s.name == "big")  # 2800 bytes > 256
     assert layout.manifest(big.bucket) == (big,) and big.offset == 0
     assert layout.slot_bytes == 2816 == max(layout.bucket_sizes)
-    assert layout.plan() == [[s.name for s in layout.manifest(k)] for k in range(layout.num_buckets)]
+    manifests = [layout.manifest(k) for k in range(layout.num_buckets)]
+    assert layout.plan() == [[s.name for s in m] for m in manifests]
     assert layout.total_bytes == sum(layout.bucket_sizes)
 
 
@@ -379,7 +381,7 @@ def test_a_stream_passes_through_a_ring_of_two_slots_to_every_reader(tmp_path, m
     info = sender.prepare_refit_info()
     layout = StreamLayout(info, SETTINGS.bucket_bytes)
     spec = RingSpec.for_layout(layout, readers=2)
-    assert layout.total_bytes > 20 * staging_bytes(layout.slot_bytes)
+    assert layout.total_bytes > 20 * refit_staging_bytes(layout.slot_bytes, 0)
     peak = [0]
     try:
         for version in (1, 2, 3):
@@ -403,7 +405,7 @@ def test_a_stream_passes_through_a_ring_of_two_slots_to_every_reader(tmp_path, m
                 for name, tensor in tensors.items():
                     assert_bitwise_equal(out[name], tensor)
         assert peak[0] == spec.nbytes
-        assert spec.nbytes - staging_bytes(layout.slot_bytes) < 256  # control words only
+        assert spec.nbytes - refit_staging_bytes(layout.slot_bytes, 0) < 256  # control words only
         assert RING_SLOTS == 2
     finally:
         sender.close()
