@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from nemo_rl.algorithms.grpo_config import RolloutLoopConfig, RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
 from nemo_rl.algorithms.loop_config import check_parallel_layout
 from nemo_rl.algorithms.loss.distillation import DistillationLossConfig
 from nemo_rl.models.policy.config import PolicyConfig

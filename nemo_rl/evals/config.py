@@ -9,8 +9,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nemo_rl.algorithms.grpo_config import ClusterConfig, DataConfig, GRPOMasterConfig
-from nemo_rl.algorithms.loop_config import check_generation_layout
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.loop_config import ClusterConfig, check_generation_layout
+from nemo_rl.algorithms.rollout_config import DataConfig
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.utils.config import ConfigModel

@@ -43,7 +43,6 @@ from nemo_rl.algorithms.advantage_estimators import group_reward_std
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.algorithms.grpo_step.components import (
     GRPOComponents,
-    RolloutComponents,
     prepare_generation,
     uses_reference_policy,
 )
@@ -55,6 +54,7 @@ from nemo_rl.algorithms.grpo_step.metrics import (
     validation_metrics,
 )
 from nemo_rl.algorithms.grpo_step.train_fields import train_fields
+from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 

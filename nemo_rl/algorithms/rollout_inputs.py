@@ -1,6 +1,8 @@
-"""What a GRPO run reads before anything starts: the model folder, its tokenizer, the prompts.
+"""What a rollout-trained run (GRPO, distillation) reads before anything starts: the model
+folder, its tokenizer, the prompts.
 
-:func:`load_run_inputs` is the first part of :func:`nemo_rl.algorithms.grpo.setup`;
+:func:`load_run_inputs` is the first part of their ``setup`` (then
+:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`);
 :func:`check_run_inputs` runs the same reads for ``nemo-rl launch slurm``, so bad data is
 refused before the job waits in the queue.
 """
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from nemo_rl.algorithms.grpo_config import RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import RolloutMasterConfig
 
 
 @dataclass(frozen=True)
