@@ -139,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from nemo_rl.distributed.ray_bootstrap import ray_cluster
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     model = resolve_model_path("tiny-llama")
     latency = draw_latencies(args)

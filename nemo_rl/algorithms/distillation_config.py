@@ -14,7 +14,7 @@ from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterCo
 from nemo_rl.algorithms.loop_config import check_parallel_layout
 from nemo_rl.algorithms.loss.distillation import DistillationLossConfig
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.tiny import local_model_path
+from nemo_rl.models.model_path import local_model_path
 
 
 class DistillationConfig(RolloutLoopConfig):

@@ -39,7 +39,7 @@ def load_run_inputs(cfg: RolloutMasterConfig) -> RunInputs:
     from transformers import AutoTokenizer
 
     from nemo_rl.data.datasets import check_prompt_lengths, setup_datasets
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -59,7 +59,7 @@ def check_run_inputs(cfg: RolloutMasterConfig) -> None:
         DataError: as :func:`load_run_inputs`.
     """
     from nemo_rl.data.files import read_data_file
-    from nemo_rl.models.tiny import local_model_path
+    from nemo_rl.models.model_path import local_model_path
 
     if local_model_path(cfg.policy.model_name) is not None:
         load_run_inputs(cfg)

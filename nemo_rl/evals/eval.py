@@ -35,7 +35,7 @@ def resolve_eval_model(model_name: str, workdir: Path) -> str:
     """
     from megatron_bridge.cli import CliError
     from nemo_rl.models.policy.export import export_checkpoint
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     path = Path(model_name).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
