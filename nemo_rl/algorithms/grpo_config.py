@@ -52,7 +52,7 @@ class AdvEstimatorConfig(ConfigModel):
 
 class AsyncGRPOConfig(ConfigModel):
     """Async GRPO (``grpo.async_grpo``; NeMo RL's keys): generation runs ahead of training on
-    its own engines (:mod:`nemo_rl.algorithms.grpo_step.async_rollouts`)."""
+    its own engines (:mod:`nemo_rl.algorithms.grpo_step.async_grpo`)."""
 
     enabled: bool = Field(
         default=False,

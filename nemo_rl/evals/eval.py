@@ -121,7 +121,7 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments, shutdown_environments
     from nemo_rl.experience.grouped_rollouts import repeat_prompts
-    from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+    from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
     from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

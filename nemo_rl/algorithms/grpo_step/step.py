@@ -26,7 +26,7 @@ The store decides where the samples live (driver memory or the data plane); the 
 handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics. A
 :class:`RolloutSource` decides where phase 1's batch comes from and what phase 5 does:
 :class:`SyncRollouts` (generate now, mark the engines stale) or, with
-``grpo.async_grpo.enabled``, :class:`~.async_rollouts.AsyncRollouts` (take a batch generated
+``grpo.async_grpo.enabled``, :class:`~.async_grpo.AsyncRollouts` (take a batch generated
 ahead from the replay buffer, publish the new weights version to the collector).
 """
 

@@ -25,7 +25,7 @@ from megatron_bridge.load import SafetensorsReader
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from nemo_rl.experience.async_rollouts import (
+from nemo_rl.experience.async_engine_rollouts import (
     multi_turn_rollout_for,
     run_async_multi_turn_rollout,
 )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.grpo_config import AsyncGRPOConfig
-from nemo_rl.algorithms.grpo_step.async_rollouts import AsyncRollouts, LockedPolicy, ResumeCursor
+from nemo_rl.algorithms.grpo_step.async_grpo import AsyncRollouts, LockedPolicy, ResumeCursor
 from nemo_rl.algorithms.grpo_step.replay_buffer import BufferClosed, ReplayBuffer, Trajectories
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 from nemo_rl.utils.timer import Timer
