@@ -111,10 +111,11 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
     try:
         # warm-up: one sample's whole conversation (engine start-up, first compile)
         rollout(generation, batch.slice(0, 1), tokenizer, {"tool": env},
-                max_seq_len=args.max_seq_len, greedy=True)
+                max_seq_len=args.max_seq_len, max_rollout_turns=args.turns, greedy=True)
         start = time.perf_counter()
         result, _ = rollout(generation, batch, tokenizer, {"tool": env},
-                                  max_seq_len=args.max_seq_len, greedy=True)
+                            max_seq_len=args.max_seq_len, max_rollout_turns=args.turns,
+                            greedy=True)
         seconds = time.perf_counter() - start
     finally:
         ray.kill(env)

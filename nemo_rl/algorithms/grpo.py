@@ -47,8 +47,8 @@ SFT_WARMUP_DIR = "sft_warmup"
 
 def setup(cfg: GRPOMasterConfig) -> GRPOComponents:
     """Data, Ray, clusters, policy, generation engines, environments, loss, logger and
-    checkpoints of a run (:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`), the SFT warm start's data; resumes from
-    the latest checkpoint when checkpointing is enabled.
+    checkpoints of a run (:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`), the SFT
+    warm start's data; resumes from the latest checkpoint when checkpointing is enabled.
 
     Raises:
         ConfigError: before anything starts, when the latest checkpoint was trained on another
@@ -243,7 +243,9 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
         policy_lock=lock,
     )
     components.generation_stale = False  # the source refits from here on
-    parts = dataclasses.replace(rollout_run.loop_parts(components), train_loader=ResumeCursor(source))
+    parts = dataclasses.replace(
+        rollout_run.loop_parts(components), train_loader=ResumeCursor(source)
+    )
 
     def validate_async() -> dict[str, float]:
         with source.engines():

@@ -238,11 +238,14 @@ def rollouts(engine) -> dict[str, Any]:
     env_cls = ray.remote(max_concurrency=4)(HoldingEnvironment)
     holding, plain = env_cls.remote(True), env_cls.remote(False)
     try:
+        turns = max(TURNS.values()) + 1  # the environment ends the episodes
         result = {"async": run_async_multi_turn_rollout(
-            engine["generation"], batch, tokenizer, {"t": holding}, max_seq_len=128, greedy=True
+            engine["generation"], batch, tokenizer, {"t": holding}, max_seq_len=128,
+            max_rollout_turns=turns, greedy=True,
         )}
         result["batched"] = run_multi_turn_rollout(
-            engine["generation"], batch, tokenizer, {"t": plain}, max_seq_len=128, greedy=True
+            engine["generation"], batch, tokenizer, {"t": plain}, max_seq_len=128,
+            max_rollout_turns=turns, greedy=True,
         )
         result["log"] = ray.get(holding.log.remote())
     finally:
