@@ -179,7 +179,8 @@ def test_closed_buffer_wakes_a_waiting_trainer():
 
 def test_hung_rollout_times_out_is_counted_and_the_loop_goes_on():
     run = FakeRun(hang_on=1)
-    source = run.source(max_age=1, timeout_s=0.5)
+    # the other rollouts return at once: 2 s leaves a slow or loaded host room to run them
+    source = run.source(max_age=1, timeout_s=2.0)
     batches = iter(ResumeCursor(source))
     try:
         results = [run.train(source, batches) for _ in range(4)]
