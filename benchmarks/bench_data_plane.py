@@ -163,7 +163,7 @@ def measure(
 def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
     """The recipe's ``grpo_step`` over each batch store on one setup (a TQPolicy serves both:
     its in-memory methods are the Policy's), steps alternating."""
-    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms import grpo, rollout_run
     from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
     from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
     from nemo_rl.algorithms.grpo_step.step import grpo_step
@@ -201,7 +201,7 @@ def tiny(rounds: int, config: str, backend: str) -> dict[str, dict[str, float]]:
         )
     finally:
         data_plane.close()
-        grpo.shutdown(components)
+        rollout_run.shutdown(components)
 
 
 # ---------------------------------------------------------------------- large: synthetic step

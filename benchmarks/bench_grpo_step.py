@@ -21,8 +21,9 @@ import argparse
 import tempfile
 import time
 
-from nemo_rl.algorithms.grpo import open_batch_store, setup, shutdown
+from nemo_rl.algorithms.grpo import open_batch_store, setup
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rollout_run import shutdown
 from nemo_rl.algorithms.grpo_step.step import grpo_step
 from nemo_rl.utils.config import load_typed_config
 

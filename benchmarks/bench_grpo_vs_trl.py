@@ -172,7 +172,8 @@ def model_path(case: Case) -> str:
     cached by its settings)."""
     from grpo_vs_trl_task import prompt_texts
 
-    from nemo_rl.models.tiny import build_tiny_model, resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
+    from nemo_rl.models.tiny import build_tiny_model
 
     if case.sizes is None:
         base = Path(resolve_model_path("tiny-llama"))

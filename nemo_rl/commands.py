@@ -66,7 +66,7 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         GRPOMasterConfig,
         "nemo_rl.algorithms.grpo",
         "run",
-        check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
+        check_inputs="nemo_rl.algorithms.rollout_inputs:check_run_inputs",
     ),
     "sft": RecipeCommand(
         SFTMasterConfig,
@@ -90,7 +90,7 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
         DistillationMasterConfig,
         "nemo_rl.algorithms.distillation",
         "run",
-        check_inputs="nemo_rl.algorithms.grpo_inputs:check_run_inputs",
+        check_inputs="nemo_rl.algorithms.rollout_inputs:check_run_inputs",
     ),
     "eval": RecipeCommand(EvalMasterConfig, "nemo_rl.evals.eval", "run"),
 }

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from nemo_rl.algorithms.grpo import grpo_train, setup, shutdown
+from nemo_rl.algorithms.grpo import grpo_train, setup
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rollout_run import shutdown
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl

@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.algorithms import grpo, training_loop
+from nemo_rl.algorithms import rollout_run, training_loop
 from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
-from nemo_rl.algorithms.grpo_inputs import load_run_inputs
-from nemo_rl.algorithms.grpo_step.components import RolloutComponents
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.metrics import step_metrics
 from nemo_rl.algorithms.grpo_step.step import rollout_groups, validate
 from nemo_rl.algorithms.loss import DistillationLossFn
+from nemo_rl.algorithms.rollout_inputs import load_run_inputs
+from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -47,7 +47,7 @@ class DistillationComponents(RolloutComponents):
 
 
 def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
-    """The student's run (:func:`~nemo_rl.algorithms.grpo.start_rollout_run`, no reference
+    """The student's run (:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`, no reference
     policy) and the teacher's workers on the student's bundles, started with the student
     (before engines colocated on GPUs, which size their KV cache from the memory left).
 
@@ -60,7 +60,7 @@ def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
 
     checkpointer = training_loop.open_checkpointer(cfg)
     inputs = load_run_inputs(cfg)
-    parts, (teacher,) = grpo.start_rollout_run(
+    parts, (teacher,) = rollout_run.start_rollout_run(
         cfg,
         inputs,
         init_reference_model=False,
@@ -132,9 +132,9 @@ def distillation_train(components: DistillationComponents) -> dict[str, float]:
     ``distillation.max_num_steps`` in the shared
     :func:`~nemo_rl.algorithms.training_loop.train_loop`; the returned metrics are the last
     step's plus the last validation's (``val_`` prefixed)."""
-    parts = grpo.loop_parts(components)
+    parts = rollout_run.loop_parts(components)
     with training_loop.stop_guard(parts) as guard:
-        step = grpo.restore_rollout_checkpoint(components)
+        step = rollout_run.restore_rollout_checkpoint(components)
         store = InMemoryBatchStore(components.rollout_runner(), components.policy)
         return training_loop.train_loop(
             parts,
@@ -142,15 +142,15 @@ def distillation_train(components: DistillationComponents) -> dict[str, float]:
             step,
             step_fn=lambda batches: distillation_step(components, store, batches),
             validate_fn=(lambda: validate(components, store)) if components.val_batches else None,
-            extra_info=lambda metrics: grpo.checkpoint_info(components, metrics),
+            extra_info=lambda metrics: rollout_run.checkpoint_info(components, metrics),
         )
 
 
 def shutdown(components: DistillationComponents) -> None:
-    """Stop the teacher's workers, then everything :func:`~nemo_rl.algorithms.grpo.shutdown`
+    """Stop the teacher's workers, then everything :func:`~nemo_rl.algorithms.rollout_run.shutdown`
     stops."""
     components.teacher.shutdown()
-    grpo.shutdown(components)
+    rollout_run.shutdown(components)
 
 
 def run(cfg: DistillationMasterConfig) -> int | None:
@@ -160,7 +160,7 @@ def run(cfg: DistillationMasterConfig) -> int | None:
         None when the run finished; 75 when it saved and stopped early.
     """
     components = setup(cfg)
-    return grpo.run_rollout_command(
+    return rollout_run.run_rollout_command(
         components,
         lambda: distillation_train(components),
         lambda: shutdown(components),

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from nemo_rl.algorithms.grpo_config import RolloutLoopConfig, RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
 from nemo_rl.algorithms.loop_config import check_parallel_layout
 from nemo_rl.algorithms.loss.distillation import DistillationLossConfig
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.tiny import local_model_path
+from nemo_rl.models.model_path import local_model_path
 
 
 class DistillationConfig(RolloutLoopConfig):

@@ -16,7 +16,7 @@ from nemo_rl.models.generation.placement import GenerationLayout, plan_generatio
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.gpu_memory import plan_policy_memory
 from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
-from nemo_rl.models.tiny import local_model_path
+from nemo_rl.models.model_path import local_model_path
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import ConfigModel
 from nemo_rl.utils.logger import LoggerConfig

@@ -114,7 +114,7 @@ def load_tokenizer(cfg: SupervisedMasterConfig) -> tuple[Any, int]:
     """
     from transformers import AutoTokenizer
 
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -137,7 +137,7 @@ def check_inputs(
         DataError: a line that does not parse, a row without a field the algorithm reads.
     """
     from nemo_rl.data.files import read_data_file
-    from nemo_rl.models.tiny import local_model_path
+    from nemo_rl.models.model_path import local_model_path
 
     if local_model_path(cfg.policy.model_name) is not None:
         load_datasets(load_tokenizer(cfg)[0])

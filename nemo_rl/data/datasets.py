@@ -288,7 +288,7 @@ def check_prompt_lengths(
 
 
 def build_task_data_spec(data_cfg: Any, synthetic_rows: Optional[bool] = None) -> TaskDataSpec:
-    """The task spec of a :class:`~nemo_rl.algorithms.grpo_config.DataConfig`: its task name,
+    """The task spec of a :class:`~nemo_rl.algorithms.rollout_config.DataConfig`: its task name,
     the prompt template of ``prompt_file`` (the synthetic task's default instruction when the
     rows are synthetic and no file is set) and the system prompt of ``system_prompt_file``.
 

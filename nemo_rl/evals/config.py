@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nemo_rl.algorithms.grpo_config import ClusterConfig, DataConfig, GRPOMasterConfig
-from nemo_rl.algorithms.loop_config import check_generation_layout
+from nemo_rl.algorithms.loop_config import ClusterConfig, check_generation_layout
+from nemo_rl.algorithms.rollout_config import DataConfig, RolloutMasterConfig
 from nemo_rl.data.synthetic import SYNTHETIC_TASK_NAME
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.registry import EnvironmentSpec
@@ -133,7 +133,7 @@ class EvalMasterConfig(ConfigModel):
             )
         if self.data.max_input_seq_length is None:
             self.data.max_input_seq_length = max_len
-        GRPOMasterConfig._check_task(self)  # type: ignore[arg-type]  # reads .data and .env
+        RolloutMasterConfig._check_task(self)  # type: ignore[arg-type]  # reads .data and .env
         if self.eval.votes:  # the rows' own task names are checked when the data loads
             task = self.data.task_name or SYNTHETIC_TASK_NAME
             check_tasks_return_answers(self.eval.metric, [task], self.env.specs())

@@ -43,7 +43,7 @@ def resolve_eval_model(model_name: str, workdir: Path) -> str:
     """
     from megatron_bridge.cli import CliError
     from nemo_rl.models.policy.export import export_checkpoint
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     path = Path(model_name).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
@@ -187,7 +187,7 @@ def evaluate(cfg: EvalMasterConfig, model_path: str) -> tuple[list[dict[str, Any
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.environments.utils import create_environments, shutdown_environments
     from nemo_rl.experience.grouped_rollouts import repeat_prompts
-    from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+    from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
     from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -19,7 +19,7 @@ import torch
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface
-from nemo_rl.experience.async_rollouts import multi_turn_rollout_for
+from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 # The fields of :func:`training_fields` that hold right-padded token rows ``[B, S]``.

@@ -194,7 +194,7 @@ def run_multi_turn_rollout(
     tokenizer: Any,
     task_to_env: dict[str, EnvironmentInterface],
     max_seq_len: int,
-    max_rollout_turns: int = 999999,
+    max_rollout_turns: int,
     greedy: bool = False,
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Roll every sample of ``input_batch`` out against its environment.
@@ -207,7 +207,9 @@ def run_multi_turn_rollout(
         task_to_env: environment per task name.
         max_seq_len: most tokens a conversation may hold; a sample reaching it stops
             (truncated) and a response is cut to fit.
-        max_rollout_turns: most assistant turns per sample.
+        max_rollout_turns: most assistant turns per sample (a recipe's
+            ``grpo.max_rollout_turns``, ``distillation.max_rollout_turns`` or
+            ``eval.max_rollout_turns``: the config holds the default).
         greedy: argmax decoding.
 
     Returns:

@@ -37,8 +37,8 @@ class RecipeShape:
 
 def grpo_shape(cfg: GRPOMasterConfig) -> RecipeShape:
     """Nodes of a GRPO run: ``cluster.num_nodes``, twice that when generation is not colocated
-    (``nemo_rl.algorithms.grpo.setup`` then gives the vLLM engines a cluster of the same shape
-    of their own)."""
+    (``nemo_rl.algorithms.rollout_run.start_rollout_run`` then gives the vLLM engines a cluster
+    of the same shape of their own)."""
     nodes = cfg.cluster.num_nodes
     reason = f"cluster.num_nodes={nodes}"
     if not cfg.policy.generation.colocated.enabled:

@@ -1,7 +1,7 @@
 """The published ``config.json`` values of the hub models the shipped GPU recipes train.
 
 A check made when a recipe loads reads the model's config.json when it is here without a download
-(:func:`nemo_rl.models.tiny.local_model_path`). The GPU recipes name hub models that are usually
+(:func:`nemo_rl.models.model_path.local_model_path`). The GPU recipes name hub models that are usually
 not downloaded on the machine a run is prepared on, so their architecture numbers are kept here,
 keyed by hub name: the GPU memory plan (:mod:`nemo_rl.models.policy.gpu_memory`) then has a
 shape for every shipped recipe. Only the fields those checks read are listed, each as the model's

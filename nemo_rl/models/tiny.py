@@ -24,8 +24,6 @@ from typing import Any, Literal
 import torch
 
 from megatron_bridge.folders import make_unique_dir
-from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
-from nemo_rl.utils.errors import ModelNotFoundError
 
 Family = Literal["llama", "qwen2", "qwen3_moe"]
 Vocab = Literal["bpe", "qwen"]
@@ -72,7 +70,8 @@ ROUTER_SCALE = 20.0
 # of 128, so the qwen-vocab build also has more embedding rows than tokenizer entries.
 QWEN2_EMBEDDING_ROWS = 151936
 
-# Model names that resolve to a tiny local build: name -> (family, vocab).
+# Model names that resolve to a tiny local build (nemo_rl.models.model_path):
+# name -> (family, vocab).
 TINY_MODEL_NAMES: dict[str, tuple[Family, Vocab]] = {
     "tiny-llama": ("llama", "bpe"),
     "tiny-qwen2": ("qwen2", "bpe"),
@@ -425,70 +424,3 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir
-
-
-def resolve_model_path(model_name: str, field: str | None = None) -> str:
-    """The local checkpoint folder of a model name.
-
-    Args:
-        model_name: a tiny model name (see :data:`TINY_MODEL_NAMES`), a local checkpoint
-            folder, or a Hugging Face Hub name such as "Qwen/Qwen2.5-1.5B".
-        field: the config field ``model_name`` came from, named first in the error message.
-
-    Returns:
-        The local folder of a tiny model (built on first use), or what
-        :func:`megatron_bridge.hub.resolve_hf_checkpoint` resolves the name to (the folder, or
-        the hub snapshot in the ``HF_HOME`` cache).
-
-    Raises:
-        ModelNotFoundError: (a ``FileNotFoundError``) as
-            :func:`~megatron_bridge.hub.resolve_hf_checkpoint`, the message also naming the tiny
-            models.
-    """
-    if model_name in TINY_MODEL_NAMES:
-        family, vocab = TINY_MODEL_NAMES[model_name]
-        return str(build_tiny_model(family, vocab=vocab))
-    try:
-        return str(resolve_hf_checkpoint(model_name))
-    except FileNotFoundError as err:
-        where = f"{field}: " if field else ""
-        raise ModelNotFoundError(
-            f"{where}{err} (or use one of {sorted(TINY_MODEL_NAMES)})"
-        ) from err
-
-
-def local_model_path(model_name: str) -> str | None:
-    """The local folder of ``model_name``'s checkpoint when it is here without a download.
-
-    For checks that read config.json before a run starts: a tiny model name resolves (built
-    locally on first use); otherwise :func:`megatron_bridge.hub.local_hf_checkpoint` (a local
-    folder with config.json, or a hub snapshot whose config.json is already cached). Anything
-    else (a hub name not cached, a path that exists only on the cluster's nodes) gives None:
-    nothing is downloaded.
-    """
-    if model_name in TINY_MODEL_NAMES:
-        return resolve_model_path(model_name)
-    path = local_hf_checkpoint(model_name)
-    return None if path is None else str(path)
-
-
-def load_hf_model_and_tokenizer(
-    model_name: str, dtype: torch.dtype = torch.float32
-) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer through transformers' ``from_pretrained``.
-
-    Args:
-        model_name: anything :func:`resolve_model_path` accepts (and raises for).
-        dtype: parameter dtype of the loaded model.
-
-    Returns:
-        ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode on CPU and its
-        ``AutoTokenizer``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(model_name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.eval()
-    return model, tokenizer

@@ -22,7 +22,7 @@ workers cannot pass. Gloo's pair sockets listen on the address this machine's ho
 to (127.0.0.1 here); on a GPU run NCCL picks its own interface (``NCCL_SOCKET_IFNAME``), which
 this CPU test does not see. Resume (also after a warm start) is tested in
 test_checkpoint_survival.py; the age bound itself, hung rollouts and the resume point under a
-collector running ahead at unit level (tests/unit/algorithms/grpo_step/test_async_rollouts.py);
+collector running ahead at unit level (tests/unit/algorithms/grpo_step/test_async_grpo.py);
 learning at bound 1 takes minutes, too long for CI: its run is recorded in docs/algorithms.md
 ("Async GRPO").
 """

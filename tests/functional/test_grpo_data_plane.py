@@ -22,7 +22,7 @@ import pytest
 import ray
 import torch
 
-from nemo_rl.algorithms import grpo
+from nemo_rl.algorithms import grpo, rollout_run
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, sample_groups_with_variance, validate
@@ -80,7 +80,7 @@ def in_memory_run(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> dict[str
     try:
         grpo.grpo_train(components)
     finally:
-        grpo.shutdown(components)
+        rollout_run.shutdown(components)
     return {"records": train_records(log_dir), **seen}
 
 
@@ -110,7 +110,7 @@ def data_plane_run(
         grpo.grpo_train(components)
         yield {"components": components, "records": train_records(log_dir), **seen}
     finally:
-        grpo.shutdown(components)
+        rollout_run.shutdown(components)
 
 
 def test_data_plane_loop_matches_in_memory_loop(in_memory_run, data_plane_run) -> None:

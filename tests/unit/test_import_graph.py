@@ -1,6 +1,8 @@
 """Layers in one direction: no import cycle among the modules of ``nemo_rl`` and
-``megatron_bridge``, ``megatron_bridge`` (a standalone converter) never imports ``nemo_rl``, and
-``nemo_rl.launch`` never imports ``nemo_rl.cli`` (see :data:`FORBIDDEN_IMPORTS`).
+``megatron_bridge``, ``megatron_bridge`` (a standalone converter) never imports ``nemo_rl``,
+``nemo_rl.launch`` never imports ``nemo_rl.cli``, and what every rollout-trained run shares
+(``algorithms.rollout_run``, ``rollout_config``) and distillation import nothing of GRPO's
+run or config (see :data:`FORBIDDEN_IMPORTS`).
 
 The graph is read statically: every ``.py`` file of the two packages is parsed with :mod:`ast`
 and every ``import x`` / ``from x import y`` / relative import, at module level or inside a
@@ -35,6 +37,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("nemo_rl", "megatron_bridge")
 
+ROLLOUT_RUN_FIX = (
+    "what every rollout-trained run shares (bring-up, resume, shutdown; the rollout loop, data "
+    "and shared sections of the config) lives in nemo_rl.algorithms.rollout_run and "
+    "rollout_config; GRPO's modules build on them, not the other way round"
+)
+
 # (importer, imported, the fix): a module in or below `importer` must not import one in or below
 # `imported`, not even under TYPE_CHECKING.
 FORBIDDEN_IMPORTS = [
@@ -49,6 +57,16 @@ FORBIDDEN_IMPORTS = [
         "nemo_rl.cli",
         "what the launchers need from the command line (the registry of recipe commands, the "
         "parser) lives in nemo_rl.commands",
+    ),
+    *(
+        (importer, imported, ROLLOUT_RUN_FIX)
+        for importer, imported in (
+            ("nemo_rl.algorithms.rollout_run", "nemo_rl.algorithms.grpo"),
+            ("nemo_rl.algorithms.rollout_run", "nemo_rl.algorithms.grpo_config"),
+            ("nemo_rl.algorithms.rollout_config", "nemo_rl.algorithms.grpo_config"),
+            ("nemo_rl.algorithms.distillation", "nemo_rl.algorithms.grpo"),
+            ("nemo_rl.algorithms.distillation_config", "nemo_rl.algorithms.grpo_config"),
+        )
     ),
 ]
 

@@ -7,6 +7,9 @@
 | ``data_plane.py`` | ``DataPlaneBatchStore``: the driver holds keys, the data plane the samples. |
 | ``components.py`` | ``GRPOComponents`` (what a run holds) and the engines' lazy refit. |
 | ``train_fields.py`` | Per-sample advantages and loss mask of a step, from the rollout carry. |
+| ``env_errors.py`` | The stop when environments fail on too many samples, steps in a row. |
 | ``metrics.py`` | A step's and a validation's metrics. |
 | ``step.py`` | ``grpo_step`` (generate, advantages, logprobs, train, refit) and ``validate``. |
+| ``async_grpo.py`` | ``AsyncRollouts``: async GRPO's collector, generating ahead of training. |
+| ``replay_buffer.py`` | The collector's batches, tagged with the weights version that made them. |
 """

@@ -1,54 +1,16 @@
-"""What a run trained on rollouts holds (:class:`RolloutComponents`; GRPO's
-:class:`GRPOComponents`, built by :func:`nemo_rl.algorithms.grpo.setup`) and the engines' lazy
-refit."""
+"""What a GRPO run holds (:class:`GRPOComponents`, built by
+:func:`nemo_rl.algorithms.grpo.setup`: a :class:`~nemo_rl.algorithms.rollout_run.
+RolloutComponents` with GRPO's loss and warm start) and the engines' lazy refit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig, RolloutMasterConfig
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.loss import ClippedPGLossFn
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.grouped_rollouts import RolloutRunner
+from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.models.generation.refit import refit_policy_generation
-
-
-@dataclass
-class RolloutComponents:
-    """Everything a run trained on the policy's rollouts holds (GRPO, distillation).
-
-    Attributes:
-        cfg: the run's master config; ``cfg.loop`` is its loop section.
-        loss_fn: the loss the policy trains on.
-        generation_stale: the policy changed since the engines' last refit.
-    """
-
-    cfg: RolloutMasterConfig
-    tokenizer: Any
-    pad_token_id: int
-    policy: Any
-    generation: Any
-    task_to_env: dict[str, Any]
-    train_loader: Any
-    val_batches: list[BatchedDataDict]
-    loss_fn: Any
-    logger: Any
-    checkpointer: Optional[Any]
-    timer: Any
-    clusters: list[Any]
-    generation_stale: bool = False
-
-    def rollout_runner(self) -> RolloutRunner:
-        """The run's rollout (its engines, tokenizer, environments and limits)."""
-        return RolloutRunner(
-            generation=self.generation,
-            tokenizer=self.tokenizer,
-            task_to_env=self.task_to_env,
-            max_seq_len=self.cfg.policy.max_total_sequence_length,
-            max_rollout_turns=self.cfg.loop.max_rollout_turns,
-            pad_token_id=self.pad_token_id,
-        )
 
 
 @dataclass

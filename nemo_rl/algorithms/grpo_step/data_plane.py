@@ -1,6 +1,6 @@
 """DataPlaneBatchStore: the driver carries keys, lengths and per-sample scalars only.
 
-A :class:`~nemo_rl.experience.data_plane_rollout_actor.DataPlaneRolloutActor` (one per run)
+A :class:`~nemo_rl.experience.sync_rollout_actor.SyncRolloutActor` (one per run)
 rolls the prompts out and writes every sample's training fields to the store; the driver's
 handle is a :class:`~nemo_rl.data_plane.KVBatchMeta`. Per-sample fields the step adds are
 written under the same keys; for logprobs and training the policy workers fetch their shards
@@ -22,7 +22,7 @@ from nemo_rl.algorithms.grpo_step.interfaces import BatchStore, Partition
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.experience.data_plane_rollout_actor import DataPlaneRolloutActor
+from nemo_rl.experience.sync_rollout_actor import SyncRolloutActor
 from nemo_rl.experience.grouped_rollouts import RolloutCarry, RolloutRunner
 from nemo_rl.models.policy.tq_policy import VAL_PARTITION_ID, TQPolicy
 
@@ -54,7 +54,7 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
             "val": VAL_PARTITION_ID,
         }
         # no CPU reserved: the actor mostly waits on the engines and environments
-        actor_cls = ray.remote(num_cpus=0)(DataPlaneRolloutActor)
+        actor_cls = ray.remote(num_cpus=0)(SyncRolloutActor)
         self.actor = actor_cls.remote(runner, policy.dp_cfg)
 
     @contextmanager

@@ -1,7 +1,7 @@
 """The replay buffer of async GRPO: generation batches waiting for the trainer, each tagged
 with the weights version that generated it.
 
-The collector (:mod:`~nemo_rl.algorithms.grpo_step.async_rollouts`) puts, the trainer takes;
+The collector (:mod:`~nemo_rl.algorithms.grpo_step.async_grpo`) puts, the trainer takes;
 both block on one condition variable, and either side's failure (:meth:`ReplayBuffer.close`)
 wakes the other instead of leaving it waiting forever.
 """

@@ -26,7 +26,7 @@ The store decides where the samples live (driver memory or the data plane); the 
 handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics. A
 :class:`RolloutSource` decides where phase 1's batch comes from and what phase 5 does:
 :class:`SyncRollouts` (generate now, mark the engines stale) or, with
-``grpo.async_grpo.enabled``, :class:`~.async_rollouts.AsyncRollouts` (take a batch generated
+``grpo.async_grpo.enabled``, :class:`~.async_grpo.AsyncRollouts` (take a batch generated
 ahead from the replay buffer, publish the new weights version to the collector).
 """
 
@@ -43,7 +43,6 @@ from nemo_rl.algorithms.advantage_estimators import group_reward_std
 from nemo_rl.algorithms.grpo_config import GRPOConfig
 from nemo_rl.algorithms.grpo_step.components import (
     GRPOComponents,
-    RolloutComponents,
     prepare_generation,
     uses_reference_policy,
 )
@@ -55,6 +54,7 @@ from nemo_rl.algorithms.grpo_step.metrics import (
     validation_metrics,
 )
 from nemo_rl.algorithms.grpo_step.train_fields import train_fields
+from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 

@@ -64,7 +64,7 @@ class VllmConfig(ConfigModel):
         description="Serve every sample's turn as its own request on a continuously batched "
         "engine, so that in multi-turn rollouts a sample goes on to its next turn as soon as "
         "its environment answers instead of waiting for the whole batch's turn "
-        "(nemo_rl.experience.async_rollouts). Greedy results equal the batched path's. Worth it "
+        "(nemo_rl.experience.async_engine_rollouts). Greedy results equal the batched path's. Worth it "
         "when environment answers or response lengths vary across samples; single-turn "
         "rollouts gain nothing.",
     )

@@ -63,7 +63,7 @@ def _describe_with_model(policy_dir: Path, model: str, staging: Path) -> Path:
     from megatron_bridge.checkpoint import write_bridge_files
     from megatron_bridge.dist_ckpt_reader import DistCheckpointReader
     from nemo_rl.models.policy.config import PolicyConfig
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     try:
         model_path = resolve_model_path(model)

@@ -21,7 +21,7 @@ from nemo_rl.distributed.memory_plan import (
 )
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.published_configs import PUBLISHED_CONFIGS
-from nemo_rl.models.tiny import local_model_path
+from nemo_rl.models.model_path import local_model_path
 
 
 def model_bridge(policy: PolicyConfig) -> tuple[BridgeConfig, str] | None:

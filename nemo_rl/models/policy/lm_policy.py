@@ -24,7 +24,7 @@ from nemo_rl.models.policy.interfaces import (
 )
 from nemo_rl.models.policy.parallel_layout import ParallelLayout, plan_parallel_layout
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
-from nemo_rl.models.tiny import resolve_model_path
+from nemo_rl.models.model_path import resolve_model_path
 
 if TYPE_CHECKING:
     from nemo_rl.algorithms.loss.interfaces import LossFunction

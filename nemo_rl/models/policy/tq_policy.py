@@ -1,10 +1,11 @@
 """TQPolicy: the policy driven by :class:`KVBatchMeta` instead of tensors (the data-plane path).
 
 Counterpart of :class:`~nemo_rl.models.policy.lm_policy.Policy` for the batch store of
-:mod:`nemo_rl.algorithms.grpo_step.data_plane`. A step's samples are written to the data plane
-once, under keys minted by
-:class:`~nemo_rl.experience.data_plane_rollout_actor.DataPlaneRolloutActor`; the driver
-holds the meta. Each dispatch cuts the meta per DP replica with
+:mod:`nemo_rl.algorithms.grpo_step.data_plane`, over either data-plane backend its workers can
+reach (``data_plane.backend``: "ray_object_store" or "transfer_queue"); the name is NeMo RL's,
+from its TransferQueue ("TQ") version. A step's samples are written to the data plane once,
+under keys minted by :class:`~nemo_rl.experience.sync_rollout_actor.SyncRolloutActor`; the
+driver holds the meta. Each dispatch cuts the meta per DP replica with
 :func:`~nemo_rl.data_plane.preshard.shard_meta_for_dp` (the decisions ``shard_by_batch_size``
 makes in memory), every rank fetches its replica's keys from the store, and for logprobs the
 replica leader writes the result back under the same keys (the Ray return is None).
@@ -73,8 +74,10 @@ class TQPolicy(Policy):
     Args:
         *args, **kwargs: those of :class:`Policy`.
         dp_cfg: the ``data_plane`` section (a :class:`DataPlaneConfig` or its ``model_dump()``);
-            its backend must be reachable from the workers ("transfer_queue").
-        tq_partition_id: the training partition (cleared and reused every step).
+            its backend must be reachable from the workers: "ray_object_store" or
+            "transfer_queue" (not "in_process").
+        tq_partition_id: the training partition (cleared and reused every step; NeMo RL's
+            argument name, whatever the backend).
 
     The constructor starts the store on the driver (this object owns it: :meth:`shutdown`
     stops it) and attaches every worker to it.

@@ -1,6 +1,6 @@
 """In which order a distillation run starts its student, teacher and vLLM engines
 (:func:`nemo_rl.algorithms.distillation.setup` through
-:func:`nemo_rl.algorithms.grpo.start_train_and_generation`), with recording stand-ins for the
+:func:`nemo_rl.algorithms.rollout_run.start_train_and_generation`), with recording stand-ins for the
 worker groups: engines colocated on GPUs start only after both models are loaded; otherwise all
 three start at once."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.rm_config import RMMasterConfig
@@ -20,6 +21,7 @@ RECIPES = {
     "dpo": (CONFIGS / "dpo_tiny_cpu.yaml", DPOMasterConfig),
     "rm": (CONFIGS / "rm_tiny_cpu.yaml", RMMasterConfig),
     "grpo": (CONFIGS / "grpo_tiny_cpu.yaml", GRPOMasterConfig),
+    "distillation": (CONFIGS / "distillation_tiny_cpu.yaml", DistillationMasterConfig),
 }
 
 
@@ -93,7 +95,7 @@ def test_only_rm_trains_a_reward_head() -> None:
     assert load_typed_config(path, [], schema).policy.reward_model_cfg.enabled
     message = refusal("rm", "policy.reward_model_cfg.enabled=false")
     assert "policy.reward_model_cfg.enabled=false but `nemo-rl rm` trains a reward model: set it to true" in message
-    for command in ("sft", "dpo", "grpo"):
+    for command in ("sft", "dpo", "grpo", "distillation"):
         message = refusal(command, "policy.reward_model_cfg.enabled=true")
         assert f"policy.reward_model_cfg.enabled=true but `nemo-rl {command}`" in message
         assert "set it to false" in message

@@ -58,7 +58,7 @@ def test_cuda_mode_without_a_gpu_exits_2_with_one_message() -> None:
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_our_overrides_validate_for_every_variant(device: str, tmp_path: Path) -> None:
     from nemo_rl.commands import load_recipe, parse_recipe_command
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     case = bench.CASES["skewed"]
     path = resolve_model_path("tiny-llama")
@@ -127,7 +127,7 @@ def test_parse_args_defaults_and_step_floor() -> None:
 @pytest.fixture(scope="module")
 def early_stop_tiny(tmp_path_factory) -> Path:
     """The tiny Llama stopping with a 3 % probability, built from a copy in a temporary folder."""
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     base = tmp_path_factory.mktemp("stop") / "tiny-llama"
     shutil.copytree(resolve_model_path("tiny-llama"), base)

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nemo_rl.algorithms.grpo_config import DataConfig, GRPOMasterConfig
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rollout_config import DataConfig
 from nemo_rl.data.dataloader import StatefulPromptLoader
 from nemo_rl.data.datasets import (
     PromptDataset,

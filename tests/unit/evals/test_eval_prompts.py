@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.grpo_inputs import load_run_inputs
+from nemo_rl.algorithms.rollout_inputs import load_run_inputs
 from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.evals.eval import prompt_batches
 from nemo_rl.utils.config import load_typed_config

@@ -25,7 +25,7 @@ from megatron_bridge.load import SafetensorsReader
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from nemo_rl.experience.async_rollouts import (
+from nemo_rl.experience.async_engine_rollouts import (
     multi_turn_rollout_for,
     run_async_multi_turn_rollout,
 )
@@ -238,11 +238,14 @@ def rollouts(engine) -> dict[str, Any]:
     env_cls = ray.remote(max_concurrency=4)(HoldingEnvironment)
     holding, plain = env_cls.remote(True), env_cls.remote(False)
     try:
+        turns = max(TURNS.values()) + 1  # the environment ends the episodes
         result = {"async": run_async_multi_turn_rollout(
-            engine["generation"], batch, tokenizer, {"t": holding}, max_seq_len=128, greedy=True
+            engine["generation"], batch, tokenizer, {"t": holding}, max_seq_len=128,
+            max_rollout_turns=turns, greedy=True,
         )}
         result["batched"] = run_multi_turn_rollout(
-            engine["generation"], batch, tokenizer, {"t": plain}, max_seq_len=128, greedy=True
+            engine["generation"], batch, tokenizer, {"t": plain}, max_seq_len=128,
+            max_rollout_turns=turns, greedy=True,
         )
         result["log"] = ray.get(holding.log.remote())
     finally:

@@ -109,7 +109,8 @@ def rollout(setup, task_names, max_seq_len=128):
     recorder = RecordingGeneration(setup["generation"])
     batch = prompts(setup["tokenizer"], task_names)
     out, metrics = run_multi_turn_rollout(
-        recorder, batch, setup["tokenizer"], setup["envs"], max_seq_len=max_seq_len, greedy=True
+        recorder, batch, setup["tokenizer"], setup["envs"], max_seq_len=max_seq_len,
+        max_rollout_turns=TURNS + 1, greedy=True,  # the environment ends the episodes
     )
     return batch, out, metrics, recorder
 

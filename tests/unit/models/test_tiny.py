@@ -13,12 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nemo_rl.models import tiny
-from nemo_rl.models.tiny import (
-    build_tiny_model,
-    default_cache_root,
-    load_hf_model_and_tokenizer,
-    resolve_model_path,
-)
+from nemo_rl.models.tiny import build_tiny_model, default_cache_root
 
 
 @pytest.fixture(scope="module")
@@ -194,49 +189,6 @@ def test_qwen_vocab_variant(tiny_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     logits = model(torch.tensor([[9707, 1879]])).logits
     assert logits.shape == (1, 2, tiny.QWEN2_EMBEDDING_ROWS)
-
-
-def test_resolve_model_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path / "cache"))
-    resolved = resolve_model_path("tiny-llama")
-    assert Path(resolved).parent == tmp_path / "cache" / "tiny_models"
-    assert resolve_model_path(resolved) == resolved
-
-    empty = tmp_path / "not_a_model"
-    empty.mkdir()
-    with pytest.raises(FileNotFoundError, match=str(empty)):
-        resolve_model_path(str(empty))
-    with pytest.raises(FileNotFoundError, match="does_not_exist"):
-        resolve_model_path(str(tmp_path / "does_not_exist"))
-
-
-def test_load_hf_model_and_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NEMO_RL_CACHE_DIR", str(tmp_path))
-    model, tokenizer = load_hf_model_and_tokenizer("tiny-qwen2")
-    assert model.dtype == torch.float32 and not model.training
-    ids = tokenizer("The answer is 19.", return_tensors="pt")["input_ids"]
-    assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
-
-
-def test_hub_name_resolves_to_its_cached_snapshot(
-    hub_tiny_llama: tuple[str, Path], tiny_llama_path: Path
-) -> None:
-    name, snapshot = hub_tiny_llama
-    assert Path(resolve_model_path(name)) == snapshot
-    model, _ = load_hf_model_and_tokenizer(name)
-    reference, _ = load_hf_model_and_tokenizer(str(tiny_llama_path))
-    ids = torch.tensor([[5, 17, 42]])
-    assert torch.equal(model(ids).logits, reference(ids).logits)
-
-
-def test_unknown_hub_name_says_what_to_do(offline_hub_cache: Path) -> None:
-    # Offline mode makes the hub lookup fail at once; without it, a machine with no network
-    # fails the same way after ~45 s of huggingface_hub retries.
-    name = "nemo-rl-test/definitely-not-a-model"
-    with pytest.raises(FileNotFoundError, match="could not provide it") as info:
-        load_hf_model_and_tokenizer(name)
-    assert name in str(info.value) and "local checkpoint folder" in str(info.value)
-    assert info.value.__cause__ is not None
 
 
 def _vllm_greedy(

@@ -7,7 +7,7 @@ rows become engine requests at once, and one stepping task drives the engine whi
 is unfinished. A call that arrives while others are being generated joins the running batch at
 the next engine step (continuous batching) and returns as soon as its own rows finish, so a
 multi-turn rollout can send a sample's next turn while the rest of the batch is still
-generating (:func:`nemo_rl.experience.async_rollouts.run_async_multi_turn_rollout`).
+generating (:func:`nemo_rl.experience.async_engine_rollouts.run_async_multi_turn_rollout`).
 
 Why not ``vllm.v1.engine.async_llm.AsyncLLM``: in vLLM 0.32 it always runs the engine core in a
 spawned process (``AsyncMPClient``; there is no in-process async client), which costs a second

@@ -25,7 +25,7 @@ from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.data_plane import InProcessDataPlane
 from nemo_rl.data_plane.columns import write_columns
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.data_plane_rollout_actor import store_training_fields
+from nemo_rl.experience.sync_rollout_actor import store_training_fields
 from nemo_rl.experience.grouped_rollouts import RolloutCarry, RolloutRunner, training_fields
 from nemo_rl.models.policy.workers.megatron.data_plane_io import fetch_batch
 

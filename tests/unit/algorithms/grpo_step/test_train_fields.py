@@ -16,7 +16,7 @@ from nemo_rl.algorithms.grpo_step.train_fields import train_fields
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.data_plane import InProcessDataPlane
 from nemo_rl.data_plane.columns import write_columns
-from nemo_rl.experience.data_plane_rollout_actor import store_training_fields
+from nemo_rl.experience.sync_rollout_actor import store_training_fields
 from nemo_rl.experience.grouped_rollouts import RolloutCarry, training_fields
 from nemo_rl.models.policy.workers.megatron.data_plane_io import fetch_batch
 

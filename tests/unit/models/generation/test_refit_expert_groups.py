@@ -24,7 +24,7 @@ from nemo_rl.models.generation.refit.expert_groups import (
     group_expert_shapes,
     group_experts,
 )
-from nemo_rl.models.tiny import resolve_model_path
+from nemo_rl.models.model_path import resolve_model_path
 
 
 def _moe_export(experts: int, spelling: str) -> list[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from nemo_rl.models.megatron.context_parallel_attention import (
     ContextParallelDotProductAttention,
     context_parallel_positions,
 )
-from nemo_rl.models.megatron.layer_specs import (
+from nemo_rl.models.megatron.context_parallel_layer_specs import (
     gather_from_context_parallel,
     get_gpt_layer_spec,
     split_for_context_parallel,

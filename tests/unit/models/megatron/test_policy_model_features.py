@@ -16,7 +16,7 @@ from megatron_bridge.parallel_state import (
     find_free_port,
     initialize_megatron_parallel,
 )
-from nemo_rl.models.megatron.layer_specs import get_gpt_layer_spec
+from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_layer_spec
 from random_checkpoints import perturb_norms_and_biases
 
 SIZES = dict(

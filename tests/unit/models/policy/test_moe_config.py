@@ -18,7 +18,7 @@ from nemo_rl.models.policy.workers.megatron.moe import moe_overrides
 
 @pytest.fixture(scope="module")
 def moe_path() -> Path:
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     return Path(resolve_model_path("tiny-qwen3-moe"))
 

@@ -136,7 +136,7 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def moe_path() -> Path:
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     return Path(resolve_model_path("tiny-qwen3-moe"))
 

@@ -28,7 +28,7 @@ from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
-from nemo_rl.models.megatron.layer_specs import get_gpt_stage_spec
+from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_stage_spec
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
 

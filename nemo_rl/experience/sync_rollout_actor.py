@@ -1,6 +1,8 @@
-"""DataPlaneRolloutActor: rollouts whose training fields go straight into the data plane.
+"""SyncRolloutActor: rollouts whose training fields go straight into the data plane.
 
-Run as a Ray actor next to the driver, it rolls a batch of prompts out
+The rollout actor of synchronous GRPO over the data plane (``data_plane.enabled``; async GRPO
+passes its rollouts through the driver), under the name and module path NeMo RL's TQ policy
+interface gives it. Run as a Ray actor next to the driver, it rolls a batch of prompts out
 (:class:`~nemo_rl.experience.grouped_rollouts.RolloutRunner`) and writes each sample's training
 fields to the data plane once, under keys it mints. The driver gets back only a
 :class:`~nemo_rl.data_plane.KVBatchMeta` (keys, lengths) and a
@@ -48,7 +50,7 @@ def store_training_fields(
     return write_columns(client, meta, fields)
 
 
-class DataPlaneRolloutActor:
+class SyncRolloutActor:
     """Rolls prompts out and writes the samples' training fields to the data plane.
 
     Args:

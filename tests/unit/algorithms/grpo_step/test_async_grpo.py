@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.grpo_config import AsyncGRPOConfig
-from nemo_rl.algorithms.grpo_step.async_rollouts import AsyncRollouts, LockedPolicy, ResumeCursor
+from nemo_rl.algorithms.grpo_step.async_grpo import AsyncRollouts, LockedPolicy, ResumeCursor
 from nemo_rl.algorithms.grpo_step.replay_buffer import BufferClosed, ReplayBuffer, Trajectories
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 from nemo_rl.utils.timer import Timer
@@ -179,7 +179,8 @@ def test_closed_buffer_wakes_a_waiting_trainer():
 
 def test_hung_rollout_times_out_is_counted_and_the_loop_goes_on():
     run = FakeRun(hang_on=1)
-    source = run.source(max_age=1, timeout_s=0.5)
+    # the other rollouts return at once: 2 s leaves a slow or loaded host room to run them
+    source = run.source(max_age=1, timeout_s=2.0)
     batches = iter(ResumeCursor(source))
     try:
         results = [run.train(source, batches) for _ in range(4)]

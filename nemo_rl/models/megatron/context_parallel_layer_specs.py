@@ -1,4 +1,8 @@
-"""GPT layer specs for our Megatron models, and the CP split of inputs and outputs.
+"""The policy's GPT layer specs with context-parallel attention, and the CP split of inputs
+and outputs.
+
+The specs are the bridge's (:mod:`megatron_bridge.layer_spec`: the spec of a model stage,
+matching the HF checkpoint's biases) with the local attention kernel made context parallel.
 
 With TransformerEngine importable (GPU machines) megatron's TE spec is used: it has its own
 context-parallel attention. Without it the local spec is used with its ``core_attention``

@@ -70,7 +70,7 @@ def run_async_multi_turn_rollout(
     tokenizer: Any,
     task_to_env: dict[str, EnvironmentInterface],
     max_seq_len: int,
-    max_rollout_turns: int = 999999,
+    max_rollout_turns: int,
     greedy: bool = False,
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """:func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` (same arguments, result,

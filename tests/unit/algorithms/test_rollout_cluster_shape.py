@@ -1,11 +1,12 @@
-"""How a GRPO run divides a node's logical CPUs between its clusters and environments."""
+"""How a rollout-trained run divides a node's logical CPUs between its clusters and
+environments (:func:`nemo_rl.algorithms.rollout_run._cluster_shape`, on GRPO recipes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from nemo_rl.algorithms.grpo import _cluster_shape
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.rollout_run import _cluster_shape
 
 
 def shape(colocated: bool, cpus: int, env: dict | None = None):

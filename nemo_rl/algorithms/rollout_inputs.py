@@ -1,6 +1,8 @@
-"""What a GRPO run reads before anything starts: the model folder, its tokenizer, the prompts.
+"""What a rollout-trained run (GRPO, distillation) reads before anything starts: the model
+folder, its tokenizer, the prompts.
 
-:func:`load_run_inputs` is the first part of :func:`nemo_rl.algorithms.grpo.setup`;
+:func:`load_run_inputs` is the first part of their ``setup`` (then
+:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`);
 :func:`check_run_inputs` runs the same reads for ``nemo-rl launch slurm``, so bad data is
 refused before the job waits in the queue.
 """
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from nemo_rl.algorithms.grpo_config import RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import RolloutMasterConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ def load_run_inputs(cfg: RolloutMasterConfig) -> RunInputs:
     from transformers import AutoTokenizer
 
     from nemo_rl.data.datasets import check_prompt_lengths, setup_datasets
-    from nemo_rl.models.tiny import resolve_model_path
+    from nemo_rl.models.model_path import resolve_model_path
 
     model_path = resolve_model_path(cfg.policy.model_name, field="policy.model_name")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -57,7 +59,7 @@ def check_run_inputs(cfg: RolloutMasterConfig) -> None:
         DataError: as :func:`load_run_inputs`.
     """
     from nemo_rl.data.files import read_data_file
-    from nemo_rl.models.tiny import local_model_path
+    from nemo_rl.models.model_path import local_model_path
 
     if local_model_path(cfg.policy.model_name) is not None:
         load_run_inputs(cfg)
