@@ -1,13 +1,10 @@
-"""A Ray cluster of two nodes on this machine, kept as far apart as two machines would be.
+"""A Ray cluster of two nodes on this machine, kept apart as far as two machines would be.
 
 Two raylets (``ray.cluster_utils.Cluster``: the head and one worker node), each a Ray node of
-its own, differ in everything a process can tell about its machine:
+its own, whose processes differ in what they can tell about their machine:
 
-* address: node 0 advertises 127.0.0.1, node 1 127.0.0.2 (both loopback, so nothing listens
-  beyond this machine; code that hands a peer its own node's address instead of the peer's
-  node's shows up);
 * shared memory: each node's processes see ``NEMO_RL_SHM_DIR`` = a fresh folder under
-  /dev/shm of that node only (made here, removed at teardown): where colocated refit puts its
+  /dev/shm of that node only (made here, removed at teardown), where colocated refit puts its
   buffers, so a buffer of one node is not where the other node's processes look (the refit
   receivers also refuse a buffer handle whose Ray node id is not their own);
 * cores: each node's processes run on their own half of this process's CPU affinity (one core
@@ -15,7 +12,12 @@ its own, differ in everything a process can tell about its machine:
 * a marker, ``NEMO_RL_TEST_NODE`` = ``node0`` / ``node1``, for tests to ask a worker where it is.
 
 The variables reach every worker through the raylet's environment (``add_node(env_vars=)``);
-:func:`two_node_ray` checks on start that a task pinned to each node sees its own. Importable
+:func:`two_node_ray` checks on start that a task pinned to each node sees its own.
+
+Both nodes advertise 127.0.0.1. A second loopback address for node 1 (127.0.0.2) would tell
+the nodes apart by address too, but Ray binds the gRPC servers of a node whose address is not
+127.0.0.1 (its raylet, its workers) and its dashboard agent to every interface (measured with
+Ray 2.60: "::" and 0.0.0.0), and servers a test starts must listen on loopback only. Importable
 as ``two_node_ray``.
 """
 
@@ -34,6 +36,7 @@ import ray
 
 from nemo_rl.distributed.ray_bootstrap import (
     DEFAULT_OBJECT_STORE_BYTES,
+    LOOPBACK,
     local_cluster_settings,
     ray_cluster,
 )
@@ -41,7 +44,6 @@ from nemo_rl.distributed.ray_bootstrap import (
 # Workers cannot import this test helper: its functions travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-NODE_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 SHM_DIR_ENV = "NEMO_RL_SHM_DIR"
 NODE_MARKER_ENV = "NEMO_RL_TEST_NODE"
 
@@ -53,7 +55,6 @@ class TestNode:
     Attributes:
         name: ``node0`` or ``node1`` (its processes' ``NEMO_RL_TEST_NODE``).
         node_id: Ray node id (hex).
-        address: the address the node advertises.
         shm_dir: its processes' ``NEMO_RL_SHM_DIR``.
         cores: the CPU cores its processes may run on.
     """
@@ -62,24 +63,8 @@ class TestNode:
 
     name: str
     node_id: str
-    address: str
     shm_dir: Path
     cores: frozenset[int]
-
-
-@dataclass(frozen=True)
-class TwoNodeCluster:
-    """The running cluster: its GCS ``address`` and its two ``nodes`` (head first)."""
-
-    address: str
-    nodes: tuple[TestNode, TestNode]
-
-    def node(self, node_id: str) -> TestNode:
-        """The node of Ray node id ``node_id``."""
-        for node in self.nodes:
-            if node.node_id == node_id:
-                return node
-        raise KeyError(f"{node_id} is not a node of this cluster ({self.nodes})")
 
 
 def where_am_i() -> dict[str, object]:
@@ -93,32 +78,40 @@ def where_am_i() -> dict[str, object]:
     }
 
 
-def ask_node(node_id: str, timeout_s: float = 60.0) -> dict[str, object]:
-    """:func:`where_am_i` run on the Ray node ``node_id``."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    task = ray.remote(num_cpus=0)(where_am_i).options(scheduling_strategy=strategy)
-    return ray.get(task.remote(), timeout=timeout_s)
-
-
 def _where_this_actor_is(_actor: object) -> dict[str, object]:
     return where_am_i()
 
 
-def actor_nodes(actors: list[ray.actor.ActorHandle], timeout_s: float = 60.0) -> list[str]:
-    """The node (``node0`` / ``node1``) each actor runs on, as the actor's own process tells
-    it (``NEMO_RL_TEST_NODE``), checked against the address of its Ray node.
+@dataclass(frozen=True)
+class TwoNodeCluster:
+    """The running cluster: its GCS ``address`` and its two ``nodes`` (head first)."""
 
-    Raises:
-        RuntimeError: an actor's marker disagrees with its Ray node.
-    """
-    seen = ray.get([a.__ray_call__.remote(_where_this_actor_is) for a in actors], timeout=timeout_s)
-    address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    for where in seen:
-        if where[NODE_MARKER_ENV] != f"node{NODE_ADDRESSES.index(address_of[where['node_id']])}":
-            raise RuntimeError(f"an actor's process sees {where}, on a node of another address")
-    return [str(where[NODE_MARKER_ENV]) for where in seen]
+    address: str
+    nodes: tuple[TestNode, TestNode]
+
+    def ask_node(self, node: TestNode, timeout_s: float = 60.0) -> dict[str, object]:
+        """:func:`where_am_i` of a task run on ``node``."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        task = ray.remote(num_cpus=0)(where_am_i).options(scheduling_strategy=strategy)
+        return ray.get(task.remote(), timeout=timeout_s)
+
+    def nodes_of(self, actors: list[ray.actor.ActorHandle], timeout_s: float = 60.0) -> list[str]:
+        """The node (``node0`` / ``node1``) each actor runs on, as the actor's own process
+        tells it (``NEMO_RL_TEST_NODE``), checked against its Ray node id.
+
+        Raises:
+            RuntimeError: an actor's marker disagrees with its Ray node.
+        """
+        calls = [actor.__ray_call__.remote(_where_this_actor_is) for actor in actors]
+        name_of = {node.node_id: node.name for node in self.nodes}
+        names = []
+        for where in ray.get(calls, timeout=timeout_s):
+            if where[NODE_MARKER_ENV] != name_of.get(str(where["node_id"])):
+                raise RuntimeError(f"an actor's process sees {where}; the nodes are {self.nodes}")
+            names.append(str(where[NODE_MARKER_ENV]))
+        return names
 
 
 def _split_cores() -> tuple[frozenset[int], frozenset[int]]:
@@ -138,10 +131,10 @@ def two_node_ray(cpus_per_node: int = 8, start_timeout_s: float = 60.0) -> Itera
 
     Args:
         cpus_per_node: logical CPUs of each node (may exceed its cores).
-        start_timeout_s: seconds each node may take to register, and the check to answer.
+        start_timeout_s: seconds the nodes may take to register, and each check to answer.
 
     Raises:
-        RuntimeError: a node's processes do not see their node's address, variables or cores.
+        RuntimeError: a node's processes do not see their node's variables or cores.
     """
     from ray.cluster_utils import Cluster
 
@@ -152,23 +145,29 @@ def two_node_ray(cpus_per_node: int = 8, start_timeout_s: float = 60.0) -> Itera
         with local_cluster_settings():
             cluster = Cluster(shutdown_at_exit=True)
             try:
+                node_ids = []
                 for i in (0, 1):
                     # the node's processes inherit the affinity of this thread while it starts them
                     os.sched_setaffinity(0, cores[i])
                     try:
-                        cluster.add_node(
+                        node = cluster.add_node(
                             num_cpus=cpus_per_node,
                             num_gpus=0,
-                            node_ip_address=NODE_ADDRESSES[i],
+                            node_ip_address=LOOPBACK,
                             include_dashboard=False,
                             object_store_memory=DEFAULT_OBJECT_STORE_BYTES,
                             env_vars={SHM_DIR_ENV: str(shm_dirs[i]), NODE_MARKER_ENV: f"node{i}"},
                         )
                     finally:
                         os.sched_setaffinity(0, everywhere)
+                    node_ids.append(node.node_id)
                 cluster.wait_for_nodes(timeout=start_timeout_s)
                 with ray_cluster(address=cluster.address):
-                    yield _checked(cluster.address, shm_dirs, cores, start_timeout_s)
+                    nodes = [
+                        TestNode(f"node{i}", node_ids[i], shm_dirs[i], cores[i]) for i in (0, 1)
+                    ]
+                    yield _checked(TwoNodeCluster(cluster.address, (nodes[0], nodes[1])),
+                                   start_timeout_s)
             finally:
                 cluster.shutdown()
     finally:
@@ -176,24 +175,17 @@ def two_node_ray(cpus_per_node: int = 8, start_timeout_s: float = 60.0) -> Itera
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _checked(
-    address: str, shm_dirs: list[Path], cores: tuple[frozenset[int], ...], timeout_s: float
-) -> TwoNodeCluster:
-    """The cluster's nodes in start order, once each node's processes see their own settings."""
-    alive = [node for node in ray.nodes() if node["Alive"]]
-    by_address = {node["NodeManagerAddress"]: node["NodeID"] for node in alive}
-    nodes = []
-    for i, node_address in enumerate(NODE_ADDRESSES):
-        node = TestNode(f"node{i}", by_address[node_address], node_address, shm_dirs[i], cores[i])
-        seen = ask_node(node.node_id, timeout_s)
+def _checked(cluster: TwoNodeCluster, timeout_s: float) -> TwoNodeCluster:
+    """``cluster``, once a task on each of its nodes sees that node's settings."""
+    for node in cluster.nodes:
+        seen = cluster.ask_node(node, timeout_s)
         expected = {
             "node_id": node.node_id,
-            "address": node.address,
+            "address": LOOPBACK,
             SHM_DIR_ENV: str(node.shm_dir),
             NODE_MARKER_ENV: node.name,
             "cores": sorted(node.cores),
         }
         if seen != expected:
             raise RuntimeError(f"a process on {node.name} sees {seen}, expected {expected}")
-        nodes.append(node)
-    return TwoNodeCluster(address, (nodes[0], nodes[1]))
+    return cluster

@@ -1,5 +1,5 @@
 """GRPO across two Ray nodes of this machine, kept apart as two machines (tests/two_node_ray.py:
-each node has its own address, shared-memory folder, cores and ``NEMO_RL_TEST_NODE``).
+each node has its own shared-memory folder, cores and ``NEMO_RL_TEST_NODE``).
 
 The cluster: every node's processes see their own node's settings, and a ``RayVirtualCluster``
 puts its groups on distinct Ray nodes (refusing more groups than nodes).
@@ -9,12 +9,12 @@ The run: the demo recipe (configs/grpo_tiny_cpu.yaml: its 100-step SFT warm star
 tensor-parallel size 2 (a rank on each node, its TP all-reduces crossing nodes) and generation
 not colocated: one vLLM engine per node, refit every step by the broadcast from the policy's
 rank 0 to both engines. Checks: the ranks and engines really sit on both nodes (asked of their
-own processes), the policy's rendezvous is on rank 0's node; every step is on-policy (ratio 1
-and vLLM's logprobs agree with the policy's, ``token_mult_prob_error`` ~ 1: the refit reached
-the engine of the other node); the sampled training reward rises over 30 steps. On this
-machine (2026-11-28) the mean reward of steps 1-10 is 0.28 and of steps 21-30 0.48 (each mean
-is over 1280 samples, standard error <= 0.014); the test asks for a rise of 0.1, several
-standard errors below the measured rise, so a refit that does not reach the engines, a sign
+own processes); every process of both nodes listens on loopback only; every step is on-policy
+(ratio 1 and vLLM's logprobs agree with the policy's, ``token_mult_prob_error`` ~ 1: every
+refit reached the engine of the other node); the sampled training reward rises over 30 steps.
+On this machine (2026-11-28, the same in two runs) the mean reward of steps 1-10 is 0.275 and
+of steps 21-30 0.484 (each mean is over 1280 samples, standard error <= 0.014); the test asks
+for a rise of 0.1, half the measured one and many standard errors away from no rise, so a sign
 error or a broken advantage fails it.
 
 The colocated run (a policy rank and an engine on each node, the tiny run of 2 steps) also
@@ -36,8 +36,9 @@ from nemo_rl.algorithms.grpo_step import components as grpo_components
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, TooFewNodesError
 from nemo_rl.models.generation.refit import RefitResult, refit_policy_generation
 
+from listening import ListenerScan
 from tiny_grpo import WARMUP, run_grpo, run_recipe_cut, tiny_grpo_config, train_records
-from two_node_ray import NODE_ADDRESSES, TwoNodeCluster, actor_nodes, ask_node
+from two_node_ray import TwoNodeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("two_node_ray_cluster")]
 
@@ -49,20 +50,19 @@ TWO_NODES = ["cluster.num_nodes=2", "cluster.cpu_bundles_per_node=1",
              "policy.megatron_cfg.tensor_model_parallel_size=2"]
 
 
-def test_each_node_sees_its_own_address_shared_memory_and_cores(
+def test_each_node_sees_its_own_shared_memory_folder_and_cores(
     two_node_ray_cluster: TwoNodeCluster,
 ) -> None:
     nodes = two_node_ray_cluster.nodes
-    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-    assert [n.address for n in nodes] == list(NODE_ADDRESSES)
+    assert len({n["NodeID"] for n in ray.nodes() if n["Alive"]} & {n.node_id for n in nodes}) == 2
     assert nodes[0].shm_dir != nodes[1].shm_dir and all(n.shm_dir.is_dir() for n in nodes)
     if len(os.sched_getaffinity(0)) > 1:
         assert not nodes[0].cores & nodes[1].cores
     for node in nodes:
-        seen = ask_node(node.node_id)
-        assert seen["NEMO_RL_TEST_NODE"] == node.name
+        seen = two_node_ray_cluster.ask_node(node)
+        assert seen["node_id"] == node.node_id and seen["NEMO_RL_TEST_NODE"] == node.name
         assert seen["NEMO_RL_SHM_DIR"] == str(node.shm_dir)
-        assert seen["address"] == node.address and seen["cores"] == sorted(node.cores)
+        assert seen["cores"] == sorted(node.cores)
 
 
 def test_virtual_cluster_puts_each_node_group_on_a_ray_node_of_its_own(
@@ -74,8 +74,7 @@ def test_virtual_cluster_puts_each_node_group_on_a_ray_node_of_its_own(
         locations = cluster.get_bundle_locations()
         assert [loc.bundle_index for loc in locations] == [0, 1, 0]
         assert locations[0].node_id == locations[1].node_id != locations[2].node_id
-        address, _ = cluster.get_master_address_and_port()
-        assert address == two_node_ray_cluster.node(locations[0].node_id).address
+        assert {loc.node_id for loc in locations} == {n.node_id for n in two_node_ray_cluster.nodes}
     finally:
         cluster.shutdown()
     with pytest.raises(TooFewNodesError, match=r"needs 3 Ray nodes .* has 2 node\(s\)"):
@@ -83,36 +82,41 @@ def test_virtual_cluster_puts_each_node_group_on_a_ray_node_of_its_own(
 
 
 @pytest.fixture(scope="module")
-def non_colocated_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def non_colocated_run(
+    tmp_path_factory: pytest.TempPathFactory, two_node_ray_cluster: TwoNodeCluster
+) -> dict[str, Any]:
     """The recipe's run on both nodes, generation not colocated: its ``train`` metrics by step
     (``train``), where the policy ranks and the engines ran (``policy_nodes``,
-    ``engine_nodes``) and each rank's rendezvous address (``master_addr``)."""
+    ``engine_nodes``) and the TCP sockets this process tree (both nodes' Ray processes and
+    workers) listened on (``listeners``)."""
     out: dict[str, Any] = {}
 
     def locate(components: Any) -> None:
-        policy = components.policy.worker_group.workers
-        out["policy_nodes"] = actor_nodes(policy)
-        out["engine_nodes"] = actor_nodes(components.generation.engines)
-        out["master_addr"] = ray.get(
-            [w.__ray_call__.remote(lambda _: os.environ["MASTER_ADDR"]) for w in policy]
-        )
+        nodes_of = two_node_ray_cluster.nodes_of
+        out["policy_nodes"] = nodes_of(components.policy.worker_group.workers)
+        out["engine_nodes"] = nodes_of(components.generation.engines)
 
     log_dir = tmp_path_factory.mktemp("two_node_non_colocated") / "logs"
     overrides = [*TWO_NODES, "policy.generation.colocated.enabled=false",
                  "grpo.val_period=0", "grpo.val_at_start=false"]
-    run_recipe_cut(RECIPE, STEPS, log_dir, overrides, on_setup=locate)
+    with ListenerScan(period_s=1.0) as scan:
+        run_recipe_cut(RECIPE, STEPS, log_dir, overrides, on_setup=locate)
     out["train"] = train_records(log_dir)
+    out["listeners"] = scan.seen
     return out
 
 
-def test_policy_ranks_and_engines_sit_on_both_nodes(
-    non_colocated_run: dict[str, Any], two_node_ray_cluster: TwoNodeCluster
-) -> None:
+def test_policy_ranks_and_engines_sit_on_both_nodes(non_colocated_run: dict[str, Any]) -> None:
     policy_nodes = non_colocated_run["policy_nodes"]  # TP rank 0, rank 1
     assert sorted(policy_nodes) == sorted(non_colocated_run["engine_nodes"]) == ["node0", "node1"]
-    # both ranks meet at rank 0's node's address
-    address = {node.name: node.address for node in two_node_ray_cluster.nodes}
-    assert non_colocated_run["master_addr"] == [address[policy_nodes[0]]] * 2
+
+
+def test_both_nodes_listen_on_loopback_only(non_colocated_run: dict[str, Any]) -> None:
+    seen = non_colocated_run["listeners"]
+    exposed = sorted((s.ip, s.port, s.process) for s in seen if not s.loopback)
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+    # a scan that missed the workers cannot pass: it saw the policy's rendezvous store
+    assert [s for s in seen if s.rendezvous_port == s.port], seen
 
 
 def test_every_step_is_on_policy_across_nodes(non_colocated_run: dict[str, Any]) -> None:
@@ -148,7 +152,11 @@ needs_node_rings = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> dict[str, Any]:
+def colocated_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_path: Path,
+    two_node_ray_cluster: TwoNodeCluster,
+) -> dict[str, Any]:
     """The tiny run (SFT warm start, 2 GRPO steps) colocated on both nodes: its ``train``
     metrics by step (``train``), where the policy ranks and engines ran (``policy_nodes``,
     ``engine_nodes``) and every refit's :class:`RefitResult` (``refits``)."""
@@ -160,8 +168,9 @@ def colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Pat
         return result
 
     def locate(components: Any) -> None:
-        out["policy_nodes"] = actor_nodes(components.policy.worker_group.workers)
-        out["engine_nodes"] = actor_nodes(components.generation.engines)
+        nodes_of = two_node_ray_cluster.nodes_of
+        out["policy_nodes"] = nodes_of(components.policy.worker_group.workers)
+        out["engine_nodes"] = nodes_of(components.generation.engines)
 
     log_dir = tmp_path_factory.mktemp("two_node_colocated") / "logs"
     cfg = tiny_grpo_config(log_dir, tiny_llama_path, grpo={"max_num_steps": 2}, colocated=True,
