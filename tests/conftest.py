@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from held_across_tests import hold, release_unused
 from nemo_rl.models.tiny import build_tiny_model
+
+if TYPE_CHECKING:
+    import two_node_ray
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +55,18 @@ def hold_local_ray_8cpu() -> None:
     from nemo_rl.distributed.ray_bootstrap import ray_cluster
 
     hold("local_ray_8cpu", lambda: ray_cluster(num_cpus=8))
+
+
+@pytest.fixture(scope="module")
+def two_node_ray_cluster() -> two_node_ray.TwoNodeCluster:
+    """A Ray cluster of two nodes on this machine, kept apart as two machines
+    (``two_node_ray``: own address, ``NEMO_RL_SHM_DIR``, cores and ``NEMO_RL_TEST_NODE`` per
+    node), 8 logical CPUs each; held across consecutive tests that use it, like
+    ``local_ray_8cpu`` (one cluster serves every two-node test), stopped once the next test
+    does not use it. Runs inside it (``tiny_grpo.run_grpo``) reuse its connection."""
+    import two_node_ray
+
+    return hold("two_node_ray_cluster", two_node_ray.two_node_ray)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,9 +1,11 @@
 """The tiny GRPO run the functional tests share: tiny Llama, 4 prompts x 2 generations,
-float32, 64-token sequences, a local 8-CPU Ray; and the greedy continuations of a saved policy
-folder, the reference for what an exported checkpoint generates. Importable as ``tiny_grpo``."""
+float32, 64-token sequences, a local 8-CPU Ray (or 8 CPUs per node of a running cluster); and
+the greedy continuations of a saved policy folder, the reference for what an exported
+checkpoint generates. Importable as ``tiny_grpo``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.grpo_step.components import GRPOComponents
 from nemo_rl.algorithms.rollout_run import shutdown
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.utils.config import load_typed_config
@@ -24,12 +27,14 @@ def tiny_grpo_config(
     grpo: dict[str, Any] | None = None,
     colocated: bool = True,
     tensor_parallel: int = 1,
+    num_nodes: int = 1,
     **sections: Any,
 ) -> GRPOMasterConfig:
     """The tiny run logging to ``log_dir``; ``grpo`` keys override the loop's, ``sections``
-    add whole top-level sections (``sft_warmup``, ``checkpointing``, ``data_plane``...);
-    ``tensor_parallel`` is both the policy's and each vLLM engine's TP size, on that many
-    CPU bundles."""
+    add whole top-level sections (``sft_warmup``, ``checkpointing``, ``data_plane``...).
+    The policy's TP size ``tensor_parallel`` spans that many CPU bundles, split evenly over
+    ``num_nodes`` nodes; each node's bundles run one vLLM engine (TP = bundles per node)."""
+    per_node = tensor_parallel // num_nodes
     return GRPOMasterConfig.model_validate(
         {
             "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, **(grpo or {})},
@@ -48,11 +53,13 @@ def tiny_grpo_config(
                     "vllm_cfg": {
                         "precision": "float32", "max_model_len": 64,
                         "kv_cache_memory_bytes": 16 * 1024**2, "enforce_eager": True,
-                        "tensor_parallel_size": tensor_parallel,
+                        "tensor_parallel_size": per_node,
                     },
                 },
             },
-            "cluster": {"cpus_per_node": 8, "cpu_bundles_per_node": tensor_parallel},
+            "cluster": {
+                "cpus_per_node": 8, "num_nodes": num_nodes, "cpu_bundles_per_node": per_node,
+            },
             "logger": {"log_dir": str(log_dir), "console_enabled": False},
             **sections,
         }
@@ -79,20 +86,32 @@ def warm_started_config(
     )
 
 
-def run_grpo(cfg: GRPOMasterConfig) -> dict[str, float]:
+def run_grpo(
+    cfg: GRPOMasterConfig, on_setup: Callable[[GRPOComponents], None] | None = None
+) -> dict[str, float]:
     """Set up, train and tear down (components, then the local Ray unless one was running
-    before, e.g. the ``local_ray_8cpu`` fixture's) one GRPO run; its final metrics."""
+    before, e.g. the ``local_ray_8cpu`` fixture's) one GRPO run; its final metrics.
+    ``on_setup`` sees the components before training (to ask the workers where they run)."""
     with ray_cluster(num_cpus=cfg.cluster.cpus_per_node):
         components = setup(cfg)
         try:
+            if on_setup is not None:
+                on_setup(components)
             return grpo_train(components)
         finally:
             shutdown(components)
 
 
-def run_recipe_cut(recipe: Path, steps: int, log_dir: Path) -> list[dict[str, Any]]:
+def run_recipe_cut(
+    recipe: Path,
+    steps: int,
+    log_dir: Path,
+    overrides: Sequence[str] = (),
+    on_setup: Callable[[GRPOComponents], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run the GRPO ``recipe`` for ``steps`` steps, validating at the start and at the end, no
-    checkpoints, logging only to ``log_dir``; its metric records."""
+    checkpoints, logging only to ``log_dir``, then the command-line ``overrides`` (which win);
+    its metric records. ``on_setup`` as in :func:`run_grpo`."""
     cfg = load_typed_config(
         recipe,
         [
@@ -102,10 +121,11 @@ def run_recipe_cut(recipe: Path, steps: int, log_dir: Path) -> list[dict[str, An
             f"logger.log_dir={log_dir}",
             "logger.console_enabled=false",
             "logger.tensorboard_enabled=false",
+            *overrides,
         ],
         GRPOMasterConfig,
     )
-    run_grpo(cfg)
+    run_grpo(cfg, on_setup)
     return read_metrics_jsonl(log_dir / "metrics.jsonl")
 
 

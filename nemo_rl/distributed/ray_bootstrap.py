@@ -237,6 +237,23 @@ def _loopback_node_ip() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+@contextlib.contextmanager
+def local_cluster_settings() -> Iterator[None]:
+    """Within the block, Ray processes started on this machine by other means than
+    :func:`init_ray` (``ray.cluster_utils.Cluster`` nodes in tests) get the settings of a local
+    cluster: :data:`_LOCAL_CLUSTER_ENV` exported (unless the user set those variables; what
+    was added is removed at exit) and node addresses kept on loopback. Keep the block open
+    while such a cluster runs and this process is connected to it."""
+    added = [name for name in _LOCAL_CLUSTER_ENV if name not in os.environ]
+    os.environ.update({name: _LOCAL_CLUSTER_ENV[name] for name in added})
+    try:
+        with _loopback_node_ip():
+            yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def shutdown_ray() -> None:
     """Undo one :func:`init_ray` call; the last open one disconnects from (and, if ``init_ray``
     started it, stops) the Ray cluster.

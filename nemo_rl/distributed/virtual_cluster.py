@@ -1,8 +1,11 @@
 """A slice of a Ray cluster reserved as placement groups: one group of bundles per node.
 
 A bundle is the resources of one worker slot: ``{"CPU": num_cpus_per_bundle}`` plus
-``{"GPU": 1}`` when GPUs are used. Bundles are numbered in node order (all bundles of node 0,
-then node 1, ...); worker groups place rank ``r`` on bundle ``r``. Several worker groups (e.g.
+``{"GPU": 1}`` when GPUs are used. Each node's group is packed on one Ray node and no two
+groups of a cluster share a Ray node (``cluster.num_nodes`` means machines, also when one node
+could hold every bundle, as logical CPUs can); a Ray cluster with fewer nodes than groups is
+refused. Bundles are numbered in node order (all bundles of node 0, then node 1, ...); worker
+groups place rank ``r`` on bundle ``r``. Several worker groups (e.g.
 colocated training and generation) can share the bundles: each of their workers then asks for
 ``1 / max_colocated_worker_groups`` of a bundle. The cluster counts the groups on each bundle
 (:meth:`RayVirtualCluster.claim_bundles`), so a group that would not fit fails when it is built
@@ -14,17 +17,27 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.cpu_threads import bundle_threads, node_cores
+from nemo_rl.utils.errors import InputError
 
 logger = logging.getLogger(__name__)
+
+# Label every Ray node carries with its node id; a bundle label selector on it keeps a
+# placement group off (or on) given nodes.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+class TooFewNodesError(InputError, ValueError):
+    """The Ray cluster has fewer nodes able to hold a bundle than the cluster has groups."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,8 @@ def _address_and_free_port() -> tuple[str, int]:
 
 
 class RayVirtualCluster:
-    """Placement groups reserving ``bundle_ct_per_node_list[i]`` bundles on node ``i``.
+    """Placement groups reserving ``bundle_ct_per_node_list[i]`` bundles on node ``i``, a Ray
+    node of its own for each ``i``.
 
     Placement groups are created (and awaited) in the constructor; on timeout the ones already
     made are removed again and a ``TimeoutError`` says what was requested and what Ray has free.
@@ -72,6 +86,8 @@ class RayVirtualCluster:
 
     Raises:
         ValueError: a malformed argument (the message names it).
+        TooFewNodesError: fewer Ray nodes can hold a bundle than ``bundle_ct_per_node_list``
+            has entries.
         TimeoutError: the placement groups could not be placed in time.
     """
 
@@ -138,32 +154,51 @@ class RayVirtualCluster:
         return bundle
 
     def _create_placement_groups(self, timeout_s: float) -> None:
-        # One placement group per node. On a multi-node Ray cluster STRICT_PACK keeps each group
-        # on a single node, so bundle order follows nodes; on one node PACK is equivalent.
-        alive_nodes = sum(1 for node in ray.nodes() if node["Alive"])
-        strategy = "STRICT_PACK" if alive_nodes > 1 else "PACK"
-        for i, count in enumerate(self.bundle_ct_per_node_list):
-            self._placement_groups.append(
-                ray.util.placement_group(
-                    [self._bundle() for _ in range(count)],
-                    strategy=strategy,
-                    name=f"{self.name}-node{i}" if self.name else "",
-                )
+        # One STRICT_PACK placement group per node, each kept off the Ray nodes of the groups
+        # placed before it, so that group i is node i: bundle order follows nodes. The groups
+        # are placed one after another (each needs its predecessors' nodes).
+        nodes = _nodes_holding(self._bundle())
+        groups = len(self.bundle_ct_per_node_list)
+        if len(nodes) < groups:
+            raise TooFewNodesError(
+                f"RayVirtualCluster{f' {self.name!r}' if self.name else ''} needs {groups} "
+                f"Ray nodes (bundle_ct_per_node_list={self.bundle_ct_per_node_list}: one node "
+                f"each, cluster.num_nodes) but the Ray cluster has {len(nodes)} node(s) able to "
+                f"hold a bundle of {self._bundle()}. Set cluster.num_nodes={len(nodes)} (with "
+                f"more bundles per node), or start Ray on {groups} nodes (nemo-rl launch slurm)."
             )
-        try:
-            ray.get([pg.ready() for pg in self._placement_groups], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as err:
-            free = _base_resources(ray.available_resources())
-            total = _base_resources(ray.cluster_resources())
-            self.shutdown()
-            raise TimeoutError(
-                f"RayVirtualCluster{f' {self.name!r}' if self.name else ''} could not place "
-                f"{len(self.bundle_ct_per_node_list)} placement group(s) with "
-                f"{self.bundle_ct_per_node_list} bundles of {self._bundle()} ({strategy}, total "
-                f"{self._requested_total()}) within {timeout_s:g} s. Ray has {free} available of "
-                f"{total} on {alive_nodes} node(s). Ask for fewer bundles or CPUs per bundle, or "
-                f"add nodes."
-            ) from err
+        deadline = time.monotonic() + timeout_s
+        taken: list[str] = []
+        for i, count in enumerate(self.bundle_ct_per_node_list):
+            selector = [{NODE_ID_LABEL: f"!in({','.join(taken)})"}] * count if taken else None
+            pg = ray.util.placement_group(
+                [self._bundle() for _ in range(count)],
+                strategy="STRICT_PACK",
+                name=f"{self.name}-node{i}" if self.name else "",
+                bundle_label_selector=selector,
+            )
+            self._placement_groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError as err:
+                self._placement_timeout(i, len(nodes), timeout_s, err)
+            taken.append(ray.util.placement_group_table(pg)["bundles_to_node_id"][0])
+
+    def _placement_timeout(
+        self, group: int, nodes: int, timeout_s: float, err: Exception
+    ) -> NoReturn:
+        """Remove the groups made so far and raise the TimeoutError saying what Ray has free."""
+        free = _base_resources(ray.available_resources())
+        total = _base_resources(ray.cluster_resources())
+        self.shutdown()
+        raise TimeoutError(
+            f"RayVirtualCluster{f' {self.name!r}' if self.name else ''} could not place "
+            f"{len(self.bundle_ct_per_node_list)} placement group(s) with "
+            f"{self.bundle_ct_per_node_list} bundles of {self._bundle()} (STRICT_PACK, each on a "
+            f"node of its own, total {self._requested_total()}) within {timeout_s:g} s: group "
+            f"{group} found no room. Ray has {free} available of {total} on {nodes} node(s). "
+            f"Ask for fewer bundles or CPUs per bundle, or add nodes."
+        ) from err
 
     def _requested_total(self) -> dict[str, float]:
         bundles = self.world_size()
@@ -278,6 +313,16 @@ class RayVirtualCluster:
             f"RayVirtualCluster(name={self.name!r}, bundles={self.bundle_ct_per_node_list}, "
             f"bundle={self._bundle()}, colocated={self.max_colocated_worker_groups})"
         )
+
+
+def _nodes_holding(bundle: dict[str, float]) -> list[str]:
+    """Ids of the alive Ray nodes whose total resources hold one ``bundle``."""
+    return [
+        node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"]
+        and all(node["Resources"].get(key, 0.0) >= value for key, value in bundle.items())
+    ]
 
 
 def _base_resources(resources: dict[str, Any]) -> dict[str, float]:

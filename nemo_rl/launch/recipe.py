@@ -37,11 +37,12 @@ class RecipeShape:
 
 def grpo_shape(cfg: GRPOMasterConfig) -> RecipeShape:
     """Nodes of a GRPO run: ``cluster.num_nodes``, twice that when generation is not colocated
-    (``nemo_rl.algorithms.rollout_run.start_rollout_run`` then gives the vLLM engines a cluster
-    of the same shape of their own)."""
+    on GPUs (``nemo_rl.algorithms.rollout_run.start_rollout_run`` then gives the vLLM engines a
+    cluster of the same shape of their own, whose bundles take every GPU of their nodes). On CPU
+    the two clusters share the nodes: each node's logical CPUs are split between them."""
     nodes = cfg.cluster.num_nodes
     reason = f"cluster.num_nodes={nodes}"
-    if not cfg.policy.generation.colocated.enabled:
+    if not cfg.policy.generation.colocated.enabled and cfg.cluster.gpus_per_node > 0:
         nodes *= 2
         reason += " x 2 for policy.generation.colocated.enabled=false"
     return RecipeShape(nodes=nodes, gpus_per_node=cfg.cluster.gpus_per_node, reason=reason)

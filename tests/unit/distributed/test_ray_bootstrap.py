@@ -18,6 +18,7 @@ from nemo_rl.distributed.ray_bootstrap import (
     RayHandle,
     _loopback_node_ip,
     init_ray,
+    local_cluster_settings,
     ray_cluster,
     shutdown_ray,
 )
@@ -122,6 +123,21 @@ def test_ray_started_elsewhere_is_left_alone(
     shutdown_ray()
     assert ray.is_initialized()
     ray.shutdown()
+
+
+def test_local_cluster_settings_hold_inside_the_block_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray._private import ray_constants
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # the user's value is kept
+    flag = ray_constants.ENABLE_RAY_CLUSTER
+    with local_cluster_settings():
+        assert os.environ["RAY_AUTH_MODE"] == "disabled"
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
+        assert ray_constants.ENABLE_RAY_CLUSTER is False  # node addresses stay on loopback
+    assert "RAY_AUTH_MODE" not in os.environ
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
+    assert ray_constants.ENABLE_RAY_CLUSTER is flag
 
 
 def test_unreachable_address_raises_connection_error(no_ray_address: None) -> None:

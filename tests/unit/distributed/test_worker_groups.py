@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import LOOPBACK
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, TooFewNodesError
 from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env, start_together
 
 pytestmark = pytest.mark.slow
@@ -134,18 +134,17 @@ def _wait_for_free_cpus(expected: float, limit_s: float = 20.0) -> float:
 
 def test_cluster_reserves_bundles_and_finds_a_master_port(local_ray_8cpu: None) -> None:
     free_before = _wait_for_free_cpus(8.0)
-    cluster = RayVirtualCluster([2, 1], use_gpus=False, num_cpus_per_bundle=1.5, name="small")
+    cluster = RayVirtualCluster([3], use_gpus=False, num_cpus_per_bundle=1.5, name="small")
     try:
         assert cluster.world_size() == 3
         groups = cluster.get_placement_groups()
-        assert [pg.bundle_count for pg in groups] == [2, 1]
-        assert [pg.bundle_specs for pg in groups] == [[{"CPU": 1.5}] * 2, [{"CPU": 1.5}]]
+        assert [pg.bundle_specs for pg in groups] == [[{"CPU": 1.5}] * 3]
         assert _wait_for_free_cpus(free_before - 4.5) == free_before - 4.5
         locations = cluster.get_bundle_locations()
         assert [(loc.placement_group, loc.bundle_index) for loc in locations] == [
             (groups[0], 0),
             (groups[0], 1),
-            (groups[1], 0),
+            (groups[0], 2),
         ]
         address, port = cluster.get_master_address_and_port()
         assert address == LOOPBACK and 1024 <= port < 65536
@@ -163,6 +162,14 @@ def test_cluster_larger_than_ray_fails_in_bounded_time(local_ray_8cpu: None) -> 
         )
     mine = [e for e in ray.util.placement_group_table().values() if e["name"] == "huge-node0"]
     assert len(mine) == 1 and mine[0]["state"] == "REMOVED"
+
+
+def test_cluster_of_more_nodes_than_ray_has_is_refused(local_ray_8cpu: None) -> None:
+    # one Ray node could hold both groups' bundles, but a group is a node
+    with pytest.raises(TooFewNodesError, match=r"'pair' needs 2 Ray nodes .* has 1 node\(s\) "
+                       r".*cluster.num_nodes=1"):
+        RayVirtualCluster([1, 1], use_gpus=False, num_cpus_per_bundle=1.0, name="pair")
+    assert not [e for e in ray.util.placement_group_table().values() if e["name"] == "pair-node0"]
 
 
 def test_cluster_rejects_bad_arguments(local_ray_8cpu: None) -> None:

@@ -114,6 +114,13 @@ def test_recipe_gives_nodes_and_gpus() -> None:
          "policy.train_micro_batch_size=8"],  # DP 16: 128 / 16 = 8 samples per rank
     )
     assert (gpus.nodes, gpus.gpus_per_node) == (4, 8)  # generation gets 2 nodes of its own
+    # on CPU both clusters share each node's logical CPUs
+    cpus = resolve_shape(
+        SlurmLaunchConfig(),
+        ["nemo-rl", "grpo", "--config", TINY, "cluster.num_nodes=2",
+         "policy.generation.colocated.enabled=false"],
+    )
+    assert (cpus.nodes, cpus.gpus_per_node) == (2, 0)
 
 
 def test_recipe_mismatch_and_bad_recipes_fail_before_submission() -> None:
