@@ -22,6 +22,7 @@ and raises then.
 from __future__ import annotations
 
 import pickle
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -93,7 +94,8 @@ class RefitCollective:
             return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, options)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+        address = _own_address(ip, self.rank)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
         return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, options)
 
     # ------------------------------------------------------------------ primitives
@@ -234,3 +236,22 @@ class RefitCollective:
                 pass
         self._group = None
         self._store = None
+
+
+def _own_address(group_ip: str, rank: int) -> str:
+    """The address this rank's gloo pairs bind: rank 0's is the group's (its node's); every
+    other rank binds its own node's (Ray's address of this node; a process outside Ray joining
+    a loopback group binds loopback, else the address its hostname resolves to), since a
+    process can only bind addresses of its own machine."""
+    if rank == 0:
+        return group_ip
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    if group_ip.startswith("127.") or group_ip == "localhost":
+        return group_ip
+    return socket.gethostbyname(socket.gethostname())
