@@ -137,6 +137,9 @@ def report(label: str, m: Measurement, args: argparse.Namespace) -> dict[str, fl
     print(f"== {label}")
     print(f"stream: {nbytes / 1e9:.3f} GB {args.precision} in {m.num_buckets} buckets of "
           f"{args.bucket_mb} MiB; versions {[r.version for r in runs]}")
+    staged = runs[0].staging_bytes
+    print(f"staged at once: the ring's {staged / 1e6:.1f} MB ({staged / nbytes:.2f} of the "
+          "stream; two slots of the largest bucket)")
     print(f"memcpy of the same bytes (median of {args.repeats}, each right before a refit): "
           f"1 thread {statistics.median(m.memcpy_1) / 1e9:.2f} GB/s, "
           f"2 threads {statistics.median(m.memcpy_2) / 1e9:.2f} GB/s")

@@ -31,6 +31,8 @@ from nemo_rl.experience.async_engine_rollouts import (
 )
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.refit.interfaces import RefitSettings
+from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
 from nemo_rl.models.generation.vllm.async_generation import AsyncVllmGeneration, vllm_generation
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
@@ -206,21 +208,29 @@ def test_per_request_greedy_equals_batched_before_and_after_a_reload(engine, tin
         per_request(generation, data)
     generation.prepare_for_generation()
 
-    # weights loaded as a refit commits them (other weights: the lm_head doubled), then back
+    # weights loaded by a refit (other weights: the lm_head doubled), then back
     reader = SafetensorsReader(str(tiny_llama_path))
     weights = {name: reader.read(name) for name in reader.names()}
     doubled = {n: t * 2 if n == "lm_head.weight" else t for n, t in weights.items()}
 
-    def load(named: dict[str, torch.Tensor]) -> None:
-        worker = generation.worker_group.workers[0]
-        ray.get(worker.__ray_call__.remote(lambda w: w._load_weights(iter(named.items()))))
+    from vllm_engine_state import colocated_refit  # a test helper: Ray workers lack tests/
 
-    load(doubled)
-    changed = batched_llm_generate(generation, data)
-    assert not torch.equal(changed["logprobs"], reference["logprobs"])
-    assert_rows_equal(changed, per_request(generation, data))
-    load(weights)
-    assert_rows_equal(reference, per_request(generation, data))
+    current = dict(weights)
+    settings = RefitSettings(1 << 20, None, timeout_s=60.0, checksums=False)
+    sender = RefitSender(lambda dtype: iter(current.items()), 0, True, torch.device("cpu"),
+                         settings)
+    try:
+        generation.prepare_refit_info(sender.prepare_refit_info())
+        current.update(doubled)
+        colocated_refit(sender, generation)  # the engine's refit verb, as the driver calls it
+        changed = batched_llm_generate(generation, data)
+        assert not torch.equal(changed["logprobs"], reference["logprobs"])
+        assert_rows_equal(changed, per_request(generation, data))
+        current.update(weights)
+        colocated_refit(sender, generation)
+        assert_rows_equal(reference, per_request(generation, data))
+    finally:
+        sender.close()
 
 
 @pytest.fixture(scope="module")

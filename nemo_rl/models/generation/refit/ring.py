@@ -175,7 +175,11 @@ class Ring:
     # ------------------------------------------------------------------ writer
 
     def start_writing(self) -> None:
-        """Register this process as the ring's writer."""
+        """Register this process as the ring's writer and forget the readers of earlier
+        streams (a reader registers when it starts reading; a process that read an earlier
+        stream and has since ended must not count as a dead reader of the next one). Call it
+        before handing the ring to the readers of a stream."""
+        self._control[_FIRST_READER_PID:].zero_()
         self._write(self._control[_WRITER_PID], os.getpid())
 
     def _dead_readers(self) -> str | None:

@@ -121,6 +121,7 @@ class RefitSender:
         if self._ring is None or self._ring[1].spec != spec:
             self._close_ring()
             self._ring = create_ring(spec, self.device, f"policy rank {self.rank}")
+        self._ring[1].start_writing()
         return IpcStream(
             ring_handle(self._ring[0], spec, f"policy rank {self.rank}"),
             self.version, layout.bucket_bytes, layout.plan(),

@@ -84,6 +84,16 @@ class VllmGenerationWorker:
         self.seed = seed
         self.sleep_mode = use_gpu and config.colocated.enabled
         self.llm: Any = None  # built by start_engine, on each replica's rank 0 only
+        self.last_load_path: LoadPath | None = None  # how the last refit was loaded
+        # Load refits through vLLM's reload path even where loading in place is exact (tests
+        # and debugging: both paths on any host).
+        self.force_reload = False
+        self.receiver = RefitReceiver(
+            self._load_stream,
+            device=torch.device("cuda") if use_gpu else torch.device("cpu"),
+            tensor_parallel_size=config.vllm_cfg.tensor_parallel_size,
+            expected_shapes=_checkpoint_shapes(model_path),
+        )
 
     def device_ids(self) -> list[str]:
         """The GPU ids Ray gave this actor (empty on CPU); an engine spanning several bundles
@@ -137,16 +147,6 @@ class VllmGenerationWorker:
         stop_ids = list(config.stop_token_ids or []) + ([eos] if eos is not None else [])
         self.stop_token_ids: list[int] = list(dict.fromkeys(stop_ids))
         self.asleep = False
-        self.last_load_path: LoadPath | None = None  # how the last refit was loaded
-        # Load refits through vLLM's reload path even where loading in place is exact (tests
-        # and debugging: both paths on any host).
-        self.force_reload = False
-        self.receiver = RefitReceiver(
-            self._load_stream,
-            device=torch.device("cuda") if self.use_gpu else torch.device("cpu"),
-            tensor_parallel_size=tp,
-            expected_shapes=_checkpoint_shapes(self.model_path),
-        )
         return True
 
     @property
