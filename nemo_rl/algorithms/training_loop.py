@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel
 
+from nemo_rl.utils.fault_injection import enter_step
 from nemo_rl.utils.run_config import check_resume, save_run_config
 from nemo_rl.utils.run_stop import RunStopped, StopGuard
 
@@ -230,6 +231,7 @@ def train_loop(
     batches = iter(parts.train_loader)
     while step < parts.max_num_steps:
         started = time.monotonic()
+        enter_step(step + 1)  # test-only fault injection: faults armed for this step
         with logger.step_progress(step + 1, parts.max_num_steps, timer):
             last = step_fn(batches)
         step += 1
