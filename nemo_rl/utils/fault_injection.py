@@ -26,8 +26,7 @@ Points and their actions:
     stream before publishing the bucket, as one that failed mid-stream.
     ``generation.generate`` (context ``replica``: the engine's index), on the engine's actor
     before it generates: ``kill`` ends the actor's process with SIGKILL (an operator's
-    ``kill -9`` of it); ``kill_rank`` SIGKILLs the last of the engine's tensor-parallel rank
-    processes instead and generates on (vLLM fails the call).
+    ``kill -9`` of it).
     ``generation.refit`` (context ``replica``, ``verb``: the weight-sync verb), on the engine's
     actor before it runs the verb: ``kill`` as above.
     ``environment.step`` (context ``env``: the environment's class name), on the environment's

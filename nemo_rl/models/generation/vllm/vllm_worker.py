@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -334,15 +332,6 @@ class VllmGenerationWorker:
         action = fault_at(point, replica=int(os.environ.get("NEMO_RL_DP_RANK", 0)), **context)
         if action == "kill":
             kill_this_process()
-        elif action == "kill_rank":
-            ranks = sorted(
-                (p for p in psutil.Process().children() if p.name().startswith("VLLM::Worker")),
-                key=lambda p: p.name(),
-            )
-            if not ranks:
-                raise RuntimeError("kill_rank: this engine has no rank processes (TP = 1)")
-            ranks[-1].send_signal(signal.SIGKILL)
-            ranks[-1].wait(timeout=30)
 
     def report_weight_version(self) -> int:
         """The version of the last refit this engine loaded in full (0: the checkpoint's)."""
