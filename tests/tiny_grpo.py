@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup
@@ -136,6 +137,18 @@ def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
         for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
         if r["prefix"] == "train"
     }
+
+
+def assert_same_steps(
+    records: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range
+) -> None:
+    """``loss``, ``grad_norm`` and ``reward`` of ``steps`` in ``records`` (a resumed or
+    interrupted run's :func:`train_records`) equal ``expected``'s (the uninterrupted run's)."""
+    for step in steps:
+        for name in ("loss", "grad_norm", "reward"):
+            assert records[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
+                step, name
+            )
 
 
 def megatron_greedy(

@@ -34,7 +34,13 @@ from nemo_rl.utils.config import config_to_yaml
 from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
 from file_modes import current_umask, modes_against_umask
-from tiny_grpo import WARM_RUN_STEPS, run_grpo, train_records, warm_started_config
+from tiny_grpo import (
+    WARM_RUN_STEPS,
+    assert_same_steps,
+    run_grpo,
+    train_records,
+    warm_started_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +52,6 @@ def uninterrupted(warm_colocated_run) -> dict[int, dict[str, float]]:
     """Train metrics by step of the uninterrupted run: the session's ``warm_colocated_run``
     (STEPS steps after the warm start, saving every step), shared with test_grpo.py."""
     return train_records(warm_colocated_run / "logs")
-
-
-def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
-    for step in steps:
-        for name in ("loss", "grad_norm", "reward"):
-            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
-                step, name
-            )
 
 
 def test_checkpoints_have_the_modes_the_umask_gives(warm_colocated_run) -> None:

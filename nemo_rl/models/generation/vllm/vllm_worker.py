@@ -210,7 +210,9 @@ class VllmGenerationWorker:
             RuntimeError: the worker is asleep.
             RefitError: the engine holds the weights of a refit that broke off.
         """
-        self._inject_fault("generation.generate")
+        replica = int(os.environ.get("NEMO_RL_DP_RANK", 0))
+        if fault_at("generation.generate", replica=replica) == "kill":  # tests only
+            kill_this_process()
         if self.asleep:
             raise RuntimeError(
                 "the vLLM worker is asleep; call prepare_for_generation() before generate()"
@@ -324,14 +326,7 @@ class VllmGenerationWorker:
         """Run one verb of the weight-sync protocol on this engine's
         :class:`~nemo_rl.models.generation.refit.receiver.RefitReceiver` (verbs and their
         arguments: :class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`)."""
-        self._inject_fault("generation.refit", verb=verb)
         return call_verb(self.receiver, RECEIVER_VERBS, verb, *args)
-
-    def _inject_fault(self, point: str, **context: Any) -> None:
-        """Test-only faults of this engine (:mod:`nemo_rl.utils.fault_injection`)."""
-        action = fault_at(point, replica=int(os.environ.get("NEMO_RL_DP_RANK", 0)), **context)
-        if action == "kill":
-            kill_this_process()
 
     def report_weight_version(self) -> int:
         """The version of the last refit this engine loaded in full (0: the checkpoint's)."""
