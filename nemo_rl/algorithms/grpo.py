@@ -31,7 +31,10 @@ from nemo_rl.algorithms.grpo_step.async_grpo import (
 )
 from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
-from nemo_rl.algorithms.grpo_step.engine_recovery import redo_on_engine_death
+from nemo_rl.algorithms.grpo_step.engine_recovery import (
+    redo_on_engine_death,
+    stop_naming_the_checkpoint,
+)
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import generate_groups, grpo_step, validate
@@ -236,9 +239,13 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
 
         return redo_on_engine_death(components, attempt, source.refit_after_restart)
 
+    def refit() -> None:
+        with stop_naming_the_checkpoint(components):  # an engine that died and stays dead
+            refit_policy_generation(components.policy, generation, colocated=False)
+
     source = AsyncRollouts(
         roll_out,
-        refit=lambda: refit_policy_generation(components.policy, generation, colocated=False),
+        refit=refit,
         loader=components.train_loader,
         sampling_step=lambda: generation.sampling_step,
         cfg=components.cfg.grpo.async_grpo,

@@ -19,7 +19,8 @@ EngineFault`: one line naming the engine, its node and the newest checkpoint, ex
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from nemo_rl.algorithms.rollout_run import RolloutComponents
@@ -53,14 +54,13 @@ def redo_on_engine_death(
     sampling_step = generation.sampling_step
     while True:
         try:
-            return attempt()
-        except EngineFault as fault:  # a refit's restart that failed, or went past the bound
-            raise EngineFault(f"{fault}; {resume_hint(components.checkpointer)}") from fault
-        except Exception as err:
-            try:
+            with stop_naming_the_checkpoint(components):  # a refit's restart may stop the run
+                return attempt()
+        except EngineFault:
+            raise
+        except Exception:
+            with stop_naming_the_checkpoint(components):
                 restarted = generation.restart_dead_engines()
-            except EngineFault as fault:
-                raise EngineFault(f"{fault}; {resume_hint(components.checkpointer)}") from err
             if not restarted:
                 raise
             logger.warning(
@@ -81,6 +81,20 @@ def refit_after_restart(components: RolloutComponents) -> None:
     if components.cfg.policy.generation.colocated.enabled:
         components.policy.prepare_for_training()
     components.generation_stale = True
+
+
+@contextmanager
+def stop_naming_the_checkpoint(components: RolloutComponents) -> Iterator[None]:
+    """An :class:`EngineFault` raised in the body gets the newest checkpoint added to its
+    message (:func:`resume_hint`), once."""
+    try:
+        yield
+    except EngineFault as fault:
+        if fault.names_checkpoint:
+            raise
+        hinted = EngineFault(f"{fault}; {resume_hint(components.checkpointer)}")
+        hinted.names_checkpoint = True
+        raise hinted from fault
 
 
 def resume_hint(checkpointer: Any) -> str:

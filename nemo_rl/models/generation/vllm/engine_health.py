@@ -23,8 +23,11 @@ HEALTH_CHECK_TIMEOUT_S = 60.0
 
 class EngineFault(ResumableFault):
     """A vLLM engine died once more than ``policy.generation.max_engine_restarts`` allows, or
-    could not be restarted; the message names the engine and its node. Exit code 75: the
-    rerun resumes from the newest checkpoint."""
+    could not be restarted; the message names the engine and its node (and, once the run
+    added it, the newest checkpoint: ``names_checkpoint``). Exit code 75: the rerun resumes
+    from the newest checkpoint."""
+
+    names_checkpoint = False
 
 
 def dead_replicas(
