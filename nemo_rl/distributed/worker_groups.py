@@ -29,6 +29,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.named_sharding import NamedSharding
 from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.distributed.worker_faults import (
+    CollectiveFailed,
+    WorkerDied,
+    WorkerTimeout,
+    collective_failure,
+    collective_timeout_s,
+    death_reason,
+    node_description,
+    ranks_text,
+)
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 
 logger = logging.getLogger(__name__)
@@ -45,6 +55,7 @@ PASSTHROUGH_ENV_VARS: tuple[str, ...] = (
     "GLOO_SOCKET_IFNAME",
     "TORCH_DISTRIBUTED_DEBUG",
     "NEMO_RL_FAULTS",  # test-only fault injection (nemo_rl.utils.fault_injection)
+    "NEMO_RL_FAULTS_DIR",
 )
 
 # Axes whose output rank is the last coordinate rather than 0 (see the module docstring).
@@ -81,6 +92,8 @@ class RayWorkerGroup:
         actor_kwargs: keyword arguments of ``actor_cls.__init__`` (the same for every rank).
         env_vars: extra environment for every worker; may not set the rendezvous variables.
         startup_timeout_s: seconds allowed for every actor's ``__init__`` to finish.
+        name: what the group's workers are, in messages (``"policy"``: "policy worker rank 1
+            on node2 (10.0.0.2) died during train ...").
 
     Raises:
         ValueError: malformed axes, a world larger than the cluster, bundles already holding
@@ -97,7 +110,14 @@ class RayWorkerGroup:
         actor_kwargs: Mapping[str, Any] | None = None,
         env_vars: Mapping[str, str] | None = None,
         startup_timeout_s: float = 300.0,
+        name: str = "worker",
     ) -> None:
+        self.name = name
+        # the latest call: its method and the rank of each of its futures (by object id)
+        self._call_method = ""
+        self._call_ranks: dict[str, int] = {}
+        # a rank died, hung or failed a collective: shutdown kills without the cleanup call
+        self._faulted = False
         if not sharding_axes:
             raise ValueError("sharding_axes is empty; give at least one axis, e.g. {'dp': 1}")
         self.sharding = NamedSharding.from_axis_sizes(sharding_axes)
@@ -246,7 +266,8 @@ class RayWorkerGroup:
         self, method: str, *args: Any, **kwargs: Any
     ) -> list[ray.ObjectRef]:
         """Call ``method(*args, **kwargs)`` on every worker; one future per rank, in rank order."""
-        return [self._method(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        futures = [self._method(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        return self._record_call(method, list(enumerate(futures)))
 
     def run_all_workers_multiple_data(
         self,
@@ -272,10 +293,11 @@ class RayWorkerGroup:
                     f"of positional arguments, e.g. (batch,)"
                 )
         kwargs = dict(common_kwargs or {})
-        return [
+        futures = [
             self._method(worker, method).remote(*args, **kwargs)
             for worker, args in zip(self.workers, per_rank_args)
         ]
+        return self._record_call(method, list(enumerate(futures)))
 
     def run_all_workers_sharded_data(
         self,
@@ -332,15 +354,18 @@ class RayWorkerGroup:
         kwargs = dict(common_kwargs or {})
         per_key: dict[tuple[int, ...], ray.ObjectRef] = {}
         self._side_results = []
+        every: list[tuple[int, ray.ObjectRef]] = []
         for rank, worker in enumerate(self.workers):
             coords = self.sharding.get_rank_coords(rank)
             shard_key = tuple(coords[a] for a in sharded)
             ref = self._method(worker, method).remote(shard_refs[shard_key], **kwargs)
+            every.append((rank, ref))
             if all(coords[a] == self.output_coordinate(a) for a in output_replicated):
                 distinct = tuple(coords[a] for a in replicated if a not in output_replicated)
                 per_key[shard_key + distinct] = ref
             else:
                 self._side_results.append((rank, ref))
+        self._record_call(method, every)
         return [per_key[key] for key in sorted(per_key)]
 
     def _put_shards(self, data: Any, sharded: list[str]) -> dict[tuple[int, ...], ray.ObjectRef]:
@@ -379,32 +404,125 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ results
 
+    def _record_call(
+        self, method: str, futures: list[tuple[int, ray.ObjectRef]]
+    ) -> list[ray.ObjectRef]:
+        """Remember ``method`` and the rank of each of its ``(rank, future)``, for the
+        messages of :meth:`get_all_worker_results`; the futures, in order."""
+        self._call_method = method
+        self._call_ranks = {ref.hex(): rank for rank, ref in futures}
+        return [ref for _, ref in futures]
+
     def get_all_worker_results(
-        self, futures: Sequence[ray.ObjectRef], timeout_s: float = 3600.0
+        self,
+        futures: Sequence[ray.ObjectRef],
+        timeout_s: float = 3600.0,
+        timeout_field: str | None = None,
     ) -> list[Any]:
         """``ray.get`` the futures, waiting at most ``timeout_s`` seconds.
 
+        Args:
+            timeout_field: the config key ``timeout_s`` comes from, named in the timeout's
+                message.
+
         Raises:
-            TimeoutError: not all results arrived in time; the message includes errors already
-                raised by ranks whose results were not returned (a failed rank usually leaves the
-                others waiting in a collective).
+            WorkerDied: a rank's actor died (its process or node; Ray fails the call at once),
+                naming the rank, its node and the call.
+            CollectiveFailed: a rank's collective timed out or lost its peer (a peer stopped
+                or died), naming that rank, the call, the collective's timeout and the ranks
+                that had not answered.
+            WorkerTimeout: not all results arrived in time (a ``TimeoutError``), naming the
+                ranks that did not answer and any that failed meanwhile (a failed rank usually
+                leaves the others waiting in a collective).
+            ray.exceptions.RayTaskError: a rank's call raised anything else (its exception is
+                the error's ``cause``).
         """
         try:
             return ray.get(list(futures), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
-            failures = []
-            for rank, ref in self._side_results:
-                ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-                if ready:
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayError as failure:
-                        cause = getattr(failure, "cause", None) or failure
-                        failures.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-            detail = "; failed ranks: " + " | ".join(failures) if failures else ""
-            raise TimeoutError(
-                f"{len(futures)} worker results not all ready within {timeout_s:g} s{detail}"
-            ) from err
+            self._faulted = True
+            raise self._timeout(futures, timeout_s, timeout_field) from err
+        except ray.exceptions.RayActorError as err:
+            self._faulted = True
+            raise self._died(err) from err
+        except ray.exceptions.RayTaskError as err:
+            collective = collective_failure(err.cause) if err.cause is not None else None
+            if collective is None:
+                raise
+            self._faulted = True
+            raise self._collective_failed(err, collective, futures) from err
+
+    def _rank_of_actor(self, actor_id: str | None) -> int | None:
+        for rank, worker in enumerate(self.workers):
+            if worker._actor_id.hex() == actor_id:
+                return rank
+        return None
+
+    def _where(self, rank: int | None) -> str:
+        """``"<name> worker rank R on <node>"`` (without the node when the rank is unknown)."""
+        if rank is None:
+            return f"a {self.name} worker"
+        node_id = self.cluster.get_bundle_locations()[rank].node_id
+        return f"{self.name} worker rank {rank} on {node_description(node_id)}"
+
+    def _unanswered(self, futures: Sequence[ray.ObjectRef]) -> list[int]:
+        """Ranks of the latest call whose futures (``futures`` and the call's other ranks')
+        have no result yet."""
+        refs = {ref.hex(): ref for ref in futures}
+        refs.update({ref.hex(): ref for _, ref in self._side_results})
+        known = [(self._call_ranks[h], ref) for h, ref in refs.items() if h in self._call_ranks]
+        if not known:
+            return []
+        ready, _ = ray.wait([ref for _, ref in known], num_returns=len(known), timeout=0,
+                            fetch_local=False)
+        done = {ref.hex() for ref in ready}
+        return sorted(rank for rank, ref in known if ref.hex() not in done)
+
+    def _died(self, err: ray.exceptions.RayActorError) -> WorkerDied:
+        rank = self._rank_of_actor(getattr(err, "actor_id", None))
+        return WorkerDied(
+            f"{self._where(rank)} died during {self._call_method or 'a call'} "
+            f"({death_reason(err)})"
+        )
+
+    def _collective_failed(
+        self, err: ray.exceptions.RayTaskError, message: str, futures: Sequence[ray.ObjectRef]
+    ) -> CollectiveFailed:
+        rank = self._rank_of_actor(getattr(err, "actor_id", None))
+        seconds = collective_timeout_s(message)
+        after = f" after {seconds:g} s" if seconds is not None else ""
+        waiting = [r for r in self._unanswered(futures) if r != rank]
+        others = f"; {ranks_text(waiting)} had not answered" if waiting else ""
+        return CollectiveFailed(
+            f"{self._where(rank)} gave up on a collective during {err.function_name or 'a call'}"
+            f"{after} ({message}): a peer rank stopped or died{others}"
+        )
+
+    def _timeout(
+        self, futures: Sequence[ray.ObjectRef], timeout_s: float, field: str | None
+    ) -> WorkerTimeout:
+        waiting = self._unanswered(futures)
+        if waiting:
+            nodes = sorted({node_description(location.node_id) for location in
+                            (self.cluster.get_bundle_locations()[r] for r in waiting)})
+            who = f"{self.name} worker {ranks_text(waiting)} on {', '.join(nodes)}"
+        else:
+            who = f"{len(futures)} {self.name} worker result(s)"
+        bound = f"{timeout_s:g} s" + (f" ({field})" if field else "")
+        failures = []
+        for rank, ref in self._side_results:
+            ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+            if ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as failure:
+                    cause = getattr(failure, "cause", None) or failure
+                    failures.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        detail = "; failed ranks: " + " | ".join(failures) if failures else ""
+        return WorkerTimeout(
+            f"{who} gave no result for {self._call_method or 'a call'} within {bound}: stopped, "
+            f"hung, or waiting in a collective for a rank that is{detail}"
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -414,14 +532,19 @@ class RayWorkerGroup:
 
         Args:
             cleanup_method: a worker method to call on every rank first (e.g. to destroy the
-                process group); its failure or timeout is logged, not raised.
+                process group); its failure or timeout is logged, not raised. Skipped once
+                :meth:`get_all_worker_results` reported a dead, hung or failed rank (the
+                others would wait for it in the cleanup's collectives).
             timeout_s: seconds allowed for ``cleanup_method``.
 
         Returns:
-            False if the cleanup method failed or timed out, or a killed actor still answered
-            30 s later; True otherwise.
+            False if the cleanup method failed, timed out or was skipped, or a killed actor
+            still answered 30 s later; True otherwise.
         """
         clean = True
+        if self._faulted and cleanup_method is not None:
+            logger.warning("%s workers: %r skipped after a failed rank", self.name, cleanup_method)
+            cleanup_method, clean = None, False
         if cleanup_method is not None and self.workers:
             try:
                 ray.get(self.run_all_workers_single_data(cleanup_method), timeout=timeout_s)
