@@ -93,7 +93,7 @@ class RayWorkerGroup:
         env_vars: extra environment for every worker; may not set the rendezvous variables.
         startup_timeout_s: seconds allowed for every actor's ``__init__`` to finish.
         name: what the group's workers are, in messages (``"policy"``: "policy worker rank 1
-            on node2 (10.0.0.2) died during train ...").
+            on node2 (10.0.0.2) died during train ..."); None: "worker rank 1 ...".
 
     Raises:
         ValueError: malformed axes, a world larger than the cluster, bundles already holding
@@ -110,12 +110,12 @@ class RayWorkerGroup:
         actor_kwargs: Mapping[str, Any] | None = None,
         env_vars: Mapping[str, str] | None = None,
         startup_timeout_s: float = 300.0,
-        name: str = "worker",
+        name: str | None = None,
     ) -> None:
-        self.name = name
-        # the latest call: its method and the rank of each of its futures (by object id)
+        self.label = f"{name} worker" if name else "worker"
+        # the latest call: its method and every rank's future (for the fault messages)
         self._call_method = ""
-        self._call_ranks: dict[str, int] = {}
+        self._call_futures: list[tuple[int, ray.ObjectRef]] = []
         # a rank died, hung or failed a collective: shutdown kills without the cleanup call
         self._faulted = False
         if not sharding_axes:
@@ -407,10 +407,10 @@ class RayWorkerGroup:
     def _record_call(
         self, method: str, futures: list[tuple[int, ray.ObjectRef]]
     ) -> list[ray.ObjectRef]:
-        """Remember ``method`` and the rank of each of its ``(rank, future)``, for the
-        messages of :meth:`get_all_worker_results`; the futures, in order."""
+        """Remember ``method`` and its ``(rank, future)`` pairs, for the messages of
+        :meth:`get_all_worker_results`; the futures, in order."""
         self._call_method = method
-        self._call_ranks = {ref.hex(): rank for rank, ref in futures}
+        self._call_futures = futures
         return [ref for _, ref in futures]
 
     def get_all_worker_results(
@@ -450,7 +450,7 @@ class RayWorkerGroup:
             if collective is None:
                 raise
             self._faulted = True
-            raise self._collective_failed(err, collective, futures) from err
+            raise self._collective_failed(collective, futures) from err
 
     def _rank_of_actor(self, actor_id: str | None) -> int | None:
         for rank, worker in enumerate(self.workers):
@@ -459,18 +459,22 @@ class RayWorkerGroup:
         return None
 
     def _where(self, rank: int | None) -> str:
-        """``"<name> worker rank R on <node>"`` (without the node when the rank is unknown)."""
+        """``"<name> worker rank R on <node>"`` (a worker of the group when the rank is
+        unknown)."""
         if rank is None:
-            return f"a {self.name} worker"
+            return f"a {self.label}"
         node_id = self.cluster.get_bundle_locations()[rank].node_id
-        return f"{self.name} worker rank {rank} on {node_description(node_id)}"
+        return f"{self.label} rank {rank} on {node_description(node_id)}"
+
+    def _latest_call(self, futures: Sequence[ray.ObjectRef]) -> list[tuple[int, ray.ObjectRef]]:
+        """``(rank, future)`` of every rank of the latest call when ``futures`` are its (else
+        none: another call's ranks are not known here)."""
+        ours = {ref.hex() for _, ref in self._call_futures}
+        return self._call_futures if all(ref.hex() in ours for ref in futures) else []
 
     def _unanswered(self, futures: Sequence[ray.ObjectRef]) -> list[int]:
-        """Ranks of the latest call whose futures (``futures`` and the call's other ranks')
-        have no result yet."""
-        refs = {ref.hex(): ref for ref in futures}
-        refs.update({ref.hex(): ref for _, ref in self._side_results})
-        known = [(self._call_ranks[h], ref) for h, ref in refs.items() if h in self._call_ranks]
+        """Ranks of the call of ``futures`` that have no result yet."""
+        known = self._latest_call(futures)
         if not known:
             return []
         ready, _ = ray.wait([ref for _, ref in known], num_returns=len(known), timeout=0,
@@ -486,16 +490,29 @@ class RayWorkerGroup:
         )
 
     def _collective_failed(
-        self, err: ray.exceptions.RayTaskError, message: str, futures: Sequence[ray.ObjectRef]
+        self, message: str, futures: Sequence[ray.ObjectRef]
     ) -> CollectiveFailed:
-        rank = self._rank_of_actor(getattr(err, "actor_id", None))
+        """The fault of a call whose rank's collective failed with ``message``: the first
+        rank of the call whose collective failed is named."""
+        rank = None
+        for candidate, ref in self._latest_call(futures):
+            ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as failure:
+                if failure.cause is not None and collective_failure(failure.cause):
+                    rank = candidate
+                    break
         seconds = collective_timeout_s(message)
         after = f" after {seconds:g} s" if seconds is not None else ""
         waiting = [r for r in self._unanswered(futures) if r != rank]
         others = f"; {ranks_text(waiting)} had not answered" if waiting else ""
         return CollectiveFailed(
-            f"{self._where(rank)} gave up on a collective during {err.function_name or 'a call'}"
-            f"{after} ({message}): a peer rank stopped or died{others}"
+            f"{self._where(rank)} gave up on a collective during "
+            f"{self._call_method or 'a call'}{after} ({message}): a peer rank stopped or "
+            f"died{others}"
         )
 
     def _timeout(
@@ -505,9 +522,9 @@ class RayWorkerGroup:
         if waiting:
             nodes = sorted({node_description(location.node_id) for location in
                             (self.cluster.get_bundle_locations()[r] for r in waiting)})
-            who = f"{self.name} worker {ranks_text(waiting)} on {', '.join(nodes)}"
+            who = f"{self.label} {ranks_text(waiting)} on {', '.join(nodes)}"
         else:
-            who = f"{len(futures)} {self.name} worker result(s)"
+            who = f"{len(futures)} {self.label} result(s)"
         bound = f"{timeout_s:g} s" + (f" ({field})" if field else "")
         failures = []
         for rank, ref in self._side_results:
@@ -543,7 +560,7 @@ class RayWorkerGroup:
         """
         clean = True
         if self._faulted and cleanup_method is not None:
-            logger.warning("%s workers: %r skipped after a failed rank", self.name, cleanup_method)
+            logger.warning("%s: %r skipped after a failed rank", self.label, cleanup_method)
             cleanup_method, clean = None, False
         if cleanup_method is not None and self.workers:
             try:
@@ -556,6 +573,7 @@ class RayWorkerGroup:
             self.cluster.release_bundles(self.world_size)
         self.workers = []
         self._side_results = []
+        self._call_futures = []
         return clean
 
 
