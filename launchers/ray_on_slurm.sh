@@ -109,13 +109,14 @@ srun_step() {
 }
 
 # start_ray_node ROLE INDEX: a background step running `ray start --block` on node INDEX, with
-# the filtered environment of nrl_exec_with_ray_env and a "slurm_node:<name>" resource (so the
-# node is known by its slurm name, even when nodes share an address).
+# the filtered environment of nrl_exec_with_ray_env, a "slurm_node:<name>" resource (so the
+# node is known by its slurm name, even when nodes share an address) and the same name as the
+# label "slurm_node" (which Ray keeps for a dead node: fault messages name a lost node by it).
 start_ray_node() {
   local role=$1 i=$2
   local node=${NODES[i]} log=$JOB_DIR/ray-$1-${NODES[i]}.log
   nrl_ray_start_args "$role" "${ADDRESSES[i]}" "${BLOCKS[i]}" "$HEAD_ADDRESS"
-  NRL_RAY_ARGS+=(--resources="{\"slurm_node:$node\": 1}")
+  NRL_RAY_ARGS+=(--resources="{\"slurm_node:$node\": 1}" --labels="slurm_node=$node")
   srun_step "ray-$role-$node" "$node" --output="$log" \
     bash -c "$(declare -f nrl_exec_with_ray_env); nrl_exec_with_ray_env \"\$@\"" nrl-ray \
     "$NRL_RAY" "${NRL_RAY_ARGS[@]}"

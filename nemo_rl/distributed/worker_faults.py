@@ -11,7 +11,7 @@ rerun resumes from the newest checkpoint).
   peer rank stopped or died; the other ranks' state is named as far as the driver knows it.
 
 A node is named as ``<slurm node> (<address>)`` under ``nemo-rl launch slurm`` (the Ray node's
-``slurm_node:`` resource), else ``<host name> (<address>)``.
+``slurm_node`` label, which Ray keeps after the node died), else ``<host name> (<address>)``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import ray
 
-from nemo_rl.launch.wait_for_nodes import SLURM_NODE_RESOURCE_PREFIX
+from nemo_rl.launch.wait_for_nodes import SLURM_NODE_LABEL
 from nemo_rl.utils.errors import ResumableFault
 
 
@@ -48,8 +48,8 @@ _MILLISECONDS = re.compile(r"(?:waiting |Timeout\(ms\)=)(\d+)\s*(?:ms)?")
 
 def node_description(node_id: str) -> str:
     """``"<name> (<address>)"`` of the Ray node ``node_id`` (alive or dead): its slurm node
-    name under ``nemo-rl launch slurm``, else its host name; the id itself if Ray no longer
-    knows it."""
+    name under ``nemo-rl launch slurm`` (its ``slurm_node`` label), else its host name; the id
+    itself if Ray no longer knows it."""
     try:
         nodes = ray.nodes()
     except Exception:  # the GCS is unreachable: the id is all there is
@@ -57,9 +57,9 @@ def node_description(node_id: str) -> str:
     for node in nodes:
         if node["NodeID"] != node_id:
             continue
-        slurm = [r.removeprefix(SLURM_NODE_RESOURCE_PREFIX) for r in node.get("Resources", {})
-                 if r.startswith(SLURM_NODE_RESOURCE_PREFIX)]
-        name = slurm[0] if slurm else node.get("NodeManagerHostname", node_id[:12])
+        name = node.get("Labels", {}).get(SLURM_NODE_LABEL) or node.get(
+            "NodeManagerHostname", node_id[:12]
+        )
         return f"{name} ({node.get('NodeManagerAddress', '?')})"
     return f"Ray node {node_id[:12]}"
 
@@ -68,7 +68,7 @@ def death_reason(error: ray.exceptions.RayActorError) -> str:
     """Ray's reason for an actor's death in a few words (``its worker process has died``,
     ``its node has died``...), from the error's message."""
     text = str(error)
-    match = re.search(r"The actor (?:is dead|died) because ([^.\n]+)", text)
+    match = re.search(r"The actor (?:is dead|died) because (.+?)\.(?:\s|$)", text)
     if match:
         return match.group(1).strip()
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -231,16 +231,22 @@ class TQPolicy(Policy):
             DataPlaneError: a worker's call failed; names the partition and the failed
                 replicas' keys. The partition is cleared first.
             ResumableFault: a worker died, hung or failed a collective
-                (:mod:`nemo_rl.distributed.worker_faults`); the partition is cleared first.
+                (:mod:`nemo_rl.distributed.worker_faults`; the same kind, its message naming
+                the partition and its keys); the partition is cleared first.
         """
         futures = self.worker_group.run_all_workers_sharded_data(
             worker_method, shards, common_kwargs=kwargs
         )
         try:
             return self._results(futures)
-        except ResumableFault:  # a dead or hung rank: the run stops, a rerun resumes
-            self.abort_partition(shards[0].partition_id)
-            raise
+        except ResumableFault as fault:  # a dead or hung rank: the run stops, a rerun resumes
+            partition_id = shards[0].partition_id
+            keys = [key for shard in shards for key in shard.keys]
+            self.abort_partition(partition_id)
+            raise type(fault)(
+                f"{fault}; {task_name}: partition {partition_id!r} ({len(keys)} keys "
+                f"{preview(keys)}) was cleared"
+            ) from fault
         except ray.exceptions.RayError as err:
             partition_id = shards[0].partition_id
             failed = [

@@ -63,6 +63,10 @@ def test_death_reason_is_rays_own_few_words() -> None:
     )
     node = "The actor died because its node has died. Node Id: 4c5b"
     assert death_reason(ray.exceptions.RayActorError("2d9f", node)) == "its node has died"
+    killed = "The actor is dead because it was killed by `ray.kill`."
+    assert death_reason(ray.exceptions.RayActorError("2d9f", killed)) == (
+        "it was killed by `ray.kill`"
+    )
 
 
 def test_faults_are_resumable_and_a_timeout_is_a_timeout_error() -> None:
