@@ -18,9 +18,7 @@ there is written when it fires, which times the stop.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +32,13 @@ from nemo_rl.utils import fault_injection
 from nemo_rl.utils.errors import ResumableFault
 from nemo_rl.utils.run_stop import RunStopped
 
-from tiny_grpo import WARM_RUN_STEPS, run_grpo, train_records, warm_started_config
+from tiny_grpo import (
+    WARM_RUN_STEPS,
+    run_grpo,
+    sigterm_after_first_step,
+    train_records,
+    warm_started_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -127,19 +131,8 @@ def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
 def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
     tmp_path, tiny_llama_path, local_ray_8cpu
 ):
-    metrics = tmp_path / "logs" / "metrics.jsonl"
-
-    def sigterm_after_first_step() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.is_file() and '"prefix": "train"' in metrics.read_text():
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.2)
-
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, enabled=False)
-    sender = threading.Thread(target=sigterm_after_first_step, daemon=True)
-    sender.start()
+    sender = sigterm_after_first_step(tmp_path / "logs")
     with pytest.raises(RunStopped) as stopped:
         run_grpo(cfg)
     sender.join()
