@@ -31,10 +31,7 @@ from nemo_rl.algorithms.grpo_step.async_grpo import (
 )
 from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
-from nemo_rl.algorithms.grpo_step.engine_recovery import (
-    redo_on_engine_death,
-    stop_naming_the_checkpoint,
-)
+from nemo_rl.algorithms.grpo_step.engine_recovery import redo_on_engine_death
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import generate_groups, grpo_step, validate
@@ -190,9 +187,10 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
     ``grpo.max_num_steps`` in the shared :func:`~nemo_rl.algorithms.training_loop.train_loop`,
     through the batch store of :func:`open_batch_store`.
 
-    With checkpointing, a stop signal or ``checkpointing.checkpoint_must_save_by`` ends the
-    loop early by the rule of :mod:`nemo_rl.utils.run_stop`: the finished step is saved, then
-    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75) is raised.
+    A stop signal or ``checkpointing.checkpoint_must_save_by`` ends the loop early by the rule
+    of :mod:`nemo_rl.utils.run_stop`: the finished step is saved (with checkpointing), then
+    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75; 128 + the signal without
+    checkpointing) is raised.
 
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
@@ -239,13 +237,9 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
 
         return redo_on_engine_death(components, attempt, source.refit_after_restart)
 
-    def refit() -> None:
-        with stop_naming_the_checkpoint(components):  # an engine that died and stays dead
-            refit_policy_generation(components.policy, generation, colocated=False)
-
     source = AsyncRollouts(
         roll_out,
-        refit=refit,
+        refit=lambda: refit_policy_generation(components.policy, generation, colocated=False),
         loader=components.train_loader,
         sampling_step=lambda: generation.sampling_step,
         cfg=components.cfg.grpo.async_grpo,
@@ -287,7 +281,8 @@ def run(cfg: GRPOMasterConfig) -> int | None:
 
     Returns:
         None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
-        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``); 128 + the
+        signal number when a stop signal ended it without checkpointing (nothing saved).
     """
     components = setup(cfg)
     return rollout_run.run_rollout_command(

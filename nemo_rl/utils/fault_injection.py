@@ -32,6 +32,11 @@ Points and their actions:
     one rank, the engine's actor; with several, that rank's vLLM process).
     ``environment.step`` (context ``env``: the environment's class name), on the environment's
     actor before it steps: ``kill`` as above.
+    ``policy.train``, ``policy.logprobs``, ``policy.save`` (context ``rank``: the policy
+    worker's rank), on the policy worker's actor before it trains, computes logprobs (the
+    policy's or the reference policy's) or saves a checkpoint; ``policy.refit`` (context
+    ``rank``, ``verb``) before it runs a weight-sync verb: ``kill`` as above; ``stop`` stops
+    the process with SIGSTOP (a hung rank: it neither answers nor dies).
 """
 
 from __future__ import annotations
@@ -132,3 +137,9 @@ def kill_this_process() -> None:
     """End this process at once with SIGKILL (what ``kill -9`` of it does): no cleanup, no
     exception, no exit handlers."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_this_process() -> None:
+    """Stop this process with SIGSTOP (a hung process: alive, answering nothing) until it is
+    sent SIGCONT or killed."""
+    os.kill(os.getpid(), signal.SIGSTOP)

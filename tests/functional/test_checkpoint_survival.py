@@ -17,13 +17,11 @@ of every step, which the truncation test starts from.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from tiny_grpo import (
     WARM_RUN_STEPS,
     assert_same_steps,
     run_grpo,
+    sigterm_after_first_step,
     train_records,
     warm_started_config,
 )
@@ -89,18 +88,7 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
 def test_sigterm_saves_the_finished_step_and_rerun_continues(
     tmp_path, tiny_llama_path, uninterrupted, local_ray_8cpu
 ):
-    metrics = tmp_path / "logs" / "metrics.jsonl"
-
-    def sigterm_after_first_step() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.is_file() and '"prefix": "train"' in metrics.read_text():
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.2)
-
-    sender = threading.Thread(target=sigterm_after_first_step, daemon=True)
-    sender.start()
+    sender = sigterm_after_first_step(tmp_path / "logs")
     # save_period 10: any checkpoint before step 3 is the stop's own
     with pytest.raises(RunStopped) as stopped:
         run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10))

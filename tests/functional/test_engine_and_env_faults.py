@@ -9,8 +9,8 @@ run, so a restarted actor is not killed again):
   each restart is counted (``generation/engine_restarts``) and no checkpoint is lost;
 - the engine killed once more than ``policy.generation.max_engine_restarts`` allows (0): the
   run stops at once with :class:`EngineFault` (exit code 75), one line naming the engine, its
-  node and the newest checkpoint; rerunning resumes from that checkpoint with the
-  uninterrupted run's numbers;
+  node and (added by the training loop's stop guard) the newest checkpoint; rerunning resumes
+  from that checkpoint with the uninterrupted run's numbers;
 - the environment's actor killed while scoring step 1: that step's samples count as
   environment errors (reward 0, under ``grpo.max_env_error_rate``'s rules), Ray restarts the
   actor and step 2 is scored normally.
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.models.generation.vllm.engine_health import HEALTH_CHECK_TIMEOUT_S, EngineFault
-from nemo_rl.utils.errors import reported_error_of
+from nemo_rl.utils.errors import ResumableFault, reported_error_of
 from nemo_rl.utils import fault_injection
 from nemo_rl.utils.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
@@ -89,18 +89,19 @@ def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
     fired = arm_faults({"point": "generation.generate", "step": 2, "action": "kill"})
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1)
     cfg.policy.generation.max_engine_restarts = 0
-    with pytest.raises(EngineFault) as stopped:
+    with pytest.raises(ResumableFault) as stopped:
         run_grpo(cfg)
     # bounded: the death is seen when the batch fails; then one health check, and shut-down
     assert time.time() - (fired / "fired-0").stat().st_mtime < HEALTH_CHECK_TIMEOUT_S + 60
     fault = reported_error_of(stopped.value)
     assert fault is stopped.value and fault.exit_code == 75
+    assert isinstance(fault.__cause__, EngineFault)
     newest = tmp_path / "ckpt" / "step_1"
     assert re.fullmatch(
-        r"vLLM engine 0 on \S+ \(127\.0\.0\.1, node [0-9a-f]{8}\) died \(ActorDiedError: [^\n]+\);"
+        r"vLLM engine 0 on \S+ \(127\.0\.0\.1\) died \(ActorDiedError: [^\n]+\);"
         r" it was restarted 0 time\(s\) already \(policy\.generation\.max_engine_restarts=0\);"
-        rf" newest checkpoint: {re.escape(str(newest))}; rerun the same command to resume "
-        r"from it",
+        rf" the newest checkpoint is {re.escape(str(newest))}: rerun the same command to resume "
+        r"from it \(exit code 75\)",
         str(fault),
     ), str(fault)
     assert checkpoints(tmp_path) == ["sft_warmup", "step_1"]

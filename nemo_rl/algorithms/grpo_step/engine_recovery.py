@@ -12,16 +12,16 @@ before its next attempt.
 
 Each engine may be restarted ``policy.generation.max_engine_restarts`` times in a run; one
 more death stops the run with :class:`~nemo_rl.models.generation.vllm.engine_health.
-EngineFault`: one line naming the engine, its node and the newest checkpoint, exit code 75
+EngineFault`: one line naming the engine and its node, to which the training loop's
+:func:`~nemo_rl.algorithms.training_loop.stop_guard` adds the newest checkpoint, exit code 75
 (rerunning the command resumes from that checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.models.generation.vllm.engine_health import EngineFault
@@ -46,21 +46,19 @@ def redo_on_engine_death(
             None: :func:`refit_after_restart` (the synchronous loop's way).
 
     Raises:
-        EngineFault: an engine died once more than allowed, or could not be restarted; its
-            message then also names the newest checkpoint.
+        EngineFault: an engine died once more than allowed, or could not be restarted (the
+            training loop's stop guard adds the newest checkpoint to its line).
         Whatever ``attempt`` raised when no engine had died.
     """
     generation = components.generation
     sampling_step = generation.sampling_step
     while True:
         try:
-            with stop_naming_the_checkpoint(components):  # a refit's restart may stop the run
-                return attempt()
-        except EngineFault:
+            return attempt()
+        except EngineFault:  # a refit's restart that failed, or went past the bound
             raise
         except Exception:
-            with stop_naming_the_checkpoint(components):
-                restarted = generation.restart_dead_engines()
+            restarted = generation.restart_dead_engines()
             if not restarted:
                 raise
             logger.warning(
@@ -81,26 +79,3 @@ def refit_after_restart(components: RolloutComponents) -> None:
     if components.cfg.policy.generation.colocated.enabled:
         components.policy.prepare_for_training()
     components.generation_stale = True
-
-
-@contextmanager
-def stop_naming_the_checkpoint(components: RolloutComponents) -> Iterator[None]:
-    """An :class:`EngineFault` raised in the body gets the newest checkpoint added to its
-    message (:func:`resume_hint`), once."""
-    try:
-        yield
-    except EngineFault as fault:
-        if fault.names_checkpoint:
-            raise
-        hinted = EngineFault(f"{fault}; {resume_hint(components.checkpointer)}")
-        hinted.names_checkpoint = True
-        raise hinted from fault
-
-
-def resume_hint(checkpointer: Any) -> str:
-    """Where a rerun resumes: ``checkpointer``'s newest checkpoint (a
-    :class:`~nemo_rl.utils.checkpoint.CheckpointManager`, or None without checkpointing)."""
-    newest = None if checkpointer is None else checkpointer.get_latest_checkpoint_path()
-    if newest is None:
-        return "no checkpoint saved yet: rerunning the command starts the run over"
-    return f"newest checkpoint: {newest}; rerun the same command to resume from it"

@@ -1,4 +1,4 @@
-"""Which generation replicas died, where they ran, and the fault that stops a run for them.
+"""Which generation replicas died, and the fault that stops a run for them.
 
 A replica is dead when one of its actors is (killed, crashed, its node gone), when the engine
 on its rank 0 fails its health check (one of the engine's tensor-parallel rank processes
@@ -23,11 +23,8 @@ HEALTH_CHECK_TIMEOUT_S = 60.0
 
 class EngineFault(ResumableFault):
     """A vLLM engine died once more than ``policy.generation.max_engine_restarts`` allows, or
-    could not be restarted; the message names the engine and its node (and, once the run
-    added it, the newest checkpoint: ``names_checkpoint``). Exit code 75: the rerun resumes
-    from the newest checkpoint."""
-
-    names_checkpoint = False
+    could not be restarted; the message names the engine and its node. Exit code 75: the rerun
+    resumes from the newest checkpoint."""
 
 
 def dead_replicas(
@@ -65,13 +62,3 @@ def one_line(err: BaseException) -> str:
     shown = cause if isinstance(cause, BaseException) else err
     lines = str(shown).strip().splitlines()
     return f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def node_name(node_id: str) -> str:
-    """``host (address, node <id prefix>)`` of a Ray node, from Ray's node table (the id
-    alone when the node is not in it)."""
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            host, address = node.get("NodeManagerHostname"), node.get("NodeManagerAddress")
-            return f"{host} ({address}, node {node_id[:8]})"
-    return f"node {node_id[:8]}"

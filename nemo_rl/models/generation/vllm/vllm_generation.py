@@ -33,6 +33,7 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.models.generation.interfaces import (
@@ -46,7 +47,6 @@ from nemo_rl.models.generation.vllm.engine_health import (
     HEALTH_CHECK_TIMEOUT_S,
     EngineFault,
     dead_replicas,
-    node_name,
     one_line,
 )
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
@@ -211,7 +211,7 @@ class VllmGeneration(GenerationInterface):
 
     def _restart(self, replica: int, reason: str) -> None:
         ranks = self.layout.engine_bundles(replica)
-        node = node_name(self.worker_group.worker_places(per_device=False)[ranks[0]])
+        node = node_description(self.worker_group.worker_places(per_device=False)[ranks[0]])
         limit = self.config.max_engine_restarts
         what = f"vLLM engine {replica} on {node} died ({reason})"
         if self.engine_restarts[replica] >= limit:
