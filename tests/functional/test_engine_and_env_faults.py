@@ -21,7 +21,6 @@ test_checkpoint_survival.py).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ import pytest
 from nemo_rl.models.generation.vllm.engine_health import HEALTH_CHECK_TIMEOUT_S, EngineFault
 from nemo_rl.utils.errors import ResumableFault, reported_error_of
 from nemo_rl.utils import fault_injection
-from nemo_rl.utils.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
 from tiny_grpo import (
     WARM_RUN_STEPS,
@@ -45,23 +43,6 @@ from tiny_grpo import (
 pytestmark = pytest.mark.slow
 
 STEPS = WARM_RUN_STEPS
-
-
-@pytest.fixture
-def arm_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """``arm_faults(*faults)``: the run's processes (started after the call) get them; the
-    shared folder is returned (markers ``fired-<i>`` of the faults that fired)."""
-
-    def arm(*faults: dict) -> Path:
-        folder = tmp_path / "faults"
-        folder.mkdir()
-        monkeypatch.setenv(FAULTS_ENV, json.dumps(list(faults)))
-        monkeypatch.setenv(FAULTS_DIR_ENV, str(folder))
-        fault_injection._armed.cache_clear()  # this process (the driver) reads them again
-        return folder
-
-    yield arm
-    fault_injection._armed.cache_clear()
 
 
 def checkpoints(root: Path) -> list[str]:
@@ -106,7 +87,7 @@ def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
     ), str(fault)
     assert checkpoints(tmp_path) == ["sft_warmup", "step_1"]
 
-    monkeypatch.delenv(FAULTS_ENV)
+    monkeypatch.delenv(fault_injection.FAULTS_ENV)
     fault_injection._armed.cache_clear()
     run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
     assert_same_steps(

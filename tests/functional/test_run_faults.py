@@ -17,12 +17,9 @@ there is written when it fires, which times the stop.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -34,6 +31,7 @@ from nemo_rl.utils.run_stop import RunStopped
 
 from tiny_grpo import (
     WARM_RUN_STEPS,
+    assert_same_steps,
     run_grpo,
     sigterm_after_first_step,
     train_records,
@@ -46,26 +44,6 @@ STEPS = WARM_RUN_STEPS
 # Most seconds from a fault to the run's stop, beyond the bound of the wait it hit: the
 # detection and the shutdown of the engines, the workers and the clusters on a loaded host.
 STOP_SLACK_S = 90
-
-
-@pytest.fixture
-def arm_faults(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., Path]:
-    """``arm_faults(fault, ...)`` arms the faults for the processes started from then on (the
-    driver's loop and every worker); returns the shared folder, where ``fired-<i>`` appears
-    when fault ``i`` fires."""
-    folder = tmp_path / "faults"
-
-    def arm(*faults: dict[str, Any]) -> Path:
-        folder.mkdir(exist_ok=True)
-        monkeypatch.setenv(fault_injection.FAULTS_ENV, json.dumps(list(faults)))
-        monkeypatch.setenv(fault_injection.FAULTS_DIR_ENV, str(folder))
-        fault_injection._armed.cache_clear()  # the driver read the variable before
-        return folder
-
-    yield arm
-    fault_injection._armed.cache_clear()
 
 
 def _this_node() -> str:
@@ -103,11 +81,7 @@ def test_a_killed_policy_worker_stops_the_run_and_the_rerun_resumes(
     run_grpo(cfg)
     resumed = train_records(tmp_path / "logs")
     assert sorted(resumed) == [1, 2, 3]
-    for step in range(2, STEPS + 1):
-        for name in ("loss", "grad_norm", "reward"):
-            assert resumed[step][name] == pytest.approx(
-                uninterrupted[step][name], rel=1e-5, abs=1e-6
-            ), (step, name)
+    assert_same_steps(resumed, uninterrupted, range(2, STEPS + 1))
 
 
 def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
