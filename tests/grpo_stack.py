@@ -61,7 +61,7 @@ class GRPOStack:
     clusters: list[Any]
     initial: Path
 
-    def serves(self, cfg: GRPOMasterConfig) -> list[str]:
+    def mismatches(self, cfg: GRPOMasterConfig) -> list[str]:
         """The parts of ``cfg``'s shape this stack does not serve (none: it serves the run). A
         data-plane stack also serves the in-memory loop (its policy is a ``Policy`` too)."""
         shape = stack_shape(cfg)
@@ -115,7 +115,7 @@ def setup_on(stack: GRPOStack, cfg: GRPOMasterConfig) -> GRPOComponents:
     Raises:
         ValueError: ``cfg`` asks for workers of another shape than the stack's.
     """
-    differ = stack.serves(cfg)
+    differ = stack.mismatches(cfg)
     if differ:
         raise ValueError(f"the run's {differ} differ from the stack's: start a stack of its own")
     stack.reset()
@@ -129,19 +129,53 @@ def setup_on(stack: GRPOStack, cfg: GRPOMasterConfig) -> GRPOComponents:
     return components
 
 
+def stop_run(components: GRPOComponents) -> None:
+    """Stop what :func:`setup_on` started besides the stack: environments, logger, its Ray
+    call."""
+    shutdown_environments(components.task_to_env)
+    components.logger.close()
+    shutdown_ray()
+
+
 def run_grpo_on(
     stack: GRPOStack,
     cfg: GRPOMasterConfig,
     on_setup: Callable[[GRPOComponents], None] | None = None,
 ) -> dict[str, float]:
     """:func:`tiny_grpo.run_grpo` of ``cfg`` on the stack: set up (:func:`setup_on`), train,
-    then stop what set-up started besides the stack (environments, logger, its Ray call)."""
+    then :func:`stop_run`."""
     components = setup_on(stack, cfg)
     try:
         if on_setup is not None:
             on_setup(components)
         return grpo.grpo_train(components)
     finally:
-        shutdown_environments(components.task_to_env)
-        components.logger.close()
-        shutdown_ray()
+        stop_run(components)
+
+
+class StackSlot:
+    """At most one stack at a time, for runs of several shapes one after another: :meth:`get`
+    gives the running stack if it serves the run, else stops it and starts one that does
+    (the stacks of two shapes would not fit the local Ray's CPUs together); :meth:`close` stops
+    it. ``folder()`` gives a new folder for each stack started."""
+
+    def __init__(self, folder: Callable[[], Path]) -> None:
+        self._folder = folder
+        self._running = contextlib.ExitStack()
+        self._stack: GRPOStack | None = None
+
+    def get(self, cfg: GRPOMasterConfig) -> GRPOStack:
+        if self._stack is not None and not self._stack.mismatches(cfg):
+            return self._stack
+        self.close()
+        root = self._folder()
+        own = cfg.model_copy(update={
+            "logger": cfg.logger.model_copy(update={"log_dir": str(root / "logs")}),
+            "checkpointing": cfg.checkpointing.model_copy(update={"enabled": False}),
+        })
+        self._stack = self._running.enter_context(start(own, root / "initial"))
+        return self._stack
+
+    def close(self) -> None:
+        self._stack = None
+        self._running.close()
