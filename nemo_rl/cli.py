@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = RECIPE_COMMANDS[args.command].run_function()(cfg)
-    except Exception as exc:  # bad input (exit 2) or an unrecoverable fault (exit 1): one message
+    except Exception as exc:  # bad input (exit 2) or a fault (its exit code): one message
         error = reported_error_of(exc)
         if error is None or args.debug or os.environ.get("NEMO_RL_DEBUG") == "1":
             raise
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             f"nemo-rl {args.command}: {kind}: {error}\n(--debug shows the traceback)",
             file=sys.stderr,
         )
-        return 1 if isinstance(error, RunFault) else 2
+        return error.exit_code if isinstance(error, RunFault) else 2
     return 0 if result is None else int(result)
 
 

@@ -4,7 +4,8 @@
 a model path, a checkpoint, an environment that fails on the run's rows) rather than by a bug:
 :func:`nemo_rl.cli.main` prints its message, which names the problem and the fix, and exits 2.
 :class:`RunFault` marks a failure of the run's own machinery that it could not recover from
-(e.g. a weight refit that failed on every retry): one message naming what failed, exit 1.
+(e.g. a weight refit that failed on every retry): one message naming what failed, and the
+fault's exit code (1, or 75 where rerunning resumes the run).
 ``nemo-rl --debug ...`` (or ``NEMO_RL_DEBUG=1``) shows the traceback instead.
 """
 
@@ -22,7 +23,10 @@ class ModelNotFoundError(InputError, FileNotFoundError):
 
 class RunFault(Exception):
     """A failure of the run's machinery that retries did not cure; the message names what
-    failed on each attempt."""
+    failed. ``exit_code``: what ``nemo-rl`` exits with (a subclass for faults a rerun resumes
+    from the newest checkpoint uses 75, the launchers' "resubmit" code)."""
+
+    exit_code = 1
 
 
 def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
