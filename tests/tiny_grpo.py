@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup
@@ -149,6 +150,18 @@ def sigterm_after_first_step(log_dir: Path) -> threading.Thread:
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     return sender
+
+
+def assert_same_steps(
+    resumed: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range
+) -> None:
+    """``resumed``'s loss, grad norm and reward (:func:`train_records`) are ``expected``'s at
+    every step of ``steps``, up to float round-off."""
+    for step in steps:
+        for name in ("loss", "grad_norm", "reward"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
+                step, name
+            )
 
 
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:

@@ -165,3 +165,32 @@ def attach_ring(handle: RingHandle) -> tuple[IpcBuffer, Ring]:
         raise RefitError(f"cannot map the refit ring of {handle.writer}: {err}") from err
     assert buffer.tensor is not None
     return buffer, Ring(buffer.tensor, handle.spec)
+
+
+class RingMappings:
+    """A reader process's mappings of shared-memory rings, kept between refits: the writer
+    reuses its ring, and mapping it anew would cost a page fault per page on every refit. A
+    mapping is dropped when the process is handed another ring (the writer made a new one);
+    CUDA rings, which the writer frees after each stream, are mapped per stream.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[SharedMemoryHandle, tuple[IpcBuffer, Ring]] = {}
+
+    def open(self, handle: RingHandle) -> tuple[Ring, IpcBuffer | None]:
+        """The ring ``handle`` names, and the buffer to close after this stream (None: kept)."""
+        if not isinstance(handle.buffer, SharedMemoryHandle):
+            buffer, ring = attach_ring(handle)
+            return ring, buffer
+        kept = self._kept.get(handle.buffer)
+        if kept is None or kept[1].spec != handle.spec:
+            self.close()
+            kept = attach_ring(handle)
+            self._kept[handle.buffer] = kept
+        return kept[1], None
+
+    def close(self) -> None:
+        """Drop every kept mapping."""
+        for buffer, _ in self._kept.values():
+            buffer.close()
+        self._kept.clear()

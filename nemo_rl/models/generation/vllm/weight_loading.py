@@ -41,7 +41,7 @@ import torch
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
-from nemo_rl.models.generation.refit.ipc import RingRead, attach_ring
+from nemo_rl.models.generation.refit.ipc import RingMappings, RingRead
 
 # How a load went (see the module docstring).
 LoadPath = Literal["in_place", "reload"]
@@ -52,6 +52,9 @@ LoadPath = Literal["in_place", "reload"]
 # cos/sin cache), so their warning is dropped; any other layer's still shows.
 _LAYERS_WITHOUT_CHECKPOINT_TENSORS = frozenset({"RotaryEmbedding"})
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+# This rank process's mappings of the rings it reads (kept between refits on CPU).
+_RINGS = RingMappings()
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -102,15 +105,15 @@ def load_from_rings(
                 yield name, tensor
             tick = time.perf_counter()
 
-    buffer = None
+    ring, buffer = None, None
     try:
-        buffer, ring = attach_ring(read.ring)
+        ring, buffer = _RINGS.open(read.ring)
         stream = tensors()
         report["path"] = _load_on_worker(worker, stream, reload)
         if next(stream, None) is not None:
             raise RefitError("the engine's loaders left tensors of the stream unread")
     except Exception as err:  # reported to the engine's receiver, which decides
-        if buffer is not None:
+        if ring is not None:
             ring.abort(version)
         report["error"] = f"{type(err).__name__}: {err}"
     finally:
