@@ -152,6 +152,18 @@ def sigterm_after_first_step(log_dir: Path) -> threading.Thread:
     return sender
 
 
+def assert_same_steps(
+    resumed: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range
+) -> None:
+    """``resumed``'s loss, grad norm and reward (:func:`train_records`) are ``expected``'s at
+    every step of ``steps``, up to float round-off."""
+    for step in steps:
+        for name in ("loss", "grad_norm", "reward"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
+                step, name
+            )
+
+
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
     """``{step: metrics}`` of the ``train`` records in ``log_dir/metrics.jsonl``."""
     return {
@@ -159,18 +171,6 @@ def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
         for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
         if r["prefix"] == "train"
     }
-
-
-def assert_same_steps(
-    records: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range
-) -> None:
-    """``loss``, ``grad_norm`` and ``reward`` of ``steps`` in ``records`` (a resumed or
-    interrupted run's :func:`train_records`) equal ``expected``'s (the uninterrupted run's)."""
-    for step in steps:
-        for name in ("loss", "grad_norm", "reward"):
-            assert records[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
-                step, name
-            )
 
 
 def megatron_greedy(

@@ -29,16 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.named_sharding import NamedSharding
 from nemo_rl.distributed.ray_actors import kill_actors
-from nemo_rl.distributed.worker_faults import (
-    CollectiveFailed,
-    WorkerDied,
-    WorkerTimeout,
-    collective_failure,
-    collective_timeout_s,
-    death_reason,
-    node_description,
-    ranks_text,
-)
+from nemo_rl.distributed.worker_faults import CallFaults, collective_failure
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 
 logger = logging.getLogger(__name__)
@@ -463,104 +454,28 @@ class RayWorkerGroup:
             return ray.get(list(futures), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
             self._faulted = True
-            raise self._timeout(futures, timeout_s, timeout_field) from err
+            raise self._faults().timed_out(
+                futures, timeout_s, timeout_field, self._side_results
+            ) from err
         except ray.exceptions.RayActorError as err:
             self._faulted = True
-            raise self._died(err) from err
+            raise self._faults().died(err) from err
         except ray.exceptions.RayTaskError as err:
             collective = collective_failure(err.cause) if err.cause is not None else None
             if collective is None:
                 raise
             self._faulted = True
-            raise self._collective_failed(collective, futures) from err
+            raise self._faults().collective_failed(collective, futures) from err
 
-    def _rank_of_actor(self, actor_id: str | None) -> int | None:
-        for rank, worker in enumerate(self.workers):
-            if worker._actor_id.hex() == actor_id:
-                return rank
-        return None
-
-    def _where(self, rank: int | None) -> str:
-        """``"<name> worker rank R on <node>"`` (a worker of the group when the rank is
-        unknown)."""
-        if rank is None:
-            return f"a {self.label}"
-        node_id = self.cluster.get_bundle_locations()[rank].node_id
-        return f"{self.label} rank {rank} on {node_description(node_id)}"
-
-    def _latest_call(self, futures: Sequence[ray.ObjectRef]) -> list[tuple[int, ray.ObjectRef]]:
-        """``(rank, future)`` of every rank of the latest call when ``futures`` are its (else
-        none: another call's ranks are not known here)."""
-        ours = {ref.hex() for _, ref in self._call_futures}
-        return self._call_futures if all(ref.hex() in ours for ref in futures) else []
-
-    def _unanswered(self, futures: Sequence[ray.ObjectRef]) -> list[int]:
-        """Ranks of the call of ``futures`` that have no result yet."""
-        known = self._latest_call(futures)
-        if not known:
-            return []
-        ready, _ = ray.wait([ref for _, ref in known], num_returns=len(known), timeout=0,
-                            fetch_local=False)
-        done = {ref.hex() for ref in ready}
-        return sorted(rank for rank, ref in known if ref.hex() not in done)
-
-    def _died(self, err: ray.exceptions.RayActorError) -> WorkerDied:
-        rank = self._rank_of_actor(getattr(err, "actor_id", None))
-        return WorkerDied(
-            f"{self._where(rank)} died during {self._call_method or 'a call'} "
-            f"({death_reason(err)})"
-        )
-
-    def _collective_failed(
-        self, message: str, futures: Sequence[ray.ObjectRef]
-    ) -> CollectiveFailed:
-        """The fault of a call whose rank's collective failed with ``message``: the first
-        rank of the call whose collective failed is named."""
-        rank = None
-        for candidate, ref in self._latest_call(futures):
-            ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-            if not ready:
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as failure:
-                if failure.cause is not None and collective_failure(failure.cause):
-                    rank = candidate
-                    break
-        seconds = collective_timeout_s(message)
-        after = f" after {seconds:g} s" if seconds is not None else ""
-        waiting = [r for r in self._unanswered(futures) if r != rank]
-        others = f"; {ranks_text(waiting)} had not answered" if waiting else ""
-        return CollectiveFailed(
-            f"{self._where(rank)} gave up on a collective during "
-            f"{self._call_method or 'a call'}{after} ({message}): a peer rank stopped or "
-            f"died{others}"
-        )
-
-    def _timeout(
-        self, futures: Sequence[ray.ObjectRef], timeout_s: float, field: str | None
-    ) -> WorkerTimeout:
-        waiting = self._unanswered(futures)
-        if waiting:
-            nodes = sorted({node_description(location.node_id) for location in
-                            (self.cluster.get_bundle_locations()[r] for r in waiting)})
-            who = f"{self.label} {ranks_text(waiting)} on {', '.join(nodes)}"
-        else:
-            who = f"{len(futures)} {self.label} result(s)"
-        bound = f"{timeout_s:g} s" + (f" ({field})" if field else "")
-        failures = []
-        for rank, ref in self._side_results:
-            ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-            if ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as failure:
-                    cause = getattr(failure, "cause", None) or failure
-                    failures.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-        detail = "; failed ranks: " + " | ".join(failures) if failures else ""
-        return WorkerTimeout(
-            f"{who} gave no result for {self._call_method or 'a call'} within {bound}: stopped, "
-            f"hung, or waiting in a collective for a rank that is{detail}"
+    def _faults(self) -> CallFaults:
+        """The wording of the latest call's faults: ranks, their nodes and actors."""
+        locations = self.cluster.get_bundle_locations()[: self.world_size]
+        return CallFaults(
+            self.label,
+            [location.node_id for location in locations],
+            [worker._actor_id.hex() for worker in self.workers],
+            self._call_method,
+            self._call_futures,
         )
 
     # ------------------------------------------------------------------ shutdown

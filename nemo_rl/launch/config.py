@@ -224,6 +224,9 @@ class SlurmLaunchConfig(RayLaunchConfig):
     def _check_requeue(self) -> SlurmLaunchConfig:
         if "max_requeues" in self.model_fields_set and not self.requeue:
             raise ValueError("max_requeues needs requeue; add --requeue or drop --max-requeues")
+        if self.requeue and self.attach:
+            raise ValueError("requeue resumes a driver's run; an --attach job has none: drop "
+                             "--requeue")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ run, so a restarted actor is not killed again):
   actor and step 2 is scored normally.
 
 The uninterrupted run is the session's ``warm_colocated_run`` (as in
-test_checkpoint_survival.py).
+test_checkpoint_survival.py), asked for after a test's own runs (:func:`warm_run`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,15 @@ def checkpoints(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "ckpt").iterdir())
 
 
+def warm_run(request: pytest.FixtureRequest) -> Path:
+    """The session's ``warm_colocated_run``, asked for once the test's own runs are over:
+    unless an earlier test ran it, it runs on the held ``tiny_colocated_stack``, which would
+    leave the faulted runs too few CPUs."""
+    return request.getfixturevalue("warm_colocated_run")
+
+
 def test_engine_killed_in_generation_and_in_a_refit_is_restarted_in_run(
-    tmp_path, tiny_llama_path, warm_colocated_run, local_ray_8cpu, arm_faults
+    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults, request
 ):
     fired = arm_faults(
         {"point": "generation.generate", "step": 2, "action": "kill"},
@@ -59,13 +66,14 @@ def test_engine_killed_in_generation_and_in_a_refit_is_restarted_in_run(
     run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
     assert sorted(p.name for p in fired.iterdir()) == ["fired-0", "fired-1", "step"]
     records = train_records(tmp_path / "logs")
-    assert_same_steps(records, train_records(warm_colocated_run / "logs"), range(1, STEPS + 1))
     assert [records[s]["generation/engine_restarts"] for s in range(1, STEPS + 1)] == [0, 1, 1]
-    assert checkpoints(tmp_path) == checkpoints(warm_colocated_run)
+    uninterrupted = warm_run(request)
+    assert_same_steps(records, train_records(uninterrupted / "logs"), range(1, STEPS + 1))
+    assert checkpoints(tmp_path) == checkpoints(uninterrupted)
 
 
 def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
-    tmp_path, tiny_llama_path, warm_colocated_run, local_ray_8cpu, arm_faults, monkeypatch
+    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults, monkeypatch, request
 ):
     fired = arm_faults({"point": "generation.generate", "step": 2, "action": "kill"})
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1)
@@ -90,11 +98,12 @@ def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
     monkeypatch.delenv(fault_injection.FAULTS_ENV)
     fault_injection._armed.cache_clear()
     run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+    uninterrupted = warm_run(request)
     assert_same_steps(
-        train_records(tmp_path / "logs"), train_records(warm_colocated_run / "logs"),
+        train_records(tmp_path / "logs"), train_records(uninterrupted / "logs"),
         range(2, STEPS + 1),
     )
-    assert checkpoints(tmp_path) == checkpoints(warm_colocated_run)
+    assert checkpoints(tmp_path) == checkpoints(uninterrupted)
 
 
 def test_environment_killed_while_scoring_fails_its_samples_and_is_restarted(

@@ -10,7 +10,8 @@ stops the run within its bound, in one line, losing no checkpoint.
 - SIGTERM to a run without checkpointing: the step under way finishes, nothing is saved, and
   the run stops saying so (exit 128 + SIGTERM).
 
-Faults are armed through ``NEMO_RL_FAULTS`` (:mod:`nemo_rl.utils.fault_injection`), with a
+The faulted runs start workers of their own (a fault ends them); the SIGTERM run uses the held
+``tiny_colocated_stack`` (tests/grpo_stack.py). Faults are armed through ``NEMO_RL_FAULTS`` (:mod:`nemo_rl.utils.fault_injection`), with a
 shared folder so they match the training step and fire once per run; a fault's marker file
 there is written when it fires, which times the stop.
 """
@@ -29,6 +30,7 @@ from nemo_rl.utils import fault_injection
 from nemo_rl.utils.errors import ResumableFault
 from nemo_rl.utils.run_stop import RunStopped
 
+from grpo_stack import run_grpo_on
 from tiny_grpo import (
     WARM_RUN_STEPS,
     assert_same_steps,
@@ -54,14 +56,15 @@ def _seconds_since_fired(folder: Path) -> float:
     return time.time() - (folder / "fired-0").stat().st_mtime
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(warm_colocated_run: Path) -> dict[int, dict[str, float]]:
-    """Train metrics by step of the session's uninterrupted warm-started run."""
-    return train_records(warm_colocated_run / "logs")
+def _uninterrupted(request: pytest.FixtureRequest) -> dict[int, dict[str, float]]:
+    """Train metrics by step of the session's uninterrupted warm-started run
+    (``warm_colocated_run``). Asked for after a test's own runs: unless an earlier test ran it,
+    it runs on the held ``tiny_colocated_stack``, which would leave those runs too few CPUs."""
+    return train_records(request.getfixturevalue("warm_colocated_run") / "logs")
 
 
 def test_a_killed_policy_worker_stops_the_run_and_the_rerun_resumes(
-    tmp_path, tiny_llama_path, uninterrupted, arm_faults, monkeypatch, local_ray_8cpu
+    tmp_path, tiny_llama_path, arm_faults, monkeypatch, local_ray_8cpu, request
 ):
     folder = arm_faults({"point": "policy.train", "step": 2, "action": "kill"})
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1)
@@ -81,7 +84,7 @@ def test_a_killed_policy_worker_stops_the_run_and_the_rerun_resumes(
     run_grpo(cfg)
     resumed = train_records(tmp_path / "logs")
     assert sorted(resumed) == [1, 2, 3]
-    assert_same_steps(resumed, uninterrupted, range(2, STEPS + 1))
+    assert_same_steps(resumed, _uninterrupted(request), range(2, STEPS + 1))
 
 
 def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
@@ -103,12 +106,12 @@ def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
 
 
 def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
-    tmp_path, tiny_llama_path, local_ray_8cpu
+    tmp_path, tiny_llama_path, tiny_colocated_stack
 ):
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, enabled=False)
     sender = sigterm_after_first_step(tmp_path / "logs")
     with pytest.raises(RunStopped) as stopped:
-        run_grpo(cfg)
+        run_grpo_on(tiny_colocated_stack, cfg)
     sender.join()
     k = stopped.value.step
     assert 1 <= k < STEPS and stopped.value.code == 128 + signal.SIGTERM

@@ -182,3 +182,5 @@ def test_requeue_submits_requeueable_appending_jobs_with_their_limit(tmp_path: P
     assert run_preamble(plain, 'echo "$NRL_REQUEUE"').strip() == "0"
     with pytest.raises(ValueError, match="max_requeues needs requeue"):
         SlurmLaunchConfig(nodes=1, max_requeues=2)
+    with pytest.raises(ValueError, match="an --attach job has none"):
+        SlurmLaunchConfig(nodes=1, attach=True, requeue=True)
