@@ -31,6 +31,7 @@ from nemo_rl.algorithms.grpo_step.async_grpo import (
 )
 from nemo_rl.algorithms.grpo_step.components import GRPOComponents, uses_reference_policy
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
+from nemo_rl.algorithms.grpo_step.engine_recovery import redo_on_engine_death
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.step import generate_groups, grpo_step, validate
@@ -230,8 +231,11 @@ def train_async(components: GRPOComponents, guard: Any, step: int) -> dict[str, 
     generation = components.generation
 
     def roll_out(prompts: BatchedDataDict) -> tuple[Any, Any]:
-        generation.prepare_for_generation()  # the collector has refit the engines already
-        return generate_groups(components, store, prompts)
+        def attempt() -> tuple[Any, Any]:
+            generation.prepare_for_generation()  # the collector has refit the engines already
+            return generate_groups(components, store, prompts)
+
+        return redo_on_engine_death(components, attempt, source.refit_after_restart)
 
     source = AsyncRollouts(
         roll_out,

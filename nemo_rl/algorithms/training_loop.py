@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel
 
 from nemo_rl.utils import fault_injection
-from nemo_rl.utils.errors import ResumableFault
+from nemo_rl.utils.errors import ResumableFault, reported_error_of
 from nemo_rl.utils.run_config import check_resume, save_run_config
 from nemo_rl.utils.run_stop import RunStopped, StopGuard, fault_stop
 
@@ -196,8 +196,10 @@ def stop_guard(parts: LoopParts) -> Iterator[StopGuard]:
     (``checkpointing.stop_signals``; ``checkpoint_must_save_by`` only with checkpointing).
 
     Raises:
-        ResumableFault: (exit 75) a fault a rerun gets past (a dead or hung worker) ended the
-            body: its message plus the newest checkpoint a rerun resumes from.
+        ResumableFault: (exit 75) a fault a rerun gets past (a dead or hung worker, an engine
+            dead past its restarts) ended the body, raised there or handed on (a Ray task's
+            error, a collector thread's error chained by ``raise ... from``): its message plus
+            the newest checkpoint a rerun resumes from.
         RunFault: (exit 1) the same fault without checkpointing: nothing was saved.
     """
     ckpt = parts.cfg.checkpointing
@@ -206,7 +208,10 @@ def stop_guard(parts: LoopParts) -> Iterator[StopGuard]:
     try:
         with StopGuard(ckpt.stop_signals, save_by) as guard:
             yield guard
-    except ResumableFault as fault:
+    except Exception as err:
+        fault = reported_error_of(err)
+        if not isinstance(fault, ResumableFault):
+            raise
         latest = parts.checkpointer.get_latest_checkpoint_path() if checkpointing else None
         raise fault_stop(fault, checkpointing, latest) from fault
 

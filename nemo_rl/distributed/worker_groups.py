@@ -57,6 +57,11 @@ _RENDEZVOUS_ENV_VARS = frozenset(
 )
 
 
+def passthrough_env() -> dict[str, str]:
+    """The driver's :data:`PASSTHROUGH_ENV_VARS` that are set, for an actor's environment."""
+    return {name: os.environ[name] for name in PASSTHROUGH_ENV_VARS if name in os.environ}
+
+
 def sharding_from_env(environ: Mapping[str, str] | None = None) -> NamedSharding:
     """Inside a worker: the group's :class:`NamedSharding`, from ``NEMO_RL_AXES`` and
     ``NEMO_RL_<AXIS>_SIZE``. The worker's own coordinates are then
@@ -131,40 +136,36 @@ class RayWorkerGroup:
         for name, value in (env_vars or {}).items():
             if not isinstance(value, str):
                 raise TypeError(f"env_vars[{name!r}] = {value!r} must be a str")
+        if isinstance(actor_cls, ActorClass):
+            self._remote_cls = actor_cls
+        elif isinstance(actor_cls, type):
+            self._remote_cls = ray.remote(actor_cls)
+        else:
+            raise TypeError(
+                f"actor_cls must be a class or a ray.remote actor class, got {actor_cls!r}"
+            )
         self.cluster = cluster
+        self._actor_kwargs = dict(actor_kwargs or {})
+        self._env_vars = dict(env_vars or {})
         self._side_results: list[tuple[int, ray.ObjectRef]] = []
         cluster.claim_bundles(world_size)
         try:
-            self.workers: list[ActorHandle] = self._start(
-                actor_cls, dict(actor_kwargs or {}), dict(env_vars or {}), startup_timeout_s
-            )
+            # the rendezvous address every rank gets (a replaced rank gets the same)
+            self._master = cluster.get_master_address_and_port()
+            self.workers: list[ActorHandle] = self._start(range(world_size), startup_timeout_s)
         except BaseException:
             cluster.release_bundles(world_size)
             raise
 
     # ------------------------------------------------------------------ start-up
 
-    def _start(
-        self,
-        actor_cls: type | ActorClass,
-        actor_kwargs: dict[str, Any],
-        env_vars: dict[str, str],
-        timeout_s: float,
-    ) -> list[ActorHandle]:
-        if isinstance(actor_cls, ActorClass):
-            remote_cls = actor_cls
-        elif isinstance(actor_cls, type):
-            remote_cls = ray.remote(actor_cls)
-        else:
-            raise TypeError(
-                f"actor_cls must be a class or a ray.remote actor class, got {actor_cls!r}"
-            )
+    def _start(self, ranks: Sequence[int], timeout_s: float) -> list[ActorHandle]:
+        """Start the actors of ``ranks`` on their bundles and wait until they are up; their
+        handles, in the order of ``ranks`` (none is left running on failure)."""
         locations = self.cluster.get_bundle_locations()[: self.sharding.world_size]
-        address, port = self.cluster.get_master_address_and_port()
-        common = {
-            name: os.environ[name] for name in PASSTHROUGH_ENV_VARS if name in os.environ
-        }
-        common.update(env_vars)
+        address, port = self._master
+        common = passthrough_env()
+        common.update(self._env_vars)
         common.update(
             {
                 "WORLD_SIZE": str(self.sharding.world_size),
@@ -177,13 +178,13 @@ class RayWorkerGroup:
             {f"NEMO_RL_{n.upper()}_SIZE": str(s) for n, s in self.sharding.shape.items()}
         )
         per_node: dict[str, int] = {}
+        local_ranks: list[int] = []
         for location in locations:
-            per_node[location.node_id] = per_node.get(location.node_id, 0) + 1
-        seen_on_node: dict[str, int] = {}
+            local_ranks.append(per_node.get(location.node_id, 0))
+            per_node[location.node_id] = local_ranks[-1] + 1
         workers = []
-        for rank, location in enumerate(locations):
-            local_rank = seen_on_node.get(location.node_id, 0)
-            seen_on_node[location.node_id] = local_rank + 1
+        for rank in ranks:
+            location, local_rank = locations[rank], local_ranks[rank]
             env = dict(common)
             env.update(
                 {
@@ -195,16 +196,16 @@ class RayWorkerGroup:
             coords = self.sharding.get_rank_coords(rank)
             env.update({f"NEMO_RL_{n.upper()}_RANK": str(c) for n, c in coords.items()})
             threads = self.cluster.cpu_threads(location)
-            if threads is not None and "OMP_NUM_THREADS" not in env_vars:
+            if threads is not None and "OMP_NUM_THREADS" not in self._env_vars:
                 env["OMP_NUM_THREADS"] = str(threads)
-            options = remote_cls.options(
+            options = self._remote_cls.options(
                 **self.cluster.worker_resources(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     location.placement_group, location.bundle_index
                 ),
                 runtime_env={"env_vars": env},
             )
-            workers.append(options.remote(**actor_kwargs))
+            workers.append(options.remote(**self._actor_kwargs))
         try:
             ray.get([w.__ray_ready__.remote() for w in workers], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
@@ -220,6 +221,27 @@ class RayWorkerGroup:
             kill_actors(workers)
             raise
         return workers
+
+    def replace_workers(self, ranks: Sequence[int], timeout_s: float = 300.0) -> None:
+        """End the actors of ``ranks`` (dead or alive) and start new ones in their place: same
+        bundles, environment and constructor arguments; the other ranks keep theirs.
+
+        The new actors start as the first ones did: anything a worker was told after its
+        start (a collective it joined, state it was sent) must be given to them again.
+
+        Raises:
+            ValueError: a rank outside the group.
+            TimeoutError: the new actors did not start within ``timeout_s`` (e.g. their bundle
+                was on a node that is gone); they are killed and their ranks left without
+                an actor, so only :meth:`shutdown` or another replacement follows.
+        """
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"ranks {bad} are not in this group of {self.world_size} workers")
+        kill_actors([self.workers[r] for r in ranks])
+        self._side_results = []
+        for rank, worker in zip(ranks, self._start(ranks, timeout_s)):
+            self.workers[rank] = worker
 
     # ------------------------------------------------------------------ properties
 

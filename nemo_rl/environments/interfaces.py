@@ -15,6 +15,7 @@ import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.environments.message_wire import unpack_message_logs
+from nemo_rl.utils.fault_injection import fault_at, kill_this_process
 
 
 class EnvironmentReturn(NamedTuple):
@@ -89,6 +90,8 @@ class EnvironmentInterface(ABC):
         """:meth:`step` on conversations sent with their tensors packed
         (:func:`~nemo_rl.environments.message_wire.pack_message_logs`): what a rollout calls
         on an environment actor."""
+        if fault_at("environment.step", env=type(self).__name__) == "kill":  # tests only
+            kill_this_process()
         return self.step(unpack_message_logs(packed_message_logs), metadata)
 
     @abstractmethod

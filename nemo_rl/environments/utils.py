@@ -1,9 +1,13 @@
 """Starting environments as Ray actors, and stepping them so that a failing one cannot stop a run.
 
 :func:`safe_env_step` is what a rollout calls: an environment that raises, hangs past the
-timeout or answers with the wrong shape scores its samples 0, ends their episodes, and is
-counted; the run goes on. A timed-out actor is killed and restarted by Ray (environments keep
-their per-sample state in the metadata, so a fresh actor continues where the old one was).
+timeout, answers with the wrong shape or whose actor dies during the step scores its samples
+0, ends their episodes, and is counted (``rollout/env_errors``: the rules of
+``grpo.max_env_error_rate`` apply); the run goes on. An actor that dies (killed, crashed, its
+node lost) is restarted by Ray, however often it dies, and a timed-out actor is killed so that
+Ray restarts it; a step is never sent twice (an input that kills its environment costs its
+samples, not the run). Environments keep their per-sample state in the metadata, so a fresh
+actor continues where the old one was; the next step waits for it to be up.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.distributed.worker_groups import passthrough_env
 from nemo_rl.environments.common import final_step_return
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -24,23 +29,29 @@ from nemo_rl.environments.message_wire import pack_message_logs
 
 logger = logging.getLogger(__name__)
 
-# How often Ray restarts an environment actor that died or was killed after a timeout.
-MAX_ACTOR_RESTARTS = 3
+# Ray restarts an environment actor that died, or was killed after a timeout, every time
+# (-1: no limit): the samples of the step it died in fail, and an environment that keeps
+# failing stops the run by grpo.max_env_error_rate and env_error_patience.
+MAX_ACTOR_RESTARTS = -1
 
 
 def remote_environment(
     cls: type[EnvironmentInterface], num_cpus: float, *args: Any, **kwargs: Any
 ) -> Any:
-    """Start ``cls(*args, **kwargs)`` as a Ray actor reserving ``num_cpus`` logical CPUs.
+    """Start ``cls(*args, **kwargs)`` as a Ray actor reserving ``num_cpus`` logical CPUs,
+    with the driver's forwarded environment variables
+    (:data:`~nemo_rl.distributed.worker_groups.PASSTHROUGH_ENV_VARS`).
 
-    The actor is restartable (``MAX_ACTOR_RESTARTS``), so :func:`safe_env_step` can replace a
-    hung one. Ray must be initialised (``nemo_rl.distributed.ray_bootstrap.init_ray``).
+    The actor is restarted by Ray whenever it dies (``MAX_ACTOR_RESTARTS``), so
+    :func:`safe_env_step` can also replace a hung one. Ray must be initialised
+    (``nemo_rl.distributed.ray_bootstrap.init_ray``).
 
     Returns:
         The actor handle; call ``handle.step.remote(message_logs, metadata)``.
     """
     actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=MAX_ACTOR_RESTARTS)(cls)
-    return actor_cls.remote(*args, **kwargs)
+    options = actor_cls.options(runtime_env={"env_vars": passthrough_env()})
+    return options.remote(*args, **kwargs)
 
 
 def create_environments(env_cfgs: Union[EnvConfigs, dict[str, Any]]) -> dict[str, Any]:
@@ -83,31 +94,53 @@ def _check_return(result: Any, size: int) -> EnvironmentReturn:
     return result
 
 
+class EnvironmentActorDied(RuntimeError):
+    """The environment's actor died during the step (Ray restarts it)."""
+
+
+def _wait_until_up(env: Any, deadline: float, timeout_s: float) -> None:
+    """Return once the actor answers (waiting while Ray restarts it).
+
+    Raises:
+        TimeoutError: it was still restarting at ``deadline`` (``timeout_s`` after the start).
+        ray.exceptions.ActorDiedError: it is dead for good.
+    """
+    while True:
+        try:
+            ray.get(env.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+            return
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"its actor was still restarting after {timeout_s:g} s"
+                ) from None
+            time.sleep(0.2)
+
+
 def _actor_step(
     env: Any,
     message_logs: list[LLMMessageLogType],
     metadata: list[dict[str, Any]],
     timeout_s: float,
 ) -> Any:
-    """``env.step`` on a Ray actor within ``timeout_s``, resubmitted while Ray restarts the
-    actor (an environment step is a pure function of its inputs, so a rerun is harmless).
+    """``env.step`` on a Ray actor within ``timeout_s``, sent once the actor is up.
 
     Raises:
         ray.exceptions.GetTimeoutError: the step ran past ``timeout_s``.
         TimeoutError: the actor was still restarting when ``timeout_s`` had passed.
+        EnvironmentActorDied: the actor died during the step.
     """
     deadline = time.monotonic() + timeout_s
     packed = pack_message_logs(message_logs)  # tensors pickle ~20x slower than numpy arrays
-    while True:
-        ref = env.step_packed.remote(packed, metadata)
-        try:
-            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"environment actor still restarting after {timeout_s:g} s"
-                ) from None
-            time.sleep(0.2)
+    _wait_until_up(env, deadline, timeout_s)
+    ref = env.step_packed.remote(packed, metadata)
+    try:
+        return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+    except ray.exceptions.RayActorError as err:
+        lines = str(err).strip().splitlines()
+        raise EnvironmentActorDied(
+            f"its actor died during the step (Ray restarts it): {lines[0] if lines else ''}"
+        ) from None
 
 
 def safe_env_step(
@@ -127,10 +160,10 @@ def safe_env_step(
 
     Returns:
         ``(env_return, error)``: the environment's answer and None, or, when it raised, timed
-        out or answered with the wrong shape, :func:`failed_step_return` and what went wrong
-        in one line (every sample of the call failed). A timed-out actor is killed so that Ray
-        restarts it; a call that finds the actor restarting resubmits until ``timeout_s`` has
-        passed.
+        out, answered with the wrong shape or its actor died during the step,
+        :func:`failed_step_return` and what went wrong in one line (every sample of the call
+        failed). A timed-out actor is killed so that Ray restarts it; a call that finds the
+        actor restarting waits for it until ``timeout_s`` has passed.
     """
     size = len(message_logs)
     if size == 0:
@@ -150,6 +183,9 @@ def safe_env_step(
             "restarting the actor", env, size, timeout_s,
         )
         ray.kill(env, no_restart=False)
+    except EnvironmentActorDied as err:
+        error = str(err)
+        logger.error("environment %r: %s; scoring its %d samples 0", env, error, size)
     except Exception as err:  # noqa: BLE001 - any environment failure must not stop the run
         # a Ray actor's exception arrives wrapped, with the remote traceback in its text
         error = repr(getattr(err, "cause", None) or err)

@@ -54,8 +54,8 @@ class SyncRolloutActor:
     """Rolls prompts out and writes the samples' training fields to the data plane.
 
     Args:
-        runner: the rollout (its generation facade is a copy of the driver's; the engines
-            are shared).
+        runner: the rollout; its generation facade is replaced by the driver's at every
+            :meth:`rollout` (the engines are shared).
         dp_cfg: the ``data_plane`` section; the actor attaches its own client.
     """
 
@@ -72,7 +72,7 @@ class SyncRolloutActor:
         partition_id: str,
         *,
         num_generations: int,
-        sampling_step: int,
+        generation: Any,
         greedy: bool = False,
     ) -> tuple[KVBatchMeta, RolloutCarry]:
         """Roll out ``num_generations`` responses per prompt and store them in ``partition_id``.
@@ -81,13 +81,15 @@ class SyncRolloutActor:
             prompts: ``P`` collated ``DatumSpec`` rows.
             partition_id: a registered partition.
             num_generations: responses per prompt; a prompt's responses are consecutive rows.
-            sampling_step: the driver's ``generation.sampling_step`` (seeds continue from it).
+            generation: the driver's generation facade as it is now: seeds continue from its
+                ``sampling_step``, and an engine restarted since the last call is its new one.
             greedy: argmax decoding.
 
         Returns:
-            ``(meta, carry)`` of the ``P * num_generations`` samples, in rollout order.
+            ``(meta, carry)`` of the ``P * num_generations`` samples, in rollout order
+            (``carry.sampling_step``: where the driver's facade continues).
         """
-        self.runner.generation.sampling_step = sampling_step
+        self.runner.generation = generation
         fields, carry = self.runner.run(prompts, num_generations, greedy=greedy)
         self._calls += 1
         prefix = f"{partition_id}/{self._actor_id}/{self._calls}"

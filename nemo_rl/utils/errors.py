@@ -39,7 +39,8 @@ class ResumableFault(RunFault):
 
 def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
     """``exc`` when it is an :class:`InputError` or a :class:`RunFault`, or the one a Ray task
-    raised (a ``RayTaskError`` keeps the remote exception as ``cause``); None otherwise."""
+    raised (a ``RayTaskError`` keeps the remote exception as ``cause``), or the one ``exc``
+    was raised from (``raise ... from``: a thread's error handed on); None otherwise."""
     kinds = (InputError, RunFault)
     seen: set[int] = set()
     current: BaseException | None = exc
@@ -50,5 +51,7 @@ def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
         if isinstance(current, kinds):
             return current
         seen.add(id(current))
-        current = cause if isinstance(cause, BaseException) else None
+        if not isinstance(cause, BaseException):
+            cause = current.__cause__
+        current = cause
     return None

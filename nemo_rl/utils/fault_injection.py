@@ -26,10 +26,10 @@ Points and their actions:
     stream before publishing the bucket, as one that failed mid-stream.
     ``generation.generate`` (context ``replica``: the engine's index), on the engine's actor
     before it generates: ``kill`` ends the actor's process with SIGKILL (an operator's
-    ``kill -9`` of it); ``kill_rank`` SIGKILLs the last of the engine's tensor-parallel rank
-    processes instead and generates on (vLLM fails the call).
-    ``generation.refit`` (context ``replica``, ``verb``: the weight-sync verb), on the engine's
-    actor before it runs the verb: ``kill`` as above.
+    ``kill -9`` of it).
+    ``refit.load`` (context ``bucket``, ``rank``: the engine's rank), in an engine's rank
+    process once it received a bucket of a refit, before loading it: ``kill`` as above (with
+    one rank, the engine's actor; with several, that rank's vLLM process).
     ``environment.step`` (context ``env``: the environment's class name), on the environment's
     actor before it steps: ``kill`` as above.
     ``policy.train``, ``policy.logprobs``, ``policy.save`` (context ``rank``: the policy

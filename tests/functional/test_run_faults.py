@@ -18,12 +18,9 @@ there is written when it fires, which times the stop.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -49,26 +46,6 @@ STEPS = WARM_RUN_STEPS
 # Most seconds from a fault to the run's stop, beyond the bound of the wait it hit: the
 # detection and the shutdown of the engines, the workers and the clusters on a loaded host.
 STOP_SLACK_S = 90
-
-
-@pytest.fixture
-def arm_faults(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., Path]:
-    """``arm_faults(fault, ...)`` arms the faults for the processes started from then on (the
-    driver's loop and every worker); returns the shared folder, where ``fired-<i>`` appears
-    when fault ``i`` fires."""
-    folder = tmp_path / "faults"
-
-    def arm(*faults: dict[str, Any]) -> Path:
-        folder.mkdir(exist_ok=True)
-        monkeypatch.setenv(fault_injection.FAULTS_ENV, json.dumps(list(faults)))
-        monkeypatch.setenv(fault_injection.FAULTS_DIR_ENV, str(folder))
-        fault_injection._armed.cache_clear()  # the driver read the variable before
-        return folder
-
-    yield arm
-    fault_injection._armed.cache_clear()
 
 
 def _this_node() -> str:

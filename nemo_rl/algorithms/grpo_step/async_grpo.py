@@ -28,6 +28,10 @@ training step ``t``; the version is the number of training steps applied to the 
 - a generation batch that takes longer than ``rollout_timeout_s`` (a hung environment, a
   runaway generation) is abandoned in its thread, counted (``async/timed_out_rollouts``) and
   replaced by the next prompts;
+- an engine that dies under a generation batch is restarted and the batch redone
+  (:mod:`~.engine_recovery`); before the redo every engine takes the latest weights
+  (:meth:`AsyncRollouts.refit_after_restart`), so the redone batch may be newer than the
+  version it is recorded under (which only makes it look older to the age bound);
 - **checkpoints drain the buffer by rule**: a checkpoint saves the loader position and engine
   sampling step from before the first batch the trainer has not taken, so a resumed run
   regenerates the buffered prompts with its restored weights (nothing in flight is saved, and
@@ -219,6 +223,13 @@ class AsyncRollouts:
             if self.engine_version != self.version:
                 self.refit()
                 self.engine_version = self.version
+
+    def refit_after_restart(self) -> None:
+        """In the collector, after an engine died under its batch and was restarted: every
+        engine takes the latest weights (the restarted one holds the checkpoint's)."""
+        with self.policy_lock:
+            self.refit()
+            self.engine_version = self.version
 
     def _collect(self, batches: Iterator[BatchedDataDict]) -> None:
         try:

@@ -21,12 +21,15 @@ class GRPOComponents(RolloutComponents):
         sft_loader: batches of the SFT warm start (None when ``sft_warmup`` is off).
         env_error_streak: consecutive steps whose environments failed on more than
             ``grpo.max_env_error_rate`` of the samples (:func:`check_env_errors`).
+        engine_restarts_logged: engine restarts already counted in a step's
+            ``generation/engine_restarts``.
     """
 
     cfg: GRPOMasterConfig
     loss_fn: ClippedPGLossFn
     sft_loader: Optional[Any] = None
     env_error_streak: int = 0
+    engine_restarts_logged: int = 0
 
 
 def prepare_generation(components: RolloutComponents) -> None:

@@ -31,8 +31,9 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
     """Batches live in the policy's data plane; starts the run's rollout actor.
 
     Args:
-        runner: the rollout; the actor gets a copy (its generation facade continues from the
-            driver's ``sampling_step``, and the driver's from the actor's).
+        runner: the rollout; the actor gets a copy, and the driver's generation facade with
+            every rollout (its ``sampling_step``, its engines after a restart); the driver's
+            facade continues from the actor's ``sampling_step``.
         policy: a :class:`TQPolicy` (the data plane, partitions, dispatch by meta).
         timer: receives the policy's dispatch timers (``policy_logprobs/dispatch``, ...).
 
@@ -80,7 +81,7 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
                 prompts,
                 self.partition_ids[partition],
                 num_generations=num_generations,
-                sampling_step=self.generation.sampling_step,
+                generation=self.generation,
                 greedy=greedy,
             )
         )

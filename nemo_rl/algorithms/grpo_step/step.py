@@ -22,6 +22,10 @@
 5. **refit**: the engines are marked stale; they take the new weights before their next
    generation (a step's rollout, or a validation).
 
+A vLLM engine that dies during the step is restarted, refit, and the generation batch it broke
+is redone from the same sampling step (:mod:`~.engine_recovery`); the step logs the restarts
+as ``generation/engine_restarts``.
+
 The store decides where the samples live (driver memory or the data plane); the step sees
 handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics. A
 :class:`RolloutSource` decides where phase 1's batch comes from and what phase 5 does:
@@ -46,6 +50,7 @@ from nemo_rl.algorithms.grpo_step.components import (
     prepare_generation,
     uses_reference_policy,
 )
+from nemo_rl.algorithms.grpo_step.engine_recovery import redo_on_engine_death
 from nemo_rl.algorithms.grpo_step.env_errors import check_env_errors
 from nemo_rl.algorithms.grpo_step.interfaces import BatchStore
 from nemo_rl.algorithms.grpo_step.metrics import (
@@ -134,7 +139,11 @@ def grpo_step(
         # refit: published by the source as it exits (the engines take the new weights
         # before their next generation)
         store.release(batch)
-    return step_metrics(carry.metrics, train_results, data_metrics)
+    metrics = step_metrics(carry.metrics, train_results, data_metrics)
+    restarts = sum(components.generation.engine_restarts)
+    metrics["generation/engine_restarts"] = float(restarts - components.engine_restarts_logged)
+    components.engine_restarts_logged = restarts
+    return metrics
 
 
 def generate(
@@ -156,11 +165,15 @@ def rollout_groups(
     components: RolloutComponents, store: BatchStore[Any], prompts: BatchedDataDict
 ) -> tuple[Any, RolloutCarry]:
     """Refit if stale, then ``num_generations_per_prompt`` responses per prompt into the
-    training partition; the handle and the carry."""
-    with components.timer.time("refit"):
-        prepare_generation(components)
-    with components.timer.time("generation"):
-        return generate_groups(components, store, prompts)
+    training partition (redone if an engine died under it); the handle and the carry."""
+
+    def attempt() -> tuple[Any, RolloutCarry]:
+        with components.timer.time("refit"):
+            prepare_generation(components)
+        with components.timer.time("generation"):
+            return generate_groups(components, store, prompts)
+
+    return redo_on_engine_death(components, attempt)
 
 
 def generate_groups(
@@ -271,16 +284,22 @@ def sample_groups_with_variance(
 
 def validate(components: RolloutComponents, store: BatchStore[Any]) -> dict[str, float]:
     """Rollouts of the validation prompts, sampled like training (greedy with the loop
-    section's ``val_greedy``), one batch at a time through the validation partition; mean reward
-    (= accuracy for 0/1 rewards)."""
-    prepare_generation(components)
+    section's ``val_greedy``), one batch at a time through the validation partition (a batch
+    an engine died under is redone); mean reward (= accuracy for 0/1 rewards)."""
     rewards, lengths = [], []
     for prompts in components.val_batches:
-        with store.scope("val", len(prompts["message_log"]), 1):
-            batch, carry = store.rollout(
-                prompts, num_generations=1, partition="val", greedy=components.cfg.loop.val_greedy
-            )
-            store.release(batch)
+
+        def attempt(prompts: BatchedDataDict = prompts) -> RolloutCarry:
+            prepare_generation(components)
+            with store.scope("val", len(prompts["message_log"]), 1):
+                batch, carry = store.rollout(
+                    prompts, num_generations=1, partition="val",
+                    greedy=components.cfg.loop.val_greedy,
+                )
+                store.release(batch)
+            return carry
+
+        carry = redo_on_engine_death(components, attempt)
         rewards.append(carry.rewards)
         lengths.append(carry.metrics["mean_generated_tokens_per_sample"])
     components.generation.finish_generation()

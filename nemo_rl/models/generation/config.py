@@ -111,4 +111,13 @@ class GenerationConfig(ConfigModel):
     colocated: ColocatedConfig = Field(
         default_factory=ColocatedConfig, description="Placement of the generation engines."
     )
+    max_engine_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Times each vLLM engine may die (its actor, or one of its tensor-parallel "
+        "ranks) and be restarted on its bundles during a run: the restarted engine takes the "
+        "policy's weights and the generation batch it broke is redone. One more death stops "
+        "the run with exit code 75 (rerunning resumes from the newest checkpoint), naming the "
+        "engine and its node. A rerun counts from 0 again. 0: the first death stops the run.",
+    )
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")

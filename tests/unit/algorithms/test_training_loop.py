@@ -160,3 +160,34 @@ def test_a_dead_worker_without_checkpointing_says_nothing_was_saved(tmp_path: Pa
         "(its node has died); checkpointing is off (checkpointing.enabled=false): nothing was "
         "saved, a rerun starts over"
     )
+
+
+@pytest.mark.parametrize("handed_on", ["thread", "ray"])
+def test_a_fault_handed_on_is_named_with_the_newest_checkpoint(
+    tmp_path: Path, handed_on: str
+) -> None:
+    """A fault raised in another thread (async GRPO's collector: ``raise ... from``) or in a
+    Ray task (kept as the task error's ``cause``) stops the run with the same line."""
+    parts = make_parts(tmp_path, steps=3, save_period=2)
+    run(parts)
+    died = ResumableFault("vLLM engine 0 on node1 (10.0.0.1) died (its worker process has died)")
+
+    class TaskError(RuntimeError):  # Ray's wrapper of a remote error
+        cause = died
+
+    with pytest.raises(ResumableFault) as fault:
+        with training_loop.stop_guard(parts):
+            if handed_on == "ray":
+                raise TaskError("remote traceback")
+            try:
+                raise died
+            except ResumableFault as err:
+                raise RuntimeError("the rollout collector failed") from err
+    assert fault.value.__cause__ is died and fault.value.exit_code == 75
+    assert str(fault.value) == (
+        f"{died}; the newest checkpoint is {tmp_path / 'ckpt' / 'step_3'}: rerun the same "
+        "command to resume from it (exit code 75)"
+    )
+    with pytest.raises(ValueError, match="a bug"):  # anything else passes as it is
+        with training_loop.stop_guard(parts):
+            raise ValueError("a bug")

@@ -322,6 +322,38 @@ def test_sharded_data_validation(light_group: RayWorkerGroup) -> None:
         light_group.run_all_workers_multiple_data("echo", [("a",)])
 
 
+def test_a_replaced_rank_gets_a_new_actor_on_its_bundle_with_its_environment(
+    light_group: RayWorkerGroup,
+) -> None:
+    """What a restarted generation engine relies on: the dead rank's new actor sits in the
+    same placement group and node with the same rank environment (its bundle is the one
+    RANK names); the other ranks keep their actors."""
+    names = ["RANK", "LOCAL_RANK", "NEMO_RL_PP_RANK", "NEMO_RL_DP_RANK", "MASTER_PORT"]
+
+    def place(worker: Any) -> tuple[str, str]:
+        return ray.get(worker.__ray_call__.remote(
+            lambda _: (
+                ray.get_runtime_context().get_placement_group_id(),
+                ray.get_runtime_context().get_node_id(),
+            )
+        ))
+
+    before = list(light_group.workers)
+    env, where = ray.get(before[2].env.remote(names)), place(before[2])
+    ray.kill(before[2])  # its process ends, as under kill -9
+    light_group.replace_workers([2])
+    after = light_group.workers
+    assert after[2] != before[2] and [after[i] for i in (0, 1, 3)] == [before[i] for i in (0, 1, 3)]
+    assert ray.get(after[2].env.remote(names)) == env and place(after[2]) == where
+    futures = light_group.run_all_workers_sharded_data("echo", ["first", "second"])
+    assert [r[:3] for r in light_group.get_all_worker_results(futures, timeout_s=60)] == [
+        (2, {"pp": 1, "dp": 0}, "first"),
+        (3, {"pp": 1, "dp": 1}, "second"),
+    ]
+    with pytest.raises(ValueError, match=r"ranks \[4\] are not in this group of 4"):
+        light_group.replace_workers([4])
+
+
 def test_third_colocated_group_does_not_fit(
     cluster: RayVirtualCluster, gloo_group: RayWorkerGroup, light_group: RayWorkerGroup
 ) -> None:

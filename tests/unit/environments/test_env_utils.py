@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from nemo_rl.environments.utils import (
     shutdown_environments,
 )
 from nemo_rl.utils.config import ConfigError, validate_config
+from nemo_rl.utils.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
 
 def conversation(answer: str) -> list[dict]:
@@ -131,3 +133,32 @@ def test_raising_and_hanging_actors_score_zero_and_the_run_goes_on(local_ray_8cp
         assert logs[1][-1]["token_ids"].tolist() == [5, 6, 7]  # the driver's copy is untouched
     finally:
         shutdown_environments({"flaky": env})
+
+
+@pytest.mark.slow
+def test_an_actor_killed_during_a_step_fails_its_samples_and_is_restarted(
+    local_ray_8cpu, monkeypatch, tmp_path
+):
+    """kill -9 of the environment's actor in its second step (test-only fault injection,
+    once across processes): that step's samples score 0 with a one-line error, Ray restarts
+    the actor and the next step is judged normally; the step is not sent again."""
+    kill = {"point": "environment.step", "env": "MathEnvironment", "hit": 2, "action": "kill"}
+    monkeypatch.setenv(FAULTS_ENV, json.dumps([kill]))
+    monkeypatch.setenv(FAULTS_DIR_ENV, str(tmp_path))  # the actor gets both at its start
+    env = remote_environment(MathEnvironment, 0.25, EnvConfigs().math)
+    try:
+        logs = [conversation("\\boxed{3}"), conversation("\\boxed{4}")]
+        meta = [{"ground_truth": "3"}] * 2
+        out, error = safe_env_step(env, logs, meta, 60)
+        assert error is None and out.rewards.tolist() == [1.0, 0.0]
+
+        out, error = safe_env_step(env, logs, meta, 60)
+        assert error.startswith("its actor died during the step (Ray restarts it): ")
+        assert "\n" not in error
+        assert_failed(out, 2)
+        assert (tmp_path / "fired-0").exists()
+
+        out, error = safe_env_step(env, logs, meta, 120)
+        assert error is None and out.rewards.tolist() == [1.0, 0.0]
+    finally:
+        shutdown_environments({"math": env})

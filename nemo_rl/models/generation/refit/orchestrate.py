@@ -18,7 +18,10 @@ whole plan (the export, and the writers' packing), then ``finish_weights_ipc`` a
 An engine takes the stream's version once it loaded all of it. A refit that fails anywhere (a
 corrupt bucket, a participant that died or timed out) is started over, as a new version, up to
 ``policy.refit_max_retries`` times; engines whose load broke off refuse to generate meanwhile.
-Past that, :class:`~.errors.RefitError` says what failed on each attempt.
+Past that, :class:`~.errors.RefitError` says what failed on each attempt. An engine that died
+during an attempt is restarted before the next one
+(:meth:`~nemo_rl.models.generation.vllm.VllmGeneration.restart_dead_engines`, bounded by
+``policy.generation.max_engine_restarts``); that attempt is not counted as a retry.
 """
 
 from __future__ import annotations
@@ -111,7 +114,9 @@ def refit_policy_generation(
         generation.prepare_refit_info(info)
     layout = StreamLayout(info, settings.bucket_bytes)
     failures: list[str] = []
-    for attempt in range(1, settings.max_retries + 2):
+    attempt = 0
+    while len(failures) <= settings.max_retries:
+        attempt += 1
         timer = Timer()
         try:
             with timer.time("stream_s"):
@@ -120,8 +125,9 @@ def refit_policy_generation(
                 else:
                     senders, engines = _refit_collective(policy, generation, layout, settings)
         except RefitError as err:
-            failures.append(f"attempt {attempt}: {err}")
             logger.warning("weight refit attempt %d failed: %s", attempt, err)
+            if not generation.restart_dead_engines():
+                failures.append(f"attempt {attempt}: {err}")
             continue
         versions = {int(e["version"]) for e in engines}
         if len(versions) != 1:

@@ -114,6 +114,11 @@ class AsyncVllmGenerationWorker(VllmGenerationWorker):
         await self._until_idle()
         return super().sleep()
 
+    async def check_engine(self) -> bool:
+        """:meth:`VllmGenerationWorker.check_engine`, on the event loop (between two engine
+        steps: the engine's executor serves one thread)."""
+        return super().check_engine()
+
     async def refit(self, verb: str, *args: Any) -> Any:
         """:meth:`VllmGenerationWorker.refit`; the verbs that load weights into the engine
         wait for the unfinished requests first."""

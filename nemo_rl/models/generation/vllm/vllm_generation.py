@@ -12,11 +12,20 @@ Seeds. Sampled requests get their own seed, derived from the constructor's ``see
 number of ``generate`` calls made so far (:attr:`VllmGeneration.sampling_step`) and the row's
 global index, so results do not depend on the number of replicas and a run repeats exactly
 given the same seed and call sequence.
+
+Engine deaths. A call that fails because an engine died (its actor, or one of its
+tensor-parallel rank processes) raises; :meth:`VllmGeneration.restart_dead_engines` then
+starts that replica anew on its bundles, up to ``max_engine_restarts`` times per engine
+(:mod:`.engine_health`). The restarted engine holds the checkpoint's weights until the caller
+refits it; redoing the failed batch from the same ``sampling_step`` gives the rows an
+uninterrupted run would have got.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from typing import Any
 
 import ray
@@ -24,6 +33,7 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.config import GenerationConfig
 from nemo_rl.models.generation.interfaces import (
@@ -33,7 +43,15 @@ from nemo_rl.models.generation.interfaces import (
 )
 from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
+from nemo_rl.models.generation.vllm.engine_health import (
+    HEALTH_CHECK_TIMEOUT_S,
+    EngineFault,
+    dead_replicas,
+    one_line,
+)
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
+
+logger = logging.getLogger(__name__)
 
 
 class VllmGeneration(GenerationInterface):
@@ -45,7 +63,8 @@ class VllmGeneration(GenerationInterface):
         model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
         pad_token_id: token id that pads ``output_ids``.
         seed: base of every request's sampling seed (see the module docstring).
-        startup_timeout_s: seconds allowed for all engines to start.
+        startup_timeout_s: seconds allowed for all engines to start (and for a restarted
+            engine to start).
         generate_timeout_s: seconds allowed for one ``generate`` call.
 
     Raises:
@@ -72,7 +91,10 @@ class VllmGeneration(GenerationInterface):
         self.config = config
         self.pad_token_id = pad_token_id
         self.seed = seed
+        self.startup_timeout_s = startup_timeout_s
         self.generate_timeout_s = generate_timeout_s
+        # Restarts of each engine so far (config.max_engine_restarts bounds each).
+        self.engine_restarts = [0] * self.layout.replicas
         # Number of generate() calls so far; part of every request's seed. Restore it when
         # resuming a run to continue the same random sequence.
         self.sampling_step = 0
@@ -98,21 +120,19 @@ class VllmGeneration(GenerationInterface):
         # Rank 0 of each replica: the actor holding the replica's engine.
         self.engines = self.worker_group.workers[:: self.layout.tensor_parallel_size]
         try:
-            self._start_engines(startup_timeout_s)
+            self._start_engines(range(self.num_replicas), startup_timeout_s)
         except BaseException:
             self.worker_group.shutdown()
             raise
 
-    def _start_engines(self, timeout_s: float) -> None:
-        """Build every replica's engine on its rank 0, giving it its ranks' GPU ids."""
-        tp = self.layout.tensor_parallel_size
-        ids = ray.get(
-            self.worker_group.run_all_workers_single_data("device_ids"), timeout=timeout_s
-        )
-        futures = [
-            engine.start_engine.remote([i for rank in ids[r * tp : (r + 1) * tp] for i in rank])
-            for r, engine in enumerate(self.engines)
-        ]
+    def _start_engines(self, replicas: range | list[int], timeout_s: float) -> None:
+        """Build the engines of ``replicas`` on their rank 0, giving each its ranks' GPU ids."""
+        workers = self.worker_group.workers
+        futures = []
+        for replica in replicas:
+            ranks = self.layout.engine_bundles(replica)
+            ids = ray.get([workers[r].device_ids.remote() for r in ranks], timeout=timeout_s)
+            futures.append(workers[ranks[0]].start_engine.remote([i for rank in ids for i in rank]))
         self.worker_group.get_all_worker_results(futures, timeout_s)
 
     def _on_engines(self, method: str, *args: Any) -> list[ray.ObjectRef]:
@@ -145,9 +165,15 @@ class VllmGeneration(GenerationInterface):
             seeds = [_request_seed(self.seed, step, row) for row in range(start, start + rows)]
             futures.append(worker.generate.remote(shard, greedy, seeds))
             start += rows
-        results = self.worker_group.get_all_worker_results(futures, self.generate_timeout_s)
+        # every engine finishes (or fails) first: one that died leaves the others idle
+        _, pending = ray.wait(futures, num_returns=len(futures), timeout=self.generate_timeout_s)
+        if pending:
+            raise TimeoutError(
+                f"{len(pending)} of {len(futures)} engines did not finish generating within "
+                f"{self.generate_timeout_s:g} s"
+            )
         return BatchedDataDict.from_batches(
-            results, pad_value_dict={"output_ids": self.pad_token_id}
+            ray.get(futures), pad_value_dict={"output_ids": self.pad_token_id}
         )
 
     def prepare_for_generation(self, **kwargs: Any) -> bool:
@@ -161,6 +187,60 @@ class VllmGeneration(GenerationInterface):
     def shutdown(self) -> bool:
         """Drop the engines and end their actors; the cluster's bundles stay reserved."""
         return self.worker_group.shutdown(cleanup_method="shutdown")
+
+    # ------------------------------------------------------------------ engine deaths
+
+    def restart_dead_engines(self) -> list[int]:
+        """Start every engine that died (:mod:`.engine_health`) anew on its bundles: new
+        actors, an engine with the checkpoint's weights, given the refit info again; a
+        broadcast refit group is formed anew at the next refit. The caller then refits the
+        engines and redoes what the dead ones were doing.
+
+        Returns:
+            The restarted replicas (empty when every engine is alive).
+
+        Raises:
+            EngineFault: an engine died once more than ``config.max_engine_restarts`` allows,
+                or its new actors or engine did not start (e.g. its node is gone).
+        """
+        tp = self.layout.tensor_parallel_size
+        dead = dead_replicas(self.worker_group.workers, tp, HEALTH_CHECK_TIMEOUT_S)
+        for replica, reason in sorted(dead.items()):
+            self._restart(replica, reason)
+        return sorted(dead)
+
+    def _restart(self, replica: int, reason: str) -> None:
+        ranks = self.layout.engine_bundles(replica)
+        node = node_description(self.worker_group.worker_places(per_device=False)[ranks[0]])
+        limit = self.config.max_engine_restarts
+        what = f"vLLM engine {replica} on {node} died ({reason})"
+        if self.engine_restarts[replica] >= limit:
+            raise EngineFault(
+                f"{what}; it was restarted {limit} time(s) already "
+                f"(policy.generation.max_engine_restarts={limit})"
+            )
+        self.engine_restarts[replica] += 1
+        logger.warning(
+            "%s; restarting it (restart %d of at most %d)",
+            what, self.engine_restarts[replica], limit,
+        )
+        started = time.monotonic()
+        try:
+            self.worker_group.replace_workers(ranks, self.startup_timeout_s)
+            self.engines[replica] = self.worker_group.workers[ranks[0]]
+            self._start_engines([replica], self.startup_timeout_s)
+            if self.refit_info is not None:
+                ray.get(
+                    self.engines[replica].refit.remote("prepare_refit_info", self.refit_info),
+                    timeout=self.startup_timeout_s,
+                )
+        except Exception as err:  # noqa: BLE001 - any failure to come back ends the run
+            raise EngineFault(f"{what} and could not be restarted: {one_line(err)}") from err
+        # the broadcast group held the dead engine: every member joins a new one
+        self.refit_group = None
+        logger.warning(
+            "vLLM engine %d restarted in %.1f s", replica, time.monotonic() - started
+        )
 
     # ------------------------------------------------------------------ weight refit
     # The whole sequence is nemo_rl.models.generation.refit.refit_policy_generation.

@@ -24,6 +24,10 @@ arrive (:func:`~nemo_rl.models.generation.vllm.weight_loading.load_from_rings`, 
 ``collective_rpc``). ``weight_version`` is the version of the last refit loaded in full (0: the
 checkpoint's weights); an engine whose load broke off part-way refuses to generate until a
 refit completes.
+
+Health. :meth:`VllmGenerationWorker.check_engine` fails once the engine cannot serve any more
+(one of its rank processes died); the driver then replaces the replica's actors
+(:meth:`~nemo_rl.models.generation.vllm.VllmGeneration.restart_dead_engines`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo
 from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
 from nemo_rl.models.generation.refit.receiver import LoadReport, RefitReceiver
 from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_from_rings
+from nemo_rl.utils.fault_injection import fault_at, kill_this_process
 
 # Environment every worker needs before vLLM is imported: the engine core runs in-process, and
 # vLLM logs warnings and errors only (its per-engine INFO lines drown the training console;
@@ -154,6 +159,19 @@ class VllmGenerationWorker:
         """Version of the last refit loaded in full (0: the checkpoint's weights)."""
         return self.receiver.version
 
+    def check_engine(self) -> bool:
+        """True when this actor can serve: it holds no engine (a rank > 0 of its replica) or
+        every rank process of its engine answers.
+
+        Raises:
+            RuntimeError: a rank process of the engine died (vLLM has shut the engine down).
+        """
+        if self.llm is not None:
+            # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); its
+            # executor asks every rank process (with one rank: nothing to ask)
+            self.llm.llm_engine.engine_core.engine_core.model_executor.check_health()
+        return True
+
     # ------------------------------------------------------------------ generation
 
     def generate(
@@ -192,6 +210,9 @@ class VllmGenerationWorker:
             RuntimeError: the worker is asleep.
             RefitError: the engine holds the weights of a refit that broke off.
         """
+        replica = int(os.environ.get("NEMO_RL_DP_RANK", 0))
+        if fault_at("generation.generate", replica=replica) == "kill":  # tests only
+            kill_this_process()
         if self.asleep:
             raise RuntimeError(
                 "the vLLM worker is asleep; call prepare_for_generation() before generate()"

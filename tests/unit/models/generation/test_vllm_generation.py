@@ -291,3 +291,58 @@ def test_requests_skip_detokenizing_and_cloning(tiny_llama_path: Path) -> None:
     worker.config = _config(stop_strings=["\n"])
     _, params = worker._requests(data, greedy=True, seeds=None)
     assert [p.detokenize for p in params] == [True, True]
+
+
+def test_a_killed_engine_is_restarted_and_redoes_its_batch_exactly(
+    generations: tuple[VllmGeneration, VllmGeneration], batch: Any
+) -> None:
+    """kill -9 of engine 1's actor: the batch fails, restart_dead_engines starts engine 1 anew
+    on its bundle (engine 0 untouched), and the batch redone from the same sampling step gives
+    the rows the first try gave."""
+    import os
+    import signal
+
+    import ray
+
+    two = generations[1]
+    two.sampling_step = 11
+    want = two.generate(batch)  # sampled: the seeds of step 11
+    os.kill(ray.get(two.engines[1].__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+    two.sampling_step = 11
+    with pytest.raises(ray.exceptions.RayActorError):
+        two.generate(batch)
+    survivor, dead = two.engines
+    assert two.restart_dead_engines() == [1]
+    assert two.engine_restarts == [0, 1]
+    assert two.engines[0] == survivor and two.engines[1] not in (dead, survivor)
+    assert two.engines[1] == two.worker_group.workers[1]
+    two.sampling_step = 11
+    two.prepare_for_generation()
+    got = two.generate(batch)
+    for key in ("output_ids", "generation_lengths", "unpadded_sequence_lengths", "truncated"):
+        assert torch.equal(got[key], want[key]), key
+    assert torch.allclose(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
+    assert two.restart_dead_engines() == []
+
+
+def test_an_engine_dying_once_more_than_allowed_stops_the_run_naming_it(
+    generations: tuple[VllmGeneration, VllmGeneration],
+) -> None:
+    import re
+
+    from nemo_rl.distributed.ray_actors import kill_actors
+    from nemo_rl.models.generation.vllm.engine_health import EngineFault
+
+    two = generations[1]
+    limit = two.config.max_engine_restarts
+    two.engine_restarts[0] = limit  # as if restarted that often already
+    kill_actors([two.engines[0]])
+    with pytest.raises(EngineFault) as fault:
+        two.restart_dead_engines()
+    assert fault.value.exit_code == 75
+    assert re.fullmatch(
+        r"vLLM engine 0 on \S+ \(127\.0\.0\.1\) died \(ActorDiedError: [^\n]+\);"
+        rf" it was restarted {limit} time\(s\) already "
+        rf"\(policy\.generation\.max_engine_restarts={limit}\)",
+        str(fault.value),
+    ), str(fault.value)

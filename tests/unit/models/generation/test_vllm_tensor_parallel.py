@@ -122,6 +122,7 @@ def run(tiny_llama_path: Path, local_ray_8cpu: None) -> Iterator[dict[str, Any]]
             out["versions"] = [g.weight_version() for g in gens]
             out["refitted"] = [g.generate(batch, greedy=True) for g in gens]
             out["shards"] = _rank_shards(two)
+            out["two"], out["sender"] = two, sender  # for the rank-death test, the last one
             yield out
         finally:
             sender.close()
@@ -186,3 +187,31 @@ def test_refitted_tp2_engine_matches_tp1_and_the_refitted_weights(run, tiny_llam
     diffs = torch.cat(diffs)
     assert diffs.numel() > 0
     assert diffs.mean() <= 1e-3  # the refit tests' policy-vs-engine tolerance
+
+
+def test_a_dead_rank_process_restarts_the_engine_and_a_refit_brings_its_weights_back(run):
+    """kill -9 of the TP=2 engine's second rank process (a vLLM process, not an actor): the
+    engine fails the next batch at once, its health check fails, and restart_dead_engines
+    starts the replica anew (both actors, a new engine, the refit info sent again); a refit
+    then brings back the weights the killed engine held, token for token."""
+    import os
+    import signal
+
+    import psutil
+
+    from vllm_engine_state import colocated_refit
+
+    two, batch = run["two"], _batch()
+    pid = ray.get(two.engines[0].__ray_call__.remote(lambda _: os.getpid()))
+    (rank1,) = [p for p in psutil.Process(pid).children(recursive=True)
+                if p.name() == "VLLM::Worker_TP1"]
+    rank1.send_signal(signal.SIGKILL)
+    rank1.wait(timeout=30)
+    with pytest.raises(ray.exceptions.RayTaskError):
+        two.generate(batch, greedy=True)
+    old = list(two.worker_group.workers)
+    assert two.restart_dead_engines() == [0]
+    assert two.engine_restarts == [1]
+    assert all(new not in old for new in two.worker_group.workers)
+    colocated_refit(run["sender"], two)
+    assert _responses(two.generate(batch, greedy=True)) == _responses(run["refitted"][1])

