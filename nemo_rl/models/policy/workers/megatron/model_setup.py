@@ -184,7 +184,10 @@ def build_gpt_stage(
         **moe_overrides(mcfg, bridge),
         **recompute,
     )
-    spec = get_gpt_stage_spec(tconfig, grouped_experts=mcfg.moe_grouped_gemm)
+    # LoRA adapts megatron-core's own parallel linears: the local spec, also where
+    # TransformerEngine is installed (its linears fuse the norm into linear_qkv/linear_fc1).
+    use_te = False if mcfg.peft.enabled else None
+    spec = get_gpt_stage_spec(tconfig, use_te=use_te, grouped_experts=mcfg.moe_grouped_gemm)
     model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -193,6 +196,21 @@ def build_gpt_stage(
     if mcfg.freeze_moe_router:
         freeze_routers(model)
     return model, bridge, tconfig
+
+
+def add_lora_adapters(
+    model: torch.nn.Module, config: PolicyConfig, bridge: BridgeConfig, model_path: str, seed: int
+) -> None:
+    """Give ``model`` the LoRA adapters of ``megatron_cfg.peft`` and freeze everything else:
+    only the adapters then need gradients, DDP buffers and optimizer state."""
+    from megatron_bridge.lora import attach_lora
+    from megatron_bridge.lora_targets import is_adapter_param
+    from nemo_rl.models.policy.peft import lora_settings, lora_targets
+
+    peft = config.megatron_cfg.peft
+    attach_lora(model, lora_targets(peft, bridge, model_path), lora_settings(peft), seed)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
 
 
 def _fused_swiglu(config: Any) -> bool:
@@ -410,6 +428,8 @@ def setup_policy_model(
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
     if config.reward_model_cfg.enabled:
         bridge = attach_score_head(model, bridge, model_path, seed)
+    if mcfg.peft.enabled:
+        add_lora_adapters(model, config, bridge, model_path, seed)
     if not init_optimizer:
         return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype)
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
