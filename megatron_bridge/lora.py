@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from megatron_bridge.config import dtype_from_name, dtype_name
 from megatron_bridge.load import layer_offset
 from megatron_bridge.lora_targets import ADAPTER_SUFFIX, LoraTarget, Parallel
 
@@ -73,6 +74,50 @@ class LoraSettings:
         return self.alpha / self.dim
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """A model's adapters: their settings and which linears carry them (whole model).
+
+    What a checkpoint records (``lora.json``) so that it is loaded into, and exported from, a
+    model with the same adapters.
+    """
+
+    settings: LoraSettings
+    targets: tuple[LoraTarget, ...]
+
+    def stack_index(self, target: LoraTarget) -> tuple[int, int]:
+        """``(index, count)`` of ``target`` among the adapted linears of its kind (e.g. every
+        adapted ``linear_qkv``), in layer order: the layer axis of its checkpoint tensors."""
+        same = [t for t in self.targets if t.linear == target.linear]
+        return same.index(target), len(same)
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "dim": s.dim,
+            "alpha": s.alpha,
+            "dropout": s.dropout,
+            "dropout_position": s.dropout_position,
+            "a_init": s.a_init,
+            "dtype": None if s.dtype is None else dtype_name(s.dtype),
+            "targets": [t.module_name() for t in self.targets],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoraSpec:
+        dtype = data["dtype"]
+        settings = LoraSettings(
+            dim=data["dim"],
+            alpha=data["alpha"],
+            dropout=data["dropout"],
+            dropout_position=data["dropout_position"],
+            a_init=data["a_init"],
+            dtype=None if dtype is None else dtype_from_name(dtype),
+        )
+        targets = tuple(LoraTarget.from_module_name(name) for name in data["targets"])
+        return cls(settings, targets)
+
+
 def _init_a(shape: tuple[int, int], method: InitMethod, generator: torch.Generator) -> torch.Tensor:
     """The whole ``A`` ``[dim, in]`` in float32."""
     a = torch.empty(shape, dtype=torch.float32)
@@ -98,6 +143,8 @@ class LoRAAdapter(torch.nn.Module):
         settings: shape and initialisation.
         global_name: the linear's name in a whole model (seeds ``A``).
         seed: the run's seed.
+        stack_index: ``(index, count)`` of this linear among the model's adapted linears of
+            its kind (:meth:`LoraSpec.stack_index`).
         gated_rows: ``base`` is a gated MLP's ``linear_fc1`` (each rank holds its gate rows,
             then its up rows), which checkpoints split as megatron splits the weight.
     """
@@ -109,6 +156,7 @@ class LoRAAdapter(torch.nn.Module):
         settings: LoraSettings,
         global_name: str,
         seed: int,
+        stack_index: tuple[int, int],
         gated_rows: bool = False,
     ) -> None:
         super().__init__()
@@ -120,6 +168,7 @@ class LoRAAdapter(torch.nn.Module):
         self.settings = settings
         self.tp_group = base.tp_group
         self.sequence_parallel = bool(base.sequence_parallel)
+        self.stack_index = stack_index
         self.gated_rows = gated_rows
         self.enabled = True
         tp, rank = self.tp_group.size(), self.tp_group.rank()
@@ -214,7 +263,11 @@ class LoRAAdapter(torch.nn.Module):
     ) -> dict[str, Any]:
         """megatron dist-checkpoint entries: the TP-split parameter sharded like the base
         weight (along rows, gate and up halves apart for a gated ``linear_fc1``; along
-        columns), the other replicated."""
+        columns), the other replicated.
+
+        megatron stacks a layer's tensors along a leading layer axis (``sharded_offsets``
+        starts with ``(0, layer, num_layers)``); when only some layers are adapted, that axis
+        would have holes, so an adapter's position on it is its ``stack_index`` instead."""
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import (
             ensure_metadata_has_dp_cp_group,
@@ -222,6 +275,9 @@ class LoRAAdapter(torch.nn.Module):
         )
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
+        if sharded_offsets:
+            layer_axis = sharded_offsets[0][0]
+            sharded_offsets = ((layer_axis, *self.stack_index), *sharded_offsets[1:])
         axis = {"lora_B": 0} if self.parallel == "column" else {"lora_A": 1}
         entries = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
@@ -239,16 +295,13 @@ class LoRAAdapter(torch.nn.Module):
         return entries
 
 
-def attach_lora(
-    model: torch.nn.Module, targets: Iterable[LoraTarget], settings: LoraSettings, seed: int
-) -> dict[str, LoRAAdapter]:
-    """Give this pipeline stage's linears among ``targets`` an adapter each.
+def attach_lora(model: torch.nn.Module, spec: LoraSpec, seed: int) -> dict[str, LoRAAdapter]:
+    """Give this pipeline stage's linears among ``spec.targets`` an adapter each.
 
     Args:
         model: this rank's GPTModel stage (local layer spec), weights loaded.
-        targets: the adapted linears of the whole model (global layer indices), from
-            :func:`megatron_bridge.lora_targets.select_lora_targets`.
-        settings: shape and initialisation of every adapter.
+        spec: the settings and the adapted linears of the whole model (global layer
+            indices, from :func:`megatron_bridge.lora_targets.select_lora_targets`).
         seed: the run's seed (with each linear's global name, it seeds ``A``).
 
     Returns:
@@ -263,7 +316,7 @@ def attach_lora(
     offset, count = layer_offset(model), len(model.decoder.layers)
     modules = dict(model.named_modules())
     adapters = {}
-    for target in targets:
+    for target in spec.targets:
         if not offset <= target.layer < offset + count:
             continue
         name = target.module_name(target.layer - offset)
@@ -276,7 +329,10 @@ def attach_lora(
             )
         parent_name, _, linear = name.rpartition(".")
         gated = target.linear == "linear_fc1" and bool(base.config.gated_linear_unit)
-        adapter = LoRAAdapter(base, target.parallel, settings, target.module_name(), seed, gated)
+        adapter = LoRAAdapter(
+            base, target.parallel, spec.settings, target.module_name(), seed,
+            spec.stack_index(target), gated,
+        )
         modules[parent_name].add_module(linear + ADAPTER_SUFFIX, adapter)
         base.register_forward_hook(adapter.add_to_output, with_kwargs=True)
         adapters[name] = adapter

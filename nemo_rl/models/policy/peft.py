@@ -8,7 +8,7 @@ selection the model cannot take fails before any actor starts.
 from __future__ import annotations
 
 from megatron_bridge import BridgeConfig, dtype_from_name
-from megatron_bridge.lora import LoraSettings
+from megatron_bridge.lora import LoraSettings, LoraSpec
 from megatron_bridge.lora_targets import LoraTarget, select_lora_targets
 from nemo_rl.models.policy.config import PeftConfig
 
@@ -33,9 +33,13 @@ def lora_targets(peft: PeftConfig, bridge: BridgeConfig, model: str) -> list[Lor
         raise ValueError(f"{_PEFT} does not fit the model at {model}: {err}") from None
 
 
-def lora_settings(peft: PeftConfig) -> LoraSettings:
-    """The adapters' shape and initialisation from ``peft``."""
-    return LoraSettings(
+def lora_spec(peft: PeftConfig, bridge: BridgeConfig, model: str) -> LoraSpec:
+    """The adapters ``peft`` gives the model ``bridge`` describes: settings and targets.
+
+    Raises:
+        ValueError: as :func:`lora_targets`.
+    """
+    settings = LoraSettings(
         dim=peft.dim,
         alpha=peft.alpha,
         dropout=peft.dropout,
@@ -43,3 +47,4 @@ def lora_settings(peft: PeftConfig) -> LoraSettings:
         a_init=peft.lora_A_init_method,
         dtype=None if peft.lora_dtype is None else dtype_from_name(peft.lora_dtype),
     )
+    return LoraSpec(settings, tuple(lora_targets(peft, bridge, model)))

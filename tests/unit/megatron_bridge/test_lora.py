@@ -36,12 +36,12 @@ def one_rank() -> Iterator[None]:
 
 def _adapted(path: Path):
     from megatron_bridge import load_hf_into_megatron
-    from megatron_bridge.lora import LoraSettings, attach_lora
+    from megatron_bridge.lora import LoraSettings, LoraSpec, attach_lora
     from megatron_bridge.lora_targets import select_lora_targets
 
     model, bridge = load_hf_into_megatron(path)
     targets = select_lora_targets(bridge.num_layers, bridge.features.sparse_layers, [], [])
-    attach_lora(model, targets, LoraSettings(**SETTINGS), seed=5)
+    attach_lora(model, LoraSpec(LoraSettings(**SETTINGS), tuple(targets)), seed=5)
     return model, bridge
 
 

@@ -8,7 +8,8 @@ PP=2 (two gloo processes) against TP=1, through the real set-up and training ste
   gradients (1e-5; SGD with lr 1 and no momentum history, so the update is the gradient);
 * the base weights do not move, and only the adapters have gradient buffers and optimizer
   state;
-* the merged export (``W + scale * B A``) is the same at every layout (1e-6).
+* the merged export (``W + scale * B A``) is the same at every layout (1e-6);
+* the TP=2 policy's checkpoint loads at TP=1 x DP=2 with the same adapters, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_
 ROWS, SEQ, DIM = 4, 11, 4
 # name: (tp, pp, sequence_parallel); dp2 is a TP=1 model on each rank
 LAYOUTS = {"dp2": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}
+SAVED = "tp2"  # its trained state is saved, then loaded at TP=1 (dp2)
 
 
 def make_batch() -> Any:
@@ -63,20 +65,10 @@ def random_adapters(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(rank: int, model_path: str, name: str, port: int) -> dict[str, Any]:
-    from megatron_bridge import export_hf_weights
-    from megatron_bridge.lora import adapters_disabled
-    from megatron_bridge.lora_targets import is_adapter_param
-    from megatron_bridge.lora_weights import export_lora_weights, load_lora_weights
-    from nemo_rl.algorithms.loss import NLLLoss
+def _config(model_path: str, tp: int, pp: int, sp: bool) -> Any:
     from nemo_rl.models.policy.config import PolicyConfig
-    from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
-    from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
-    from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
 
-    tp, pp, sp = LAYOUTS[name]
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
-    config = PolicyConfig(
+    return PolicyConfig(
         model_name=model_path,
         train_global_batch_size=ROWS,
         train_micro_batch_size=1,
@@ -93,7 +85,21 @@ def _step(rank: int, model_path: str, name: str, port: int) -> dict[str, Any]:
             },
         },
     )
-    policy = setup_policy_model(config, model_path, seed=3)
+
+
+def _step(rank: int, model_path: str, name: str, port: int, out_dir: str) -> dict[str, Any]:
+    from megatron_bridge import export_hf_weights
+    from megatron_bridge.lora import adapters_disabled
+    from megatron_bridge.lora_targets import is_adapter_param
+    from megatron_bridge.lora_weights import export_lora_weights, load_lora_weights
+    from nemo_rl.algorithms.loss import NLLLoss
+    from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
+    from nemo_rl.models.policy.workers.megatron.checkpointing import save_training_checkpoint
+    from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+    from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
+    policy = setup_policy_model(_config(model_path, *LAYOUTS[name]), model_path, seed=3)
     module = policy.model.module
     dp = policy.layout.dp
     batch = make_batch()
@@ -110,6 +116,9 @@ def _step(rank: int, model_path: str, name: str, port: int) -> dict[str, Any]:
     base_before = {n: p.detach().clone() for n, p in module.named_parameters() if not is_adapter_param(n)}
     (step,) = iterate_steps(policy, shard, NLLLoss(), ROWS, 1, False, False)
     after = dict(export_lora_weights(module, policy.bridge))
+    if name == SAVED:
+        save_training_checkpoint(policy, Path(out_dir) / name, step=1)
+    result["after"] = after
     result["step"] = step
     result["grads"] = {k: adapters[k] - after[k] for k in adapters}
     result["base_moved"] = [
@@ -127,12 +136,26 @@ def _step(rank: int, model_path: str, name: str, port: int) -> dict[str, Any]:
     return result
 
 
+def _load_saved(rank: int, model_path: str, port: int, out_dir: str) -> dict[str, torch.Tensor]:
+    """The adapters of the :data:`SAVED` layout's checkpoint, loaded at TP=1 x DP=2."""
+    from megatron_bridge.lora_weights import export_lora_weights
+    from nemo_rl.models.policy.workers.megatron.checkpointing import load_training_checkpoint
+    from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
+    policy = setup_policy_model(_config(model_path, 1, 1, False), model_path, seed=4)
+    assert load_training_checkpoint(policy, Path(out_dir) / SAVED) == 1
+    return dict(export_lora_weights(policy.model.module, policy.bridge))
+
+
 def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
-    results = {}
+    results: dict[str, Any] = {}
     for name in LAYOUTS:
-        results[name] = _step(rank, model_path, name, port)
+        results[name] = _step(rank, model_path, name, port, out_dir)
         port = next_layout_port()
         destroy_megatron_parallel()
+    results["loaded"] = _load_saved(rank, model_path, port, out_dir)
+    destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -182,3 +205,13 @@ def test_only_adapters_train(results: list[dict], name: str) -> None:
         assert mine["trainable"] and all(n.endswith(("lora_A", "lora_B")) for n in mine["trainable"])
         assert mine["grad_buffer_numel"] == mine["adapter_numel"]
         assert mine["optimizer_params"] == mine["adapter_numel"]
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_loads_at_tp1(results: list[dict]) -> None:
+    saved = results[0][SAVED]["after"]
+    for rank in (0, 1):
+        loaded = results[rank]["loaded"]
+        assert sorted(loaded) == sorted(saved)
+        for key, tensor in saved.items():
+            assert torch.equal(loaded[key], tensor), key

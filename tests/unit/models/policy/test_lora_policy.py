@@ -1,0 +1,153 @@
+"""A LoRA policy worker (``megatron_cfg.peft``) on one in-process Megatron rank (tiny Llama, no
+Ray), against a fully trained one built the same way:
+
+* the reference policy is the base model (adapters off): its logprobs stay the initial ones
+  while training moves the policy's, and it holds no copy of the weights; a snapshot (after an
+  SFT warm start) copies the adapters only;
+* optimizer state: measured after an Adam step, its bytes are 8 per adapter parameter (two
+  float32 moments), so they scale with the adapters (dim 4 vs 8) and are a small fraction of
+  full training's;
+* a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
+  equals the next step without), and refuses to load into a policy with other adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_bridge.lora_targets import is_adapter_param
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from nemo_rl.algorithms.loss import NLLLoss
+from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
+from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.workers.megatron.model_setup import optimizer_states
+from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+
+from one_rank_worker import token_batch
+
+LENGTHS = (8, 5, 7, 3)
+SEQ = 8
+
+
+@contextmanager
+def worker(model_path: Path, peft: dict[str, Any] | None) -> Iterator[MegatronPolicyWorker]:
+    """A world-size-1 worker (Adam, lr 1e-2) with ``peft`` (None: full training)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(find_free_port())}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        cfg = PolicyConfig.model_validate({
+            "model_name": str(model_path),
+            "train_global_batch_size": len(LENGTHS),
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 2,
+            "max_total_sequence_length": SEQ,
+            "megatron_cfg": {
+                "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
+                "peft": {"enabled": True, **peft} if peft is not None else {},
+            },
+        })
+        try:
+            yield MegatronPolicyWorker(cfg, str(model_path), init_reference_model=True)
+        finally:
+            destroy_megatron_parallel()
+
+
+def _state_bytes(w: MegatronPolicyWorker) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer_states(w.policy.optimizer)
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # the moments, not the step count
+    )
+
+
+def _numel(w: MegatronPolicyWorker, adapters: bool) -> int:
+    return sum(
+        p.numel() for n, p in w.policy.model.module.named_parameters() if is_adapter_param(n) == adapters
+    )
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama_path: Path) -> dict[str, dict[str, int]]:
+    """Per run (full, LoRA dim 4, LoRA dim 8): parameters and optimizer state bytes after one
+    Adam step."""
+    out = {}
+    for name, peft in (("full", None), ("dim4", {"dim": 4}), ("dim8", {"dim": 8})):
+        with worker(tiny_llama_path, peft) as w:
+            w.train(token_batch(LENGTHS, SEQ), NLLLoss())
+            out[name] = {
+                "state_bytes": _state_bytes(w),
+                "adapters": _numel(w, adapters=True),
+                "base": _numel(w, adapters=False),
+                "optimized": sum(
+                    p.numel() for part in optimizer_parts(w.policy.optimizer)
+                    for g in part.optimizer.param_groups for p in g["params"]
+                ),
+            }
+    return out
+
+
+def test_optimizer_state_scales_with_the_adapters(measured: dict[str, dict[str, int]]) -> None:
+    full, dim4, dim8 = measured["full"], measured["dim4"], measured["dim8"]
+    assert full["adapters"] == 0 and full["state_bytes"] == 8 * full["base"]
+    for lora in (dim4, dim8):
+        assert lora["optimized"] == lora["adapters"]
+        assert lora["state_bytes"] == 8 * lora["adapters"]
+        assert lora["base"] == full["base"]
+    assert dim8["adapters"] == 2 * dim4["adapters"]
+    assert dim8["state_bytes"] == 2 * dim4["state_bytes"]
+    assert dim4["state_bytes"] < full["state_bytes"] / 10
+
+
+def test_reference_is_the_base_model(tiny_llama_path: Path) -> None:
+    batch = token_batch(LENGTHS, SEQ)
+    with worker(tiny_llama_path, {"dim": 4}) as w:
+        assert w.reference is not None and w.reference.nbytes == 0
+        initial = w.get_logprobs(batch)["logprobs"]
+        for _ in range(2):
+            w.train(batch, NLLLoss())
+        trained = w.get_logprobs(batch)["logprobs"]
+        assert (trained - initial).abs().max() > 1e-3
+        assert torch.equal(w.get_reference_policy_logprobs(batch)["reference_logprobs"], initial)
+        assert torch.equal(w.get_logprobs(batch)["logprobs"], trained)  # adapters back on
+        w.snapshot_reference_policy()  # e.g. after an SFT warm start: the adapters now
+        assert w.reference.nbytes == 4 * _numel(w, adapters=True)
+        w.train(batch, NLLLoss())
+        assert torch.equal(w.get_reference_policy_logprobs(batch)["reference_logprobs"], trained)
+
+
+def _adapters(w: MegatronPolicyWorker) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone() for n, p in w.policy.model.module.named_parameters() if is_adapter_param(n)
+    }
+
+
+def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path, tmp_path: Path) -> None:
+    first, second = token_batch(LENGTHS, SEQ), token_batch((4, 8, 6, 8), SEQ)
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
+        w.train(first, NLLLoss())
+        w.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = w.train(second, NLLLoss())
+        after = _adapters(w)
+    assert (tmp_path / "ckpt" / "lora.json").is_file()
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
+        w.load_checkpoint(str(tmp_path / "ckpt"))
+        assert w.get_train_step() == 1
+        resumed = w.train(second, NLLLoss())
+        assert resumed["loss"] == expected["loss"] and resumed["grad_norm"] == expected["grad_norm"]
+        mine = _adapters(w)
+        assert mine.keys() == after.keys() and all(torch.equal(mine[k], after[k]) for k in after)
+    for peft, needle in (
+        (None, "holds LoRA adapters dim=4.*this policy has no LoRA adapters"),
+        ({"dim": 8, "target_modules": ["*.layers.1.*"]}, "this policy has LoRA adapters dim=8"),
+        ({"dim": 4}, "on 4 linears.*on 8 linears"),
+    ):
+        with worker(tiny_llama_path, peft) as w, pytest.raises(ValueError, match=needle):
+            w.load_checkpoint(str(tmp_path / "ckpt"))
