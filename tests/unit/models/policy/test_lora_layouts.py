@@ -9,7 +9,8 @@ PP=2 (two gloo processes) against TP=1, through the real set-up and training ste
 * the base weights do not move, and only the adapters have gradient buffers and optimizer
   state;
 * the merged export (``W + scale * B A``) is the same at every layout (1e-6);
-* the TP=2 policy's checkpoint loads at TP=1 x DP=2 with the same adapters, bit for bit.
+* the TP=2 policy's checkpoint loads at TP=1 x DP=2 with the same adapters, bit for bit, and
+  its export without a model (``nemo-rl export``'s stream) is the trained policy's merged export.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def _step(rank: int, model_path: str, name: str, port: int, out_dir: str) -> dic
     after = dict(export_lora_weights(module, policy.bridge))
     if name == SAVED:
         save_training_checkpoint(policy, Path(out_dir) / name, step=1)
+        result["merged_after"] = {k: v.clone() for k, v in export_hf_weights(module, policy.bridge)}
     result["after"] = after
     result["step"] = step
     result["grads"] = {k: adapters[k] - after[k] for k in adapters}
@@ -155,6 +157,7 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
         port = next_layout_port()
         destroy_megatron_parallel()
     results["loaded"] = _load_saved(rank, model_path, port, out_dir)
+    results["saved_dir"] = str(Path(out_dir) / SAVED)
     destroy_megatron_parallel()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -215,3 +218,17 @@ def test_a_tp2_checkpoint_loads_at_tp1(results: list[dict]) -> None:
         assert sorted(loaded) == sorted(saved)
         for key, tensor in saved.items():
             assert torch.equal(loaded[key], tensor), key
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_exports_merged(results: list[dict]) -> None:
+    from megatron_bridge import checkpoint_hf_weights
+    from megatron_bridge.checkpoint import checkpoint_bridge
+
+    ckpt = results[0]["saved_dir"]
+    exported = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
+    live = results[0][SAVED]["merged_after"]
+    assert sorted(exported) == sorted(live)
+    for key, tensor in live.items():
+        torch.testing.assert_close(exported[key], tensor, rtol=0, atol=1e-6, msg=key)
+    assert any(not torch.equal(live[k], results[0][SAVED]["merged"][k]) for k in live)  # trained
