@@ -21,10 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from layout_ports import next_layout_port
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from layout_ports import next_layout_port, run_two_ranks
+from megatron_bridge.parallel_state import destroy_megatron_parallel
 
 ROWS, SEQ, DIM = 4, 11, 4
 # name: (tp, pp, sequence_parallel); dp2 is a TP=1 model on each rank
@@ -150,7 +149,7 @@ def _load_saved(rank: int, model_path: str, port: int, out_dir: str) -> dict[str
     return dict(export_lora_weights(policy.model.module, policy.bridge))
 
 
-def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in LAYOUTS:
         results[name] = _step(rank, model_path, name, port, out_dir)
@@ -159,14 +158,12 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
     results["loaded"] = _load_saved(rank, model_path, port, out_dir)
     results["saved_dir"] = str(Path(out_dir) / SAVED)
     destroy_megatron_parallel()
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("lora_layouts")
-    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), find_free_port()), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_two_ranks(_worker, tiny_llama_path, tmp_path_factory.mktemp("lora_layouts"))
 
 
 def _last_stage(results: list[dict], name: str) -> dict:
