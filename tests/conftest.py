@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ContextManager
 
 import pytest
 
@@ -12,6 +12,7 @@ from held_across_tests import hold, release_unused
 from nemo_rl.models.tiny import build_tiny_model
 
 if TYPE_CHECKING:
+    import grpo_stack
     import two_node_ray
 
 
@@ -32,14 +33,43 @@ def warm_colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path
     """The folder (``logs``, ``ckpt`` with every step) of one tiny colocated GRPO run of
     ``tiny_grpo.WARM_RUN_STEPS`` steps after the SFT warm start, saving every step: the default
     loss's run for test_grpo.py and the uninterrupted run test_checkpoint_survival.py resumes
-    against, run once for both. It runs in the held ``local_ray_8cpu`` cluster, which the
-    tests asking for it use too."""
-    from tiny_grpo import WARM_RUN_STEPS, run_grpo, warm_started_config
+    against, run once for both, on the held ``tiny_colocated_stack``."""
+    from grpo_stack import run_grpo_on
+    from tiny_grpo import WARM_RUN_STEPS, warm_started_config
+
+    stack = hold_tiny_colocated_stack(tmp_path_factory, tiny_llama_path)
+    root = tmp_path_factory.mktemp("warm_colocated_run")
+    run_grpo_on(stack, warm_started_config(root, tiny_llama_path, WARM_RUN_STEPS, save_period=1))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_colocated_stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path
+) -> grpo_stack.GRPOStack:
+    """The stack (policy workers and vLLM engine, tests/grpo_stack.py) of the tiny colocated
+    warm-started GRPO run of ``tiny_grpo.warm_started_config`` (``WARM_RUN_STEPS`` steps), in
+    the held ``local_ray_8cpu`` cluster: ``grpo_stack.run_grpo_on`` runs such a run on it
+    (``warm_colocated_run`` and the resumed and stopped runs of test_checkpoint_survival.py).
+    Held across consecutive tests that use it, like ``local_ray_8cpu``, and stopped once the
+    next test does not use it (its bundle holds half the cluster's CPUs)."""
+    return hold_tiny_colocated_stack(tmp_path_factory, tiny_llama_path)
+
+
+def hold_tiny_colocated_stack(
+    tmp_path_factory: pytest.TempPathFactory, model: Path
+) -> grpo_stack.GRPOStack:
+    """Start (unless held) the stack ``tiny_colocated_stack`` holds."""
+    import grpo_stack
+    from tiny_grpo import WARM_RUN_STEPS, warm_started_config
+
+    def start() -> ContextManager[grpo_stack.GRPOStack]:
+        root = tmp_path_factory.mktemp("tiny_colocated_stack")
+        cfg = warm_started_config(root, model, WARM_RUN_STEPS, enabled=False)
+        return grpo_stack.start(cfg, root / "initial")
 
     hold_local_ray_8cpu()
-    root = tmp_path_factory.mktemp("warm_colocated_run")
-    run_grpo(warm_started_config(root, tiny_llama_path, WARM_RUN_STEPS, save_period=1))
-    return root
+    return hold("tiny_colocated_stack", start)
 
 
 @pytest.fixture(scope="module")
@@ -69,25 +99,34 @@ def two_node_ray_cluster() -> two_node_ray.TwoNodeCluster:
     return hold("two_node_ray_cluster", two_node_ray.two_node_ray)
 
 
+# Fixtures whose resource is held across consecutive tests that use it (held_across_tests),
+# each inside the one after it where both are used (the stack runs in the local Ray).
+HELD_FIXTURES = ("tiny_colocated_stack", "local_ray_8cpu", "two_node_ray_cluster")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests that use ``local_ray_8cpu`` one after another so that one Ray serves them
-    all: first the modules whose every test uses it, then those where some do (those tests
-    first), then the rest; otherwise the collected order (modules stay contiguous, so
-    module-scoped fixtures are set up once). The block comes first so that its Ray stops long
-    before the interpreter exits (a Ray stopped just before exit crashed it on the way out)."""
+    """Run the tests that use a held fixture (HELD_FIXTURES) one after another so that one
+    resource serves them all. Modules are ordered by the first held fixture their tests use,
+    those where every test uses it before those where some do; the modules using none come
+    last, and within a module the tests follow the same order (those using the stack, then
+    the local Ray, then the two nodes, then the rest). Otherwise the collected order is kept
+    (modules stay contiguous, so module-scoped fixtures are set up once). The local Ray's block
+    comes first so that its Ray stops long before the interpreter exits (a Ray stopped just
+    before exit crashed it on the way out)."""
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    def uses_ray(item: pytest.Item) -> bool:
-        return "local_ray_8cpu" in getattr(item, "fixturenames", ())
+    def first_held(item: pytest.Item) -> int:
+        names = getattr(item, "fixturenames", ())
+        return next((i for i, name in enumerate(HELD_FIXTURES) if name in names), len(HELD_FIXTURES))
 
     def module_rank(tests: list[pytest.Item]) -> int:
-        users = sum(map(uses_ray, tests))
-        return 0 if users == len(tests) else 1 if users else 2
+        first = min(map(first_held, tests))
+        return 2 * first + (0 if all(first_held(t) == first for t in tests) else 1)
 
     modules = sorted(by_module.values(), key=module_rank)
-    items[:] = [item for tests in modules for item in sorted(tests, key=lambda t: not uses_ray(t))]
+    items[:] = [item for tests in modules for item in sorted(tests, key=first_held)]
 
 
 @pytest.hookimpl(trylast=True)  # after the finished test's own fixtures are torn down

@@ -8,10 +8,13 @@ step and stops with exit code 75, and the rerun continues with the uninterrupted
 folder and file of the checkpoints has the mode the umask gives (others on a shared cluster
 read them as the user's umask allows).
 
-The runs compared with the uninterrupted one start with a short SFT warm start: the KL penalty
-then anchors to the warm-started weights, so a resumed run must rebuild that reference policy
-(from the warm start's folder) or its losses differ. The uninterrupted run keeps a checkpoint
-of every step, which the truncation test starts from.
+The in-process runs, the uninterrupted one included, share one stack of policy workers and
+engine (``tiny_colocated_stack``, tests/grpo_stack.py: put back before each run where a freshly
+started one is); the ``nemo-rl grpo`` process starts its own. The runs compared with the
+uninterrupted one start with a short SFT warm start: the KL penalty then anchors to the
+warm-started weights, so a resumed run must rebuild that reference policy (from the warm
+start's folder) or its losses differ. The uninterrupted run keeps a checkpoint of every step,
+which the truncation test starts from.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from nemo_rl.utils.config import config_to_yaml
 from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
 from file_modes import current_umask, modes_against_umask
-from tiny_grpo import WARM_RUN_STEPS, run_grpo, train_records, warm_started_config
+from grpo_stack import run_grpo_on
+from tiny_grpo import WARM_RUN_STEPS, train_records, warm_started_config
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +68,7 @@ def test_checkpoints_have_the_modes_the_umask_gives(warm_colocated_run) -> None:
 
 
 def test_truncated_newest_checkpoint_resumes_from_previous(
-    tmp_path, tiny_llama_path, warm_colocated_run, uninterrupted, caplog, local_ray_8cpu
+    tmp_path, tiny_llama_path, warm_colocated_run, uninterrupted, caplog, tiny_colocated_stack
 ):
     # the uninterrupted run's checkpoints as a run stopped after step 2 would have left them
     shutil.copytree(
@@ -76,7 +80,9 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
     shard.write_bytes(data[: len(data) // 2])  # a crash during write-back, a full disk
 
     with caplog.at_level(logging.WARNING, logger="nemo_rl.utils.checkpoint"):
-        run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1))
+        run_grpo_on(
+            tiny_colocated_stack, warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=1)
+        )
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert f"checkpoint {newest} is damaged: policy/{shard.name} has {len(data) // 2} bytes" in (
         warning
@@ -89,7 +95,7 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
 
 
 def test_sigterm_saves_the_finished_step_and_rerun_continues(
-    tmp_path, tiny_llama_path, uninterrupted, local_ray_8cpu
+    tmp_path, tiny_llama_path, uninterrupted, tiny_colocated_stack
 ):
     metrics = tmp_path / "logs" / "metrics.jsonl"
 
@@ -104,8 +110,9 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     sender = threading.Thread(target=sigterm_after_first_step, daemon=True)
     sender.start()
     # save_period 10: any checkpoint before step 3 is the stop's own
+    cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10)
     with pytest.raises(RunStopped) as stopped:
-        run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+        run_grpo_on(tiny_colocated_stack, cfg)
     sender.join()
     assert stopped.value.code == RESUMABLE_EXIT_CODE
     assert stopped.value.reason == "received SIGTERM"
@@ -114,16 +121,15 @@ def test_sigterm_saves_the_finished_step_and_rerun_continues(
     # the stop's own checkpoint, and the warm start's weights (the reference policy)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["sft_warmup", f"step_{k}"]
 
-    run_grpo(warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10))
+    run_grpo_on(tiny_colocated_stack, cfg)
     assert_same_steps(train_records(tmp_path / "logs"), uninterrupted, range(k + 1, STEPS + 1))
 
 
-def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path, local_ray_8cpu):
+def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path, tiny_colocated_stack):
+    cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,
+                              checkpoint_must_save_by="00:00:00:01")
     with pytest.raises(RunStopped) as stopped:
-        run_grpo(
-            warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=10,
-                   checkpoint_must_save_by="00:00:00:01")
-        )
+        run_grpo_on(tiny_colocated_stack, cfg)
     assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
     assert sorted(train_records(tmp_path / "logs")) == [1]

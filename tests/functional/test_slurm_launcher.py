@@ -291,7 +291,7 @@ if __name__ == "__main__":
 def _submit(
     slurm: LoopbackSlurm, name: str, mode: str | None, *options: str
 ) -> tuple[str, Path]:
-    """Submit the tiny driver in ``mode`` ("exit", "hold" or "stop-once"), or an attach job
+    """Submit the tiny driver in ``mode`` ("hold" or "stop-once"), or an attach job
     (None), with extra launcher ``options``."""
     driver = slurm.base / "driver.py"
     driver.write_text(DRIVER)
@@ -322,23 +322,6 @@ def _assert_no_job_processes(slurm: LoopbackSlurm) -> None:
     while (left := slurm.namespace_processes()) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, f"processes of the job remain: {left}"
-
-
-def test_driver_runs_across_two_nodes_and_its_exit_code_is_the_jobs(slurm: LoopbackSlurm) -> None:
-    job_id, log_dir = _submit(slurm, "nrl-ok", "exit")
-    fields = slurm.wait_job_done(job_id, JOB_DONE_S)
-    output = (log_dir / f"slurm-{job_id}.out").read_text()
-    driver_log = (log_dir / job_id / "driver.log").read_text()
-    assert fields["ExitCode"] == "7:0", output
-    assert "DRIVER ray nodes: ['node1', 'node2']" in driver_log, output
-    assert "DRIVER actors ran on: ['node1', 'node2']" in driver_log, output
-    assert "all 2 Ray node(s) registered" in output
-    assert "driver exited with code 7" in output
-    for log in ("ray-head-node1.log", "ray-worker-node2.log", "attach.sh", "sbatch.sh"):
-        assert (log_dir / job_id / log).is_file(), log
-    assert "--jobid=" + job_id in (log_dir / job_id / "attach.sh").read_text()
-    print(f"job {job_id}: {fields['StartTime']} -> {fields['EndTime']}")
-    _assert_no_job_processes(slurm)
 
 
 def test_killing_a_worker_nodes_step_ends_the_job_with_the_launchers_error(
@@ -388,7 +371,9 @@ def test_attach_job_serves_shells_until_scancel(slurm: LoopbackSlurm) -> None:
     _assert_no_job_processes(slurm)
 
 
-def test_usr1_reaches_the_driver_and_the_chained_job_continues(slurm: LoopbackSlurm) -> None:
+def test_usr1_reaches_the_driver_and_the_chained_job_runs_across_two_nodes(
+    slurm: LoopbackSlurm,
+) -> None:
     job_id, log_dir = _submit(
         slurm, "nrl-stop", "stop-once", "--chain-jobs", "1", "--stop-signal-lead-s", "120"
     )
@@ -402,7 +387,18 @@ def test_usr1_reaches_the_driver_and_the_chained_job_continues(slurm: LoopbackSl
     assert fields["ExitCode"] == "75:0", output
     assert "received SIGUSR1; passing it to the driver" in output, output
     assert "driver exited with code 75" in output
-    # exit 75 is "not ok": the follow-up job starts and runs the same command, which finishes
+    # exit 75 is "not ok": the follow-up job starts and runs the same command, which this time
+    # checks the job's Ray (both nodes, an actor on each) and exits 7: the job's exit code
     fields = slurm.wait_job_done(chained, JOB_DONE_S)
-    assert fields["ExitCode"] == "7:0", (log_dir / f"slurm-{chained}.out").read_text()
+    output = (log_dir / f"slurm-{chained}.out").read_text()
+    driver_log = (log_dir / chained / "driver.log").read_text()
+    assert fields["ExitCode"] == "7:0", output
+    assert "DRIVER ray nodes: ['node1', 'node2']" in driver_log, output
+    assert "DRIVER actors ran on: ['node1', 'node2']" in driver_log, output
+    assert "all 2 Ray node(s) registered" in output
+    assert "driver exited with code 7" in output
+    for log in ("ray-head-node1.log", "ray-worker-node2.log", "attach.sh", "sbatch.sh"):
+        assert (log_dir / chained / log).is_file(), log
+    assert "--jobid=" + chained in (log_dir / chained / "attach.sh").read_text()
+    print(f"job {chained}: {fields['StartTime']} -> {fields['EndTime']}")
     _assert_no_job_processes(slurm)

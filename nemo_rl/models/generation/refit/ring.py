@@ -218,19 +218,6 @@ class Ring:
         self._write(record[:_R_HAS_SUM + 1], fields)
         self._write(record[_R_STAMP], stamp(header.version, header.index + 1))
 
-    def wait_released(self, num_buckets: int, version: int, timeout_s: float) -> None:
-        """Return once every reader is done with all ``num_buckets`` buckets of ``version``.
-
-        Raises:
-            RefitError: as :meth:`slot_for`.
-        """
-        want = stamp(version, num_buckets)
-        self._wait(
-            lambda: bool((self._released >= want).all().item()),
-            f"waiting for the readers to finish refit version {version}",
-            version, timeout_s, self._dead_readers,
-        )
-
     # ------------------------------------------------------------------ readers
 
     def start_reading(self, reader: int) -> None:

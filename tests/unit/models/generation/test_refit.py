@@ -169,8 +169,8 @@ def ring_files() -> dict[str, int]:
 
 def engine_parameters_in_refit_buffers(generation: VllmGeneration) -> tuple[int, int]:
     """(refit rings mapped, parameters and buffers of the model lying in one) in engine 0's
-    process: the engine loads copies and unmaps the ring after each refit, so a tensor that
-    still viewed it would keep its mapping alive."""
+    process: the engine keeps its node's ring mapped between refits (the writer reuses it) but
+    loads copies out of it, so no parameter may point into the mapping."""
 
     def count(worker: Any) -> tuple[int, int]:
         ranges = []
@@ -349,7 +349,8 @@ def test_policy_and_engine_logprobs_agree_after_training_and_refit(run):
 
 
 def test_engine_keeps_no_view_of_the_ring(run):
-    assert run["aliasing"] == (0, 0)
+    # one ring stays mapped (so the check below looks at a real range), and no tensor is in it
+    assert run["aliasing"] == (1, 0)
 
 
 def test_colocated_refit_b_back_to_a_restores_greedy_output(run):
