@@ -2,7 +2,7 @@
 
 Workload: the CPU benchmark model of ``bench_megatron_worker_train.py`` (a random 37 M-parameter
 Llama, fp32) on its uniform batch (8 rows of 256 tokens, micro-batches of 2), Adam. Each phase
-runs in a fresh subprocess (so its peak resident memory is its own) and reports:
+runs in a fresh spawned process (so its peak resident memory is its own) and reports:
 
 * trainable parameters (those with ``requires_grad``) and all parameters;
 * optimizer state bytes, measured after the steps (every tensor in the optimizer's state);
@@ -21,16 +21,18 @@ Run (about 2 minutes on 2 cores):
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import os
 import resource
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_megatron_worker_train import LR, make_batch, model_path, workload
+from benchmarks.bench_megatron_worker_train import (
+    LR,
+    make_batch,
+    model_path,
+    timed_train_steps,
+    workload,
+)
 
 PHASES: dict[str, int | None] = {"full": None, "lora8": 8, "lora32": 32}
 
@@ -40,7 +42,6 @@ def measure(path: str, rank: int | None, steps: int) -> dict[str, Any]:
     import torch
 
     from megatron_bridge.parallel_state import find_free_port
-    from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import optimizer_states
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
@@ -64,12 +65,8 @@ def measure(path: str, rank: int | None, steps: int) -> dict[str, Any]:
     )
     torch.manual_seed(0)
     worker = MegatronPolicyWorker(config, path, init_reference_model=False)
-    times = []
     try:
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            worker.train(batch, NLLLoss(), gbs=batch.size, mbs=mbs)
-            times.append(time.perf_counter() - start)
+        times = timed_train_steps(worker, batch, batch.size, mbs, steps)
         params = list(worker.policy.model.module.parameters())
         return {
             "trainable": sum(p.numel() for p in params if p.requires_grad),
@@ -85,7 +82,7 @@ def measure(path: str, rank: int | None, steps: int) -> dict[str, Any]:
                 for b in worker.policy.model.buffers
             ),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "best_step_s": min(times[1:]),
+            "best_step_s": min(times),
         }
     finally:
         worker.shutdown()
@@ -94,23 +91,12 @@ def measure(path: str, rank: int | None, steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per phase")
-    parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    steps = parser.parse_args().steps
     path = model_path()
-    if args.phase:
-        print(json.dumps(measure(path, PHASES[args.phase], args.steps)))
-        return
-
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     results = {}
-    for name in PHASES:
-        out = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_lora_train", "--phase", name,
-             "--steps", str(args.steps)],
-            env=env, check=True, capture_output=True, text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        )
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, rank in PHASES.items():
+        with multiprocessing.get_context("spawn").Pool(1) as pool:  # a fresh process a phase
+            results[name] = pool.apply(measure, (path, rank, steps))
     mib = 1024**2
     print(f"{'phase':<8} {'trainable':>11} {'of all':>7} {'optim MiB':>10} {'grads MiB':>10} "
           f"{'peak MiB':>9} {'step s':>7}")
