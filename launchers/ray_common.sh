@@ -190,3 +190,27 @@ nrl_stop() {
   for target in "$@"; do kill -KILL -- "$target" 2>/dev/null; done
   return 0
 }
+
+# nrl_requeue_if_resumable RC: inside a slurm job with NRL_REQUEUE=1 (sbatch --requeue), put the
+# job back in the queue (same id; slurm runs its script again, whose driver resumes from the
+# newest checkpoint) when its exit code RC says the run can resume: 75 (the driver stopped
+# early after saving, or a worker died or hung) or NRL_EXIT_NODE_DIED; at most
+# NRL_MAX_REQUEUES (default 3) times, counted by slurm's SLURM_RESTART_COUNT.
+nrl_requeue_if_resumable() {
+  local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} max=${NRL_MAX_REQUEUES:-3} why out
+  [[ ${NRL_REQUEUE:-0} == 1 ]] || return 0
+  case $rc in
+    75) why="the driver exited with code 75 (a rerun resumes the run)" ;;
+    "$NRL_EXIT_NODE_DIED") why="a Ray node died (exit code $rc)" ;;
+    *) return 0 ;;
+  esac
+  if ((restarts >= max)); then
+    nrl_log "$why; not requeued: job $SLURM_JOB_ID was requeued $restarts time(s) already" \
+      "(--max-requeues $max)"
+    return 0
+  fi
+  nrl_log "$why: requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most" \
+    "$max); it resumes from the newest checkpoint"
+  out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1) ||
+    printf '[nemo-rl launch %(%H:%M:%S)T] error: %s\n' -1 "scontrol requeue failed: $out" >&2
+}

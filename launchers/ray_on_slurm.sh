@@ -9,7 +9,10 @@
 #   4. exits with the driver's exit code; any Ray step ending early fails the job at once;
 #      Ray is torn down on exit, failure, scancel and the time limit (traps). SIGUSR1/SIGUSR2
 #      (sbatch --signal=B:USR1@N, `scancel -b -s USR1`) go to the driver and the job goes on:
-#      the driver saves and stops by itself (exit 75, docs/cluster.md).
+#      the driver saves and stops by itself (exit 75, docs/cluster.md);
+#   5. with NRL_REQUEUE=1 (sbatch --requeue), a job whose run can resume (the driver exited 75,
+#      or a Ray node died: exit 5) requeues itself after the teardown, at most
+#      NRL_MAX_REQUEUES times (SLURM_RESTART_COUNT); the requeued job resumes the run.
 # Logs: $NRL_LOG_DIR/$SLURM_JOB_ID/ (driver.log, ray-<role>-<node>.log, attach.sh, sbatch.sh).
 set -uo pipefail
 unset RAY_ADDRESS # the driver gets the address of this job's cluster, nothing else does
@@ -106,13 +109,14 @@ srun_step() {
 }
 
 # start_ray_node ROLE INDEX: a background step running `ray start --block` on node INDEX, with
-# the filtered environment of nrl_exec_with_ray_env and a "slurm_node:<name>" resource (so the
-# node is known by its slurm name, even when nodes share an address).
+# the filtered environment of nrl_exec_with_ray_env, a "slurm_node:<name>" resource (so the
+# node is known by its slurm name, even when nodes share an address) and the same name as the
+# label "slurm_node" (which Ray keeps for a dead node: fault messages name a lost node by it).
 start_ray_node() {
   local role=$1 i=$2
   local node=${NODES[i]} log=$JOB_DIR/ray-$1-${NODES[i]}.log
   nrl_ray_start_args "$role" "${ADDRESSES[i]}" "${BLOCKS[i]}" "$HEAD_ADDRESS"
-  NRL_RAY_ARGS+=(--resources="{\"slurm_node:$node\": 1}")
+  NRL_RAY_ARGS+=(--resources="{\"slurm_node:$node\": 1}" --labels="slurm_node=$node")
   srun_step "ray-$role-$node" "$node" --output="$log" \
     bash -c "$(declare -f nrl_exec_with_ray_env); nrl_exec_with_ray_env \"\$@\"" nrl-ray \
     "$NRL_RAY" "${NRL_RAY_ARGS[@]}"
@@ -142,6 +146,7 @@ write_attach_script() {
 DRIVER_PID=
 CHECK_PID=
 teardown() {
+  local rc=$? # the job's exit code
   trap - EXIT
   trap '' TERM INT HUP # finish the teardown; slurm sends SIGKILL after KillWait anyway
   [[ -n $DRIVER_PID ]] && nrl_stop "$NRL_TEARDOWN_TIMEOUT_S" "$DRIVER_PID"
@@ -151,6 +156,7 @@ teardown() {
     # Workers first, the head (index 0) last, all within one timeout.
     nrl_stop "$NRL_TEARDOWN_TIMEOUT_S" $(printf '%s\n' "${NRL_RAY_PIDS[@]}" | tac)
   fi
+  nrl_requeue_if_resumable "$rc"
 }
 on_signal() {
   nrl_log "received SIG$1 (scancel, the time limit or Ctrl-C); stopping the job"
@@ -177,8 +183,11 @@ for sig in USR1 USR2; do
 done
 
 # --- run ----------------------------------------------------------------------------------------
-nrl_log "job $SLURM_JOB_ID: ${#NODES[@]} node(s) (${NODES[*]}), Ray head on $HEAD_NODE at" \
-  "$RAY_ADDRESS_VALUE, ports $NRL_RAY_PORT_BASE-$((NRL_RAY_PORT_BASE + span - 1)), logs $JOB_DIR"
+restarted=
+((${SLURM_RESTART_COUNT:-0} > 0)) && restarted=" (requeued: restart $SLURM_RESTART_COUNT)"
+nrl_log "job $SLURM_JOB_ID$restarted: ${#NODES[@]} node(s) (${NODES[*]}), Ray head on" \
+  "$HEAD_NODE at $RAY_ADDRESS_VALUE, ports $NRL_RAY_PORT_BASE-$((NRL_RAY_PORT_BASE + span - 1))," \
+  "logs $JOB_DIR"
 start_ray_node head 0
 HEAD_PID=${NRL_RAY_PIDS[0]}
 if ! nrl_wait_tcp "$HEAD_ADDRESS" "$NRL_RAY_PORT_BASE" "$NRL_HEAD_TIMEOUT_S" "$HEAD_PID"; then

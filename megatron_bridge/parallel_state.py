@@ -119,7 +119,8 @@ def initialize_megatron_parallel(
         master_addr: rendezvous address (loopback by default); rank 0 serves the
             rendezvous store on this address only.
         seed: base seed for megatron's model-parallel RNG tracker.
-        timeout_s: collective timeout in seconds, so a hung peer fails instead of blocking.
+        timeout_s: collective timeout in seconds of the default process group and of every
+            group megatron makes, so a hung peer fails instead of blocking.
 
     Raises:
         ValueError: sizes that do not divide ``world_size``, or no port given.
@@ -151,6 +152,7 @@ def initialize_megatron_parallel(
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,
+        distributed_timeout_minutes=timeout_s / 60,  # megatron's groups: the same bound
     )
     model_parallel_manual_seed(seed)
 

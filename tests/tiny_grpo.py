@@ -5,10 +5,15 @@ checkpoint generates. Importable as ``tiny_grpo``."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from nemo_rl.algorithms.grpo import grpo_train, setup
@@ -127,6 +132,36 @@ def run_recipe_cut(
     )
     run_grpo(cfg, on_setup)
     return read_metrics_jsonl(log_dir / "metrics.jsonl")
+
+
+def sigterm_after_first_step(log_dir: Path) -> threading.Thread:
+    """A started thread that sends this process SIGTERM once the run logging to ``log_dir``
+    has logged its first train step (within 600 s); join it after the run."""
+
+    def send() -> None:
+        metrics = log_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.is_file() and '"prefix": "train"' in metrics.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def assert_same_steps(
+    resumed: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range
+) -> None:
+    """``resumed``'s loss, grad norm and reward (:func:`train_records`) are ``expected``'s at
+    every step of ``steps``, up to float round-off."""
+    for step in steps:
+        for name in ("loss", "grad_norm", "reward"):
+            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
+                step, name
+            )
 
 
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:

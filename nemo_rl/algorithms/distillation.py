@@ -71,6 +71,7 @@ def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
                 init_reference_model=False,
                 seed=cfg.distillation.seed,
                 init_optimizer=False,
+                name="teacher",
             )
         ],
     )

@@ -186,9 +186,10 @@ def grpo_train(components: GRPOComponents) -> dict[str, float]:
     ``grpo.max_num_steps`` in the shared :func:`~nemo_rl.algorithms.training_loop.train_loop`,
     through the batch store of :func:`open_batch_store`.
 
-    With checkpointing, a stop signal or ``checkpointing.checkpoint_must_save_by`` ends the
-    loop early by the rule of :mod:`nemo_rl.utils.run_stop`: the finished step is saved, then
-    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75) is raised.
+    A stop signal or ``checkpointing.checkpoint_must_save_by`` ends the loop early by the rule
+    of :mod:`nemo_rl.utils.run_stop`: the finished step is saved (with checkpointing), then
+    :class:`~nemo_rl.utils.run_stop.RunStopped` (exit code 75; 128 + the signal without
+    checkpointing) is raised.
 
     Returns:
         The last step's train metrics plus the last validation's (``val_`` prefixed).
@@ -276,7 +277,8 @@ def run(cfg: GRPOMasterConfig) -> int | None:
 
     Returns:
         None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
-        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``); 128 + the
+        signal number when a stop signal ended it without checkpointing (nothing saved).
     """
     components = setup(cfg)
     return rollout_run.run_rollout_command(

@@ -290,7 +290,8 @@ def run_rollout_command(
 
     Returns:
         None when the run finished; 75 (:data:`~nemo_rl.utils.run_stop.RESUMABLE_EXIT_CODE`)
-        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``).
+        when it saved and stopped early (a stop signal, ``checkpoint_must_save_by``); 128 + the
+        signal number when a stop signal ended it without checkpointing (nothing saved).
     """
     try:
         final = train()

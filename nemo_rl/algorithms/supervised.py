@@ -344,7 +344,8 @@ def run_command(run: SupervisedRun) -> int | None:
     """A command's body after :func:`setup`: train, shut down, report.
 
     Returns:
-        None when the run finished; 75 when it saved and stopped early.
+        None when the run finished; 75 when it saved and stopped early; 128 + the signal
+        number when a stop signal ended it without checkpointing (nothing saved).
     """
     try:
         final = train(run)

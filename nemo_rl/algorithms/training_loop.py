@@ -8,10 +8,14 @@ stop for all of them:
   position, driver RNG) and returns its step and training info.
 - :func:`train_loop` runs validation at the start (``val_at_start``, fresh runs only), then per
   step: the step inside :meth:`~nemo_rl.utils.logger.Logger.step_progress`, train and timing
-  metrics, validation every ``val_period`` steps, and with checkpointing the save / stop rule of
-  :mod:`nemo_rl.utils.run_stop` (save every ``save_period`` steps and at the last; after a stop
-  signal or near ``checkpoint_must_save_by``, save the finished step and raise
-  :class:`~nemo_rl.utils.run_stop.RunStopped`, exit code 75).
+  metrics, validation every ``val_period`` steps, and the save / stop rule of
+  :mod:`nemo_rl.utils.run_stop` (with checkpointing: save every ``save_period`` steps and at the
+  last; after a stop signal or near ``checkpoint_must_save_by``, save the finished step and
+  raise :class:`~nemo_rl.utils.run_stop.RunStopped`, exit code 75; without: after a stop
+  signal, stop after the step, saving nothing, exit code 128 + the signal).
+- :func:`stop_guard` holds the stop signals for the whole training (resume, warm start, loop)
+  and turns a fault a rerun gets past (a dead or hung worker) into one line naming the newest
+  checkpoint (:func:`~nemo_rl.utils.run_stop.fault_stop`).
 - :func:`save_checkpoint` writes policy, loader position, RNG and the resolved recipe.
 - :func:`report_finished` prints the final metrics and where logs and checkpoints are.
 """
@@ -28,8 +32,10 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel
 
+from nemo_rl.utils import fault_injection
+from nemo_rl.utils.errors import ResumableFault
 from nemo_rl.utils.run_config import check_resume, save_run_config
-from nemo_rl.utils.run_stop import RunStopped, StopGuard
+from nemo_rl.utils.run_stop import RunStopped, StopGuard, fault_stop
 
 Metrics = dict[str, float]
 
@@ -185,15 +191,24 @@ def restore_checkpoint(
 
 
 @contextmanager
-def stop_guard(parts: LoopParts) -> Iterator[StopGuard | None]:
-    """The run's :class:`~nemo_rl.utils.run_stop.StopGuard` while the ``with`` body runs; None
-    without checkpointing (nothing to save: signals keep their default effect)."""
-    if parts.checkpointer is None:
-        yield None
-        return
+def stop_guard(parts: LoopParts) -> Iterator[StopGuard]:
+    """The run's :class:`~nemo_rl.utils.run_stop.StopGuard` while the ``with`` body runs
+    (``checkpointing.stop_signals``; ``checkpoint_must_save_by`` only with checkpointing).
+
+    Raises:
+        ResumableFault: (exit 75) a fault a rerun gets past (a dead or hung worker) ended the
+            body: its message plus the newest checkpoint a rerun resumes from.
+        RunFault: (exit 1) the same fault without checkpointing: nothing was saved.
+    """
     ckpt = parts.cfg.checkpointing
-    with StopGuard(ckpt.stop_signals, ckpt.must_save_by_seconds()) as guard:
-        yield guard
+    checkpointing = parts.checkpointer is not None
+    save_by = ckpt.must_save_by_seconds() if checkpointing else None
+    try:
+        with StopGuard(ckpt.stop_signals, save_by) as guard:
+            yield guard
+    except ResumableFault as fault:
+        latest = parts.checkpointer.get_latest_checkpoint_path() if checkpointing else None
+        raise fault_stop(fault, checkpointing, latest) from fault
 
 
 def train_loop(
@@ -207,7 +222,7 @@ def train_loop(
     """Run ``step_fn`` from ``start_step`` to ``parts.max_num_steps`` (see the module docstring).
 
     Args:
-        guard: from :func:`stop_guard`; None without checkpointing.
+        guard: from :func:`stop_guard`; None: no stop rule (signals keep their effect).
         start_step: the step the run resumed at (0 for a fresh run).
         validate_fn: None when the run has no validation data.
         extra_info: extra training-info entries of each checkpoint.
@@ -226,10 +241,11 @@ def train_loop(
         val_metrics = validate_fn()
         logger.log_metrics(val_metrics, step, "validation")
     if guard is not None and (reason := guard.stop_reason()) is not None:
-        raise RunStopped(reason, step)  # signalled before the first step: nothing new
+        raise _stopped(parts, guard, reason, step)  # signalled before the first step
     batches = iter(parts.train_loader)
     while step < parts.max_num_steps:
         started = time.monotonic()
+        fault_injection.enter_step(step + 1)  # test-only: faults armed for "step N"
         with logger.step_progress(step + 1, parts.max_num_steps, timer):
             last = step_fn(batches)
         step += 1
@@ -254,9 +270,10 @@ def _save_or_stop(
     train_metrics: Metrics,
     extra_info: CheckpointInfoFn | None,
 ) -> None:
-    """After ``step``: save on ``save_period`` and at the last step; then, when a stop signal
-    came or ``checkpoint_must_save_by`` is near, save the step (if not just saved) and raise
-    :class:`~nemo_rl.utils.run_stop.RunStopped`.
+    """After ``step``: with checkpointing, save on ``save_period`` and at the last step; then,
+    when a stop signal came or ``checkpoint_must_save_by`` is near, save the step (if not just
+    saved) and raise :class:`~nemo_rl.utils.run_stop.RunStopped` (without checkpointing: raise
+    it, saving nothing).
     """
 
     def save() -> None:
@@ -265,15 +282,26 @@ def _save_or_stop(
         guard.save_finished(time.monotonic() - started)
 
     final_step = step == parts.max_num_steps
-    due = step % parts.cfg.checkpointing.save_period == 0 or final_step
+    checkpointing = parts.checkpointer is not None
+    due = checkpointing and (step % parts.cfg.checkpointing.save_period == 0 or final_step)
     if due:
         save()
     reason = guard.stop_reason()
     if reason is None or final_step:
         return
-    if not due:
+    if checkpointing and not due:
         save()
-    raise RunStopped(reason, step)
+    raise _stopped(parts, guard, reason, step)
+
+
+def _stopped(parts: LoopParts, guard: StopGuard, reason: str, step: int) -> RunStopped:
+    """The stop after ``step`` for ``reason``: exit 75 with checkpointing (the step is saved),
+    128 + the signal number without (nothing is saved)."""
+    if parts.checkpointer is not None:
+        return RunStopped(reason, step)
+    signum = guard.received_signal
+    return RunStopped(reason, step, checkpointing=False,
+                      exit_code=128 + int(signum) if signum is not None else 1)
 
 
 def report_finished(

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.named_sharding import NamedSharding
 from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.distributed.worker_faults import CallFaults, collective_failure
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ PASSTHROUGH_ENV_VARS: tuple[str, ...] = (
     "GLOO_SOCKET_IFNAME",
     "TORCH_DISTRIBUTED_DEBUG",
     "NEMO_RL_FAULTS",  # test-only fault injection (nemo_rl.utils.fault_injection)
+    "NEMO_RL_FAULTS_DIR",
 )
 
 # Axes whose output rank is the last coordinate rather than 0 (see the module docstring).
@@ -81,6 +83,8 @@ class RayWorkerGroup:
         actor_kwargs: keyword arguments of ``actor_cls.__init__`` (the same for every rank).
         env_vars: extra environment for every worker; may not set the rendezvous variables.
         startup_timeout_s: seconds allowed for every actor's ``__init__`` to finish.
+        name: what the group's workers are, in messages (``"policy"``: "policy worker rank 1
+            on node2 (10.0.0.2) died during train ..."); None: "worker rank 1 ...".
 
     Raises:
         ValueError: malformed axes, a world larger than the cluster, bundles already holding
@@ -97,7 +101,14 @@ class RayWorkerGroup:
         actor_kwargs: Mapping[str, Any] | None = None,
         env_vars: Mapping[str, str] | None = None,
         startup_timeout_s: float = 300.0,
+        name: str | None = None,
     ) -> None:
+        self.label = f"{name} worker" if name else "worker"
+        # the latest call: its method and every rank's future (for the fault messages)
+        self._call_method = ""
+        self._call_futures: list[tuple[int, ray.ObjectRef]] = []
+        # a rank died, hung or failed a collective: shutdown kills without the cleanup call
+        self._faulted = False
         if not sharding_axes:
             raise ValueError("sharding_axes is empty; give at least one axis, e.g. {'dp': 1}")
         self.sharding = NamedSharding.from_axis_sizes(sharding_axes)
@@ -246,7 +257,8 @@ class RayWorkerGroup:
         self, method: str, *args: Any, **kwargs: Any
     ) -> list[ray.ObjectRef]:
         """Call ``method(*args, **kwargs)`` on every worker; one future per rank, in rank order."""
-        return [self._method(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        futures = [self._method(worker, method).remote(*args, **kwargs) for worker in self.workers]
+        return self._record_call(method, list(enumerate(futures)))
 
     def run_all_workers_multiple_data(
         self,
@@ -272,10 +284,11 @@ class RayWorkerGroup:
                     f"of positional arguments, e.g. (batch,)"
                 )
         kwargs = dict(common_kwargs or {})
-        return [
+        futures = [
             self._method(worker, method).remote(*args, **kwargs)
             for worker, args in zip(self.workers, per_rank_args)
         ]
+        return self._record_call(method, list(enumerate(futures)))
 
     def run_all_workers_sharded_data(
         self,
@@ -332,15 +345,18 @@ class RayWorkerGroup:
         kwargs = dict(common_kwargs or {})
         per_key: dict[tuple[int, ...], ray.ObjectRef] = {}
         self._side_results = []
+        every: list[tuple[int, ray.ObjectRef]] = []
         for rank, worker in enumerate(self.workers):
             coords = self.sharding.get_rank_coords(rank)
             shard_key = tuple(coords[a] for a in sharded)
             ref = self._method(worker, method).remote(shard_refs[shard_key], **kwargs)
+            every.append((rank, ref))
             if all(coords[a] == self.output_coordinate(a) for a in output_replicated):
                 distinct = tuple(coords[a] for a in replicated if a not in output_replicated)
                 per_key[shard_key + distinct] = ref
             else:
                 self._side_results.append((rank, ref))
+        self._record_call(method, every)
         return [per_key[key] for key in sorted(per_key)]
 
     def _put_shards(self, data: Any, sharded: list[str]) -> dict[tuple[int, ...], ray.ObjectRef]:
@@ -379,32 +395,66 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ results
 
+    def _record_call(
+        self, method: str, futures: list[tuple[int, ray.ObjectRef]]
+    ) -> list[ray.ObjectRef]:
+        """Remember ``method`` and its ``(rank, future)`` pairs, for the messages of
+        :meth:`get_all_worker_results`; the futures, in order."""
+        self._call_method = method
+        self._call_futures = futures
+        return [ref for _, ref in futures]
+
     def get_all_worker_results(
-        self, futures: Sequence[ray.ObjectRef], timeout_s: float = 3600.0
+        self,
+        futures: Sequence[ray.ObjectRef],
+        timeout_s: float = 3600.0,
+        timeout_field: str | None = None,
     ) -> list[Any]:
         """``ray.get`` the futures, waiting at most ``timeout_s`` seconds.
 
+        Args:
+            timeout_field: the config key ``timeout_s`` comes from, named in the timeout's
+                message.
+
         Raises:
-            TimeoutError: not all results arrived in time; the message includes errors already
-                raised by ranks whose results were not returned (a failed rank usually leaves the
-                others waiting in a collective).
+            WorkerDied: a rank's actor died (its process or node; Ray fails the call at once),
+                naming the rank, its node and the call.
+            CollectiveFailed: a rank's collective timed out or lost its peer (a peer stopped
+                or died), naming that rank, the call, the collective's timeout and the ranks
+                that had not answered.
+            WorkerTimeout: not all results arrived in time (a ``TimeoutError``), naming the
+                ranks that did not answer and any that failed meanwhile (a failed rank usually
+                leaves the others waiting in a collective).
+            ray.exceptions.RayTaskError: a rank's call raised anything else (its exception is
+                the error's ``cause``).
         """
         try:
             return ray.get(list(futures), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as err:
-            failures = []
-            for rank, ref in self._side_results:
-                ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-                if ready:
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayError as failure:
-                        cause = getattr(failure, "cause", None) or failure
-                        failures.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-            detail = "; failed ranks: " + " | ".join(failures) if failures else ""
-            raise TimeoutError(
-                f"{len(futures)} worker results not all ready within {timeout_s:g} s{detail}"
+            self._faulted = True
+            raise self._faults().timed_out(
+                futures, timeout_s, timeout_field, self._side_results
             ) from err
+        except ray.exceptions.RayActorError as err:
+            self._faulted = True
+            raise self._faults().died(err) from err
+        except ray.exceptions.RayTaskError as err:
+            collective = collective_failure(err.cause) if err.cause is not None else None
+            if collective is None:
+                raise
+            self._faulted = True
+            raise self._faults().collective_failed(collective, futures) from err
+
+    def _faults(self) -> CallFaults:
+        """The wording of the latest call's faults: ranks, their nodes and actors."""
+        locations = self.cluster.get_bundle_locations()[: self.world_size]
+        return CallFaults(
+            self.label,
+            [location.node_id for location in locations],
+            [worker._actor_id.hex() for worker in self.workers],
+            self._call_method,
+            self._call_futures,
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -414,14 +464,19 @@ class RayWorkerGroup:
 
         Args:
             cleanup_method: a worker method to call on every rank first (e.g. to destroy the
-                process group); its failure or timeout is logged, not raised.
+                process group); its failure or timeout is logged, not raised. Skipped once
+                :meth:`get_all_worker_results` reported a dead, hung or failed rank (the
+                others would wait for it in the cleanup's collectives).
             timeout_s: seconds allowed for ``cleanup_method``.
 
         Returns:
-            False if the cleanup method failed or timed out, or a killed actor still answered
-            30 s later; True otherwise.
+            False if the cleanup method failed, timed out or was skipped, or a killed actor
+            still answered 30 s later; True otherwise.
         """
         clean = True
+        if self._faulted and cleanup_method is not None:
+            logger.warning("%s: %r skipped after a failed rank", self.label, cleanup_method)
+            cleanup_method, clean = None, False
         if cleanup_method is not None and self.workers:
             try:
                 ray.get(self.run_all_workers_single_data(cleanup_method), timeout=timeout_s)
@@ -433,6 +488,7 @@ class RayWorkerGroup:
             self.cluster.release_bundles(self.world_size)
         self.workers = []
         self._side_results = []
+        self._call_futures = []
         return clean
 
 

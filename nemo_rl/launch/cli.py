@@ -150,6 +150,9 @@ def _slurm(cfg: SlurmLaunchConfig, command: list[str], dry_run: bool) -> int:
     print(f"  output:     {job.output}")
     print(f"  logs:       {job.job_dir}/ (driver.log, ray-<role>-<node>.log, attach.sh)")
     print(f"  watch:      tail -f {job.job_dir}/driver.log    cancel: scancel {job.job_id}")
+    if cfg.requeue:
+        print(f"  requeue:    up to {cfg.max_requeues} time(s), when its run can resume (driver "
+              "exit 75, a Ray node died)")
     if job.chained:
         print(f"  chained:    {' '.join(job.chained)} (each runs if the jobs before it stopped "
               "unsuccessfully: a stop or the time limit)")

@@ -167,6 +167,21 @@ class SlurmLaunchConfig(RayLaunchConfig):
         "rest are cancelled (--kill-on-invalid-dep=yes).",
     )
 
+    requeue: bool = Field(
+        default=False,
+        description="Submit with sbatch --requeue and requeue the job (scontrol requeue: same "
+        "job id, same options) when its run can resume: the driver exited 75 (it stopped early "
+        "after saving, or a worker died or hung: docs/cluster.md, Faults) or a Ray node died "
+        "under it (exit 5). The requeued job resumes from the newest checkpoint. At most "
+        "max_requeues times; slurm's own requeue after a node failure counts too.",
+    )
+    max_requeues: int = Field(
+        default=3,
+        ge=1,
+        description="With requeue: how many times the job may requeue itself "
+        "(SLURM_RESTART_COUNT); after that it ends with the driver's exit code.",
+    )
+
     @field_validator("time")
     @classmethod
     def _check_time(cls, value: str | None) -> str | None:
@@ -206,6 +221,15 @@ class SlurmLaunchConfig(RayLaunchConfig):
         return values
 
     @model_validator(mode="after")
+    def _check_requeue(self) -> SlurmLaunchConfig:
+        if "max_requeues" in self.model_fields_set and not self.requeue:
+            raise ValueError("max_requeues needs requeue; add --requeue or drop --max-requeues")
+        if self.requeue and self.attach:
+            raise ValueError("requeue resumes a driver's run; an --attach job has none: drop "
+                             "--requeue")
+        return self
+
+    @model_validator(mode="after")
     def _check_container(self) -> SlurmLaunchConfig:
         if self.container_image is None and (self.container_mounts or self.container_workdir):
             raise ValueError(
@@ -234,6 +258,8 @@ class SlurmLaunchConfig(RayLaunchConfig):
             "NRL_PYTHON": self.python,
             "NRL_NODES_TIMEOUT_S": self.nodes_timeout_s,
             "NRL_ATTACH": int(self.attach),
+            "NRL_REQUEUE": int(self.requeue),
+            "NRL_MAX_REQUEUES": self.max_requeues if self.requeue else None,
         }
         settings = super().shell_settings()
         settings.update({k: str(v) for k, v in values.items() if v is not None})

@@ -66,6 +66,8 @@ def _sbatch_header(cfg: SlurmLaunchConfig) -> list[str]:
         "--exclusive" if cfg.exclusive else None,
         f"--output={Path(cfg.log_dir).resolve() / 'slurm-%j.out'}",
         f"--signal=B:USR1@{cfg.stop_signal_lead_s}" if cfg.stop_signal_lead_s else None,
+        # a requeued job appends to its output instead of overwriting the earlier runs'
+        *(["--requeue", "--open-mode=append"] if cfg.requeue else []),
         *cfg.sbatch_args,
     ]
     return [f"#SBATCH {option}" for option in options if option is not None]

@@ -6,7 +6,8 @@ Run by ``launchers/ray_on_slurm.sh`` as a step on the head node (inside the job'
 
 Each Ray node of a slurm job carries the resource ``slurm_node:<slurm node name>`` (amount 1),
 so nodes are told apart by their slurm names even when they share an address. Drivers can use
-it to place work on a given node: ``actor.options(resources={"slurm_node:node2": 0.01})``.
+it to place work on a given node: ``actor.options(resources={"slurm_node:node2": 0.01})``. The
+same name is the node's label ``slurm_node``, which Ray still lists once the node is dead.
 Exits 0 when all are registered, ``exit_codes.NODES_MISSING`` naming the missing ones otherwise.
 """
 
@@ -19,6 +20,7 @@ import time
 from nemo_rl.launch import exit_codes
 
 SLURM_NODE_RESOURCE_PREFIX = "slurm_node:"
+SLURM_NODE_LABEL = "slurm_node"
 
 
 def slurm_node_resource(node: str) -> str:

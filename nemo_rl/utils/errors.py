@@ -29,6 +29,14 @@ class RunFault(Exception):
     exit_code = 1
 
 
+class ResumableFault(RunFault):
+    """A fault the run stopped for that rerunning the same command gets past: the rerun
+    resumes from the newest checkpoint. Exit code 75, the launchers' "resubmit" code (as for
+    a stop signal)."""
+
+    exit_code = 75
+
+
 def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
     """``exc`` when it is an :class:`InputError` or a :class:`RunFault`, or the one a Ray task
     raised (a ``RayTaskError`` keeps the remote exception as ``cause``); None otherwise."""

@@ -11,6 +11,14 @@ stopped, exit code 128 + the signal number; the newest checkpoint is then the la
 ``checkpointing.checkpoint_must_save_by`` stops the same way when, after a step, the time since
 the loop started plus the longest step and the longest save so far (the longest step while no
 save has been timed) would pass the limit.
+
+With checkpointing off (``checkpointing.enabled=false``) a stop signal still never cuts a step:
+the loop finishes the step under way, saves nothing and exits with 128 + the signal number
+(143 for SIGTERM), saying that nothing was saved; a second signal stops at once as above.
+
+A fault of the run's machinery that a rerun gets past (a
+:class:`~nemo_rl.utils.errors.ResumableFault`: a worker that died or hung) stops the run with
+its one line plus the newest checkpoint a rerun resumes from (:func:`fault_stop`), exit code 75.
 """
 
 from __future__ import annotations
@@ -20,30 +28,80 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
+
+from nemo_rl.utils.errors import ResumableFault, RunFault
 
 # sysexits' EX_TEMPFAIL: the run stopped after saving a checkpoint; rerunning continues it.
 RESUMABLE_EXIT_CODE = 75
 
 
 class RunStopped(SystemExit):
-    """The loop saved a checkpoint and stopped early; exits the process with code 75."""
+    """The loop stopped early after a step (saving it, with checkpointing); exits the process
+    with ``exit_code``: 75 with checkpointing (a rerun continues), 128 + the signal number
+    without (a rerun starts over)."""
 
-    def __init__(self, reason: str, step: int) -> None:
-        super().__init__(RESUMABLE_EXIT_CODE)
+    def __init__(
+        self,
+        reason: str,
+        step: int,
+        checkpointing: bool = True,
+        exit_code: int = RESUMABLE_EXIT_CODE,
+    ) -> None:
+        super().__init__(exit_code)
         self.reason = reason
         self.step = step
+        self.checkpointing = checkpointing
 
     def __str__(self) -> str:
+        where = (
+            "before the first step" if self.step == 0 else f"after step {self.step}"
+        )
+        if not self.checkpointing:
+            return (
+                f"stopped {where} ({self.reason}); checkpointing is off "
+                "(checkpointing.enabled=false): nothing was saved, a rerun starts over (exit "
+                f"code {self.code})"
+            )
         if self.step == 0:
             return (
-                f"stopped before the first step ({self.reason}); rerun the same command to "
-                f"start (exit code {RESUMABLE_EXIT_CODE})"
+                f"stopped {where} ({self.reason}); rerun the same command to start (exit "
+                f"code {self.code})"
             )
         return (
-            f"stopped after step {self.step} ({self.reason}); its checkpoint is saved, rerun the "
-            f"same command to continue (exit code {RESUMABLE_EXIT_CODE})"
+            f"stopped {where} ({self.reason}); its checkpoint is saved, rerun the same command "
+            f"to continue (exit code {self.code})"
         )
+
+
+def fault_stop(fault: ResumableFault, checkpointing: bool, latest: Path | None) -> RunFault:
+    """The error the run stops with after ``fault``: its message in one line plus what a
+    rerun starts from.
+
+    Args:
+        checkpointing: whether the run saves checkpoints.
+        latest: the newest checkpoint folder (``step_<n>``), None when none is saved yet.
+
+    Returns:
+        A :class:`~nemo_rl.utils.errors.ResumableFault` (exit 75) with checkpointing; a plain
+        :class:`~nemo_rl.utils.errors.RunFault` (exit 1) without (a rerun starts over).
+    """
+    what = " ".join(str(fault).split())
+    if not checkpointing:
+        return RunFault(
+            f"{what}; checkpointing is off (checkpointing.enabled=false): nothing was saved, a "
+            "rerun starts over"
+        )
+    if latest is None:
+        return ResumableFault(
+            f"{what}; no checkpoint was saved yet: rerun the same command to start over "
+            f"(exit code {RESUMABLE_EXIT_CODE})"
+        )
+    return ResumableFault(
+        f"{what}; the newest checkpoint is {latest}: rerun the same command to resume from it "
+        f"(exit code {RESUMABLE_EXIT_CODE})"
+    )
 
 
 class StopGuard:
@@ -103,6 +161,11 @@ class StopGuard:
     def save_finished(self, seconds: float) -> None:
         """Record a checkpoint save's duration."""
         self.longest_save_s = max(self.longest_save_s or 0.0, seconds)
+
+    @property
+    def received_signal(self) -> signal.Signals | None:
+        """The stop signal received so far, if any."""
+        return self._received
 
     def stop_reason(self) -> str | None:
         """Why the loop must stop after the step it just finished, or None to go on."""

@@ -20,13 +20,11 @@ which the truncation test starts from.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +36,13 @@ from nemo_rl.utils.run_stop import RESUMABLE_EXIT_CODE, RunStopped
 
 from file_modes import current_umask, modes_against_umask
 from grpo_stack import run_grpo_on
-from tiny_grpo import WARM_RUN_STEPS, train_records, warm_started_config
+from tiny_grpo import (
+    WARM_RUN_STEPS,
+    assert_same_steps,
+    sigterm_after_first_step,
+    train_records,
+    warm_started_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +54,6 @@ def uninterrupted(warm_colocated_run) -> dict[int, dict[str, float]]:
     """Train metrics by step of the uninterrupted run: the session's ``warm_colocated_run``
     (STEPS steps after the warm start, saving every step), shared with test_grpo.py."""
     return train_records(warm_colocated_run / "logs")
-
-
-def assert_same_steps(resumed: dict, expected: dict, steps: range) -> None:
-    for step in steps:
-        for name in ("loss", "grad_norm", "reward"):
-            assert resumed[step][name] == pytest.approx(expected[step][name], rel=1e-5, abs=1e-6), (
-                step, name
-            )
 
 
 def test_checkpoints_have_the_modes_the_umask_gives(warm_colocated_run) -> None:
@@ -97,18 +93,7 @@ def test_truncated_newest_checkpoint_resumes_from_previous(
 def test_sigterm_saves_the_finished_step_and_rerun_continues(
     tmp_path, tiny_llama_path, uninterrupted, tiny_colocated_stack
 ):
-    metrics = tmp_path / "logs" / "metrics.jsonl"
-
-    def sigterm_after_first_step() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.is_file() and '"prefix": "train"' in metrics.read_text():
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.2)
-
-    sender = threading.Thread(target=sigterm_after_first_step, daemon=True)
-    sender.start()
+    sender = sigterm_after_first_step(tmp_path / "logs")
     # save_period 10: any checkpoint before step 3 is the stop's own
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, save_period=10)
     with pytest.raises(RunStopped) as stopped:

@@ -30,6 +30,7 @@ from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
 from nemo_rl.algorithms.grpo_step.step import grpo_step, sample_groups_with_variance, validate
 from nemo_rl.data_plane import DataPlaneError, KVBatchMeta
+from nemo_rl.distributed.worker_faults import WorkerDied
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.models.policy.tq_policy import TQPolicy
@@ -270,9 +271,11 @@ def test_worker_death_names_partition_and_keys_and_clears_partition(data_plane_r
         {"input_ids": torch.ones(8, 4, dtype=torch.long), "input_lengths": torch.full((8,), 4)},
     )
     assert kill_actors([policy.worker_group.workers[0]]) == []
-    with pytest.raises(DataPlaneError) as failure:
+    with pytest.raises(WorkerDied) as failure:  # the run stops; a rerun resumes (exit 75)
         policy.get_logprobs_from_meta(meta)
     message = str(failure.value)
-    assert re.search(r"partition 'train' \(8 keys \['doomed/0', 'doomed/1', .*'doomed/7'\]\)", message)
-    assert "ActorDiedError" in message and "The partition was cleared" in message
+    assert message.startswith("policy worker rank 0 on "), message
+    assert "died during get_logprobs_presharded (it was killed by `ray.kill`)" in message
+    assert re.search(r"partition 'train' \(8 keys \['doomed/0', 'doomed/1', .*'doomed/7'\]\) "
+                     r"was cleared$", message), message
     assert "train" not in plane.partitions()

@@ -4,7 +4,8 @@ The fixture runs slurmctld and two slurmd (node1, node2; both 127.0.0.1, distinc
 munge inside a network namespace that has only ``lo``, so Ray cannot wander off to the machine's
 outward address and nothing listens outside the namespace. All state lives in a temporary folder;
 the daemons are stopped by the pids the fixture started. Needs root (network namespaces) and the
-Debian slurm packages (``scripts/setup_slurm.sh``).
+Debian slurm packages (``scripts/setup_slurm.sh``). A requeued job waits ``cred_expire`` (20 s
+here, slurm's default 120 s) before it starts again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.launch import exit_codes
+from nemo_rl.utils.config import config_to_yaml
+
+from tiny_grpo import WARM_RUN_STEPS, assert_same_steps, train_records, warm_started_config
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -51,6 +55,7 @@ pytestmark = [
 DAEMONS_UP_S = 60
 JOB_DONE_S = 240
 FAILURE_DONE_S = 90  # the job must end this soon after a Ray node's step is killed
+GRPO_JOB_S = 900  # a tiny GRPO job, run twice (requeued)
 LEFTOVERS_GONE_S = 30
 
 
@@ -134,7 +139,7 @@ def _write_slurm_conf(base: Path) -> Path:
             SlurmdUser=root
             AuthType=auth/munge
             CredType=cred/munge
-            AuthInfo=socket={base}/munge/munge.sock
+            AuthInfo=socket={base}/munge/munge.sock,cred_expire=20
             CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
             ProctrackType=proctrack/linuxproc
             TaskPlugin=task/none
@@ -289,16 +294,21 @@ if __name__ == "__main__":
 
 
 def _submit(
-    slurm: LoopbackSlurm, name: str, mode: str | None, *options: str
+    slurm: LoopbackSlurm, name: str, mode: str | None, *options: str,
+    command: list[str] | None = None,
 ) -> tuple[str, Path]:
-    """Submit the tiny driver in ``mode`` ("hold" or "stop-once"), or an attach job
-    (None), with extra launcher ``options``."""
+    """Submit the tiny driver in ``mode`` ("hold" or "stop-once"), or an attach job (None), or
+    ``command``, with extra launcher ``options``."""
     driver = slurm.base / "driver.py"
     driver.write_text(DRIVER)
     log_dir = slurm.base / "logs"
-    command = ["--attach"] if mode is None else ["--", sys.executable, str(driver), mode]
+    nodes = ["--nodes", "2"]
+    if command is not None:  # a recipe's command: its cluster section gives the nodes
+        command, nodes = ["--", *command], []
+    else:
+        command = ["--attach"] if mode is None else ["--", sys.executable, str(driver), mode]
     proc = slurm.run(
-        str(VENV_BIN / "nemo-rl"), "launch", "slurm", "--nodes", "2", "--job-name", name,
+        str(VENV_BIN / "nemo-rl"), "launch", "slurm", *nodes, "--job-name", name,
         "--time", "10", "--log-dir", str(log_dir), "--ray-port-base", "21000",
         "--ray-worker-ports", "64", "--ray-num-cpus", "2", "--ray-temp-dir",
         str(slurm.base / "ray"), "--head-timeout-s", "120", "--nodes-timeout-s", "120",
@@ -402,3 +412,59 @@ def test_usr1_reaches_the_driver_and_the_chained_job_runs_across_two_nodes(
     assert "--jobid=" + chained in (log_dir / chained / "attach.sh").read_text()
     print(f"job {chained}: {fields['StartTime']} -> {fields['EndTime']}")
     _assert_no_job_processes(slurm)
+
+
+def test_a_run_whose_policy_worker_is_killed_is_requeued_resumes_and_finishes(
+    slurm: LoopbackSlurm, tiny_llama_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The tiny GRPO run (the session's warm-started run, saving every step) as a job with
+    --requeue; its policy worker's process is killed (SIGKILL, as the OOM killer does) once
+    step 1 is saved. The driver stops in one line naming the worker, its slurm node and the
+    newest checkpoint (exit 75), the job requeues itself, the requeued job resumes from that
+    checkpoint and finishes; every checkpoint is there and every step's numbers are the
+    uninterrupted run's."""
+    root = slurm.base / "requeue"
+    cfg = warm_started_config(root, tiny_llama_path, WARM_RUN_STEPS, save_period=1)
+    recipe = root / "recipe.yaml"
+    root.mkdir()
+    recipe.write_text(config_to_yaml(cfg))
+    job_id, log_dir = _submit(
+        slurm, "nrl-requeue", None, "--requeue", "--max-requeues", "1", "--ray-num-cpus", "8",
+        command=[str(VENV_BIN / "nemo-rl"), "grpo", "--config", str(recipe)],
+    )
+    output = log_dir / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + GRPO_JOB_S
+    while not (root / "ckpt" / "step_1").is_dir():
+        assert time.monotonic() < deadline, (output.read_text(), slurm.job_fields(job_id))
+        time.sleep(1)
+    (worker,) = [pid for pid, cmd in slurm.namespace_processes().items()
+                 if cmd.startswith("ray::MegatronPolicyWorker")]
+    killed = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    _wait_for_line(output, f"requeueing job {job_id} (restart 1 of at most 1)", slurm, job_id)
+    print(f"job {job_id} requeued {time.monotonic() - killed:.1f} s after its worker was killed")
+    assert time.monotonic() - killed < FAILURE_DONE_S
+    fields = slurm.wait_job_done(job_id, GRPO_JOB_S)
+    text = output.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text
+    assert fields["Restarts"] == "1", fields
+    stop = re.search(
+        r"error: policy worker rank 0 on node1 \(127\.0\.0\.1\) died during \w+ \(its worker "
+        r"process has died\); the newest checkpoint is \S+/step_(\d+): rerun the same command "
+        r"to resume from it \(exit code 75\)", text)
+    assert stop, text
+    assert "the driver exited with code 75 (a rerun resumes the run): requeueing" in text
+    assert f"job {job_id} (requeued: restart 1)" in text
+    newest = int(stop.group(1))
+    assert f"resumed from {root / 'ckpt'}/step_{newest} (step {newest})" in text
+    # no checkpoint lost: the warm start's and every step's
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == [
+        "sft_warmup", *(f"step_{k}" for k in range(1, WARM_RUN_STEPS + 1))
+    ]
+    _assert_no_job_processes(slurm)
+    got = train_records(root / "logs")
+    assert sorted(got) == list(range(1, WARM_RUN_STEPS + 1))
+    # asked for only now: unless an earlier test ran it, it runs on a stack of workers held in
+    # a local Ray, which would compete with the job's run for the cores and memory
+    expected = train_records(request.getfixturevalue("warm_colocated_run") / "logs")
+    assert_same_steps(got, expected, range(1, WARM_RUN_STEPS + 1))

@@ -209,6 +209,15 @@ class MegatronConfig(ConfigModel):
         description="Weight of the router z-loss (mean squared logsumexp of the router "
         "logits) added to the training loss; None: off.",
     )
+    distributed_timeout_minutes: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Minutes any one collective of the policy's process groups (the world's "
+        "and megatron's TP/PP/CP/DP/EP groups) may wait for its peers before it fails: a "
+        "rank that stopped or died then stops the run with one line naming the rank, the "
+        "call and this bound (exit 75) instead of a hang. Keep it above the longest "
+        "collective (a checkpoint load's on a slow filesystem).",
+    )
     moe_grouped_gemm: bool = Field(
         default=True,
         description="Run each layer's local experts as two grouped GEMMs (torch._grouped_mm: "
@@ -417,6 +426,15 @@ class PolicyConfig(ConfigModel):
         description="Times the driver starts a failed refit over (a corrupt bucket, a stream "
         "that broke off) before it stops the run; engines whose load broke off refuse to "
         "generate until a refit completes.",
+    )
+    call_timeout_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        description="Seconds the driver waits for the policy workers to answer one call (a "
+        "training step's batch, a logprob pass, a checkpoint save or load, a refit verb); "
+        "past it the run stops with one line naming the ranks that did not answer, their "
+        "nodes and the call (exit 75: a stopped or hung worker, or ranks waiting for one). "
+        "A worker that dies stops the run at once, whatever this bound.",
     )
 
     @model_validator(mode="after")

@@ -49,6 +49,11 @@ class Policy(ColocatablePolicyInterface):
         seed: model-parallel RNG seed of the workers.
         init_optimizer: False: frozen workers that only score (a distillation teacher): no
             optimizer, scheduler or gradient buffers; ``train`` and the checkpoint verbs raise.
+        name: what its workers are called in fault messages (``"teacher"``: "teacher worker
+            rank 0 on ... died during get_topk_logits").
+
+    Every wait for the workers is bounded by ``config.call_timeout_s`` and reports a dead,
+    hung or failed rank in one line (:mod:`nemo_rl.distributed.worker_faults`).
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class Policy(ColocatablePolicyInterface):
         init_reference_model: bool = True,
         seed: int = 42,
         init_optimizer: bool = True,
+        name: str = "policy",
     ) -> None:
         self.cfg = config
         self.model_path = resolve_model_path(config.model_name, field="policy.model_name")
@@ -79,6 +85,7 @@ class Policy(ColocatablePolicyInterface):
                 "seed": seed,
                 "init_optimizer": init_optimizer,
             },
+            name=name,
         )
 
     # ---- sharding ------------------------------------------------------------------------
@@ -128,13 +135,19 @@ class Policy(ColocatablePolicyInterface):
             )
         return None, None
 
+    def _results(self, futures: list[ray.ObjectRef]) -> list[Any]:
+        """The workers' results of one call, waiting at most ``policy.call_timeout_s``."""
+        return self.worker_group.get_all_worker_results(
+            futures, self.cfg.call_timeout_s, "policy.call_timeout_s"
+        )
+
     def _run_sharded(
         self, method: str, shards: list[BatchedDataDict], **common_kwargs: Any
     ) -> list[Any]:
         futures = self.worker_group.run_all_workers_sharded_data(
             method, shards, common_kwargs=common_kwargs
         )
-        return self.worker_group.get_all_worker_results(futures)
+        return self._results(futures)
 
     def _logprob_pass(self, data: BatchedDataDict, method: str, **kwargs: Any) -> BatchedDataDict:
         check_batch(data, f"Policy.{method}")
@@ -187,7 +200,7 @@ class Policy(ColocatablePolicyInterface):
         return aggregate_train_results(results)
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("prepare_for_training")
         )
 
@@ -199,7 +212,7 @@ class Policy(ColocatablePolicyInterface):
     def snapshot_reference_policy(self) -> None:
         """Make the current weights the reference policy on every worker (the KL penalty's
         anchor), e.g. after an SFT warm start."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("snapshot_reference_policy")
         )
 
@@ -207,19 +220,19 @@ class Policy(ColocatablePolicyInterface):
         """Zero the optimizer state and restart the learning-rate schedule on every worker
         (keys of ``lr_schedule`` replace the configured ``lr``, ``min_lr`` and scheduler
         fields), e.g. to give an SFT warm start and the RL run after it separate optimizers."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("reset_optimizer", lr_schedule)
         )
 
     def save_checkpoint(self, path: str) -> None:
         """Save model, optimizer, scheduler, RNG and step to ``path`` (a dist checkpoint)."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("save_checkpoint", path)
         )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (possibly at another TP/PP layout)."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("load_checkpoint", path)
         )
 
@@ -238,7 +251,7 @@ class Policy(ColocatablePolicyInterface):
 
     def _refit_results(self, verb: str, *args: Any) -> list[Any]:
         """``verb`` on every rank; every rank's result, in rank order, once all finished."""
-        return self.worker_group.get_all_worker_results(self.refit(verb, *args))
+        return self._results(self.refit(verb, *args))
 
     def prepare_refit_info(self) -> Optional[dict[str, Any]]:
         """``{hf_name: (shape, dtype)}`` of the weights a refit sends, in export order, in the
@@ -294,13 +307,13 @@ class Policy(ColocatablePolicyInterface):
 
     def offload_before_refit(self) -> None:
         """Optimizer state and gradients off the device before the engines wake up."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("offload_before_refit")
         )
 
     def offload_after_refit(self) -> None:
         """Parameters off the device once the engines hold the new weights."""
-        self.worker_group.get_all_worker_results(
+        self._results(
             self.worker_group.run_all_workers_single_data("offload_after_refit")
         )
 

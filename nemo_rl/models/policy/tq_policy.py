@@ -46,6 +46,7 @@ from nemo_rl.data_plane.preshard import shard_meta_for_dp
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.policy.lm_policy import aggregate_train_results as _aggregate_train_results
+from nemo_rl.utils.errors import ResumableFault
 
 if TYPE_CHECKING:
     from nemo_rl.algorithms.loss.interfaces import LossFunction
@@ -108,10 +109,8 @@ class TQPolicy(Policy):
             super().shutdown()
             raise
         try:
-            self.worker_group.get_all_worker_results(
-                self.worker_group.run_all_workers_single_data(
-                    "setup_data_plane", self.dp_cfg
-                )
+            self._results(
+                self.worker_group.run_all_workers_single_data("setup_data_plane", self.dp_cfg)
             )
         except BaseException:
             self.shutdown()
@@ -229,15 +228,26 @@ class TQPolicy(Policy):
         """``worker_method(shard, **kwargs)`` on every rank; the replicas' results.
 
         Raises:
-            DataPlaneError: a worker died or failed; names the partition and the failed
+            DataPlaneError: a worker's call failed; names the partition and the failed
                 replicas' keys. The partition is cleared first.
+            ResumableFault: a worker died, hung or failed a collective
+                (:mod:`nemo_rl.distributed.worker_faults`; the same kind, its message naming
+                the partition and its keys); the partition is cleared first.
         """
         futures = self.worker_group.run_all_workers_sharded_data(
             worker_method, shards, common_kwargs=kwargs
         )
         try:
-            return self.worker_group.get_all_worker_results(futures)
-        except (ray.exceptions.RayError, TimeoutError) as err:
+            return self._results(futures)
+        except ResumableFault as fault:  # a dead or hung rank: the run stops, a rerun resumes
+            partition_id = shards[0].partition_id
+            keys = [key for shard in shards for key in shard.keys]
+            self.abort_partition(partition_id)
+            raise type(fault)(
+                f"{fault}; {task_name}: partition {partition_id!r} ({len(keys)} keys "
+                f"{preview(keys)}) was cleared"
+            ) from fault
+        except ray.exceptions.RayError as err:
             partition_id = shards[0].partition_id
             failed = [
                 key

@@ -1,5 +1,6 @@
 """The shared training loop on a fake policy: validation cadence, save period, the stop rule and
-exact resume (loader position, driver RNG and policy state continue where the saved run was)."""
+exact resume (loader position, driver RNG and policy state continue where the saved run was),
+the stop rule without checkpointing, and a worker fault's line naming the newest checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from nemo_rl.algorithms import training_loop
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
 from nemo_rl.algorithms.training_loop import LoopParts
 from nemo_rl.data.dataloader import StatefulPromptLoader
+from nemo_rl.distributed.worker_faults import WorkerDied
 from nemo_rl.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from nemo_rl.utils.errors import ResumableFault, RunFault
 from nemo_rl.utils.logger import LoggerConfig
 from nemo_rl.utils.run_stop import RunStopped
 from nemo_rl.utils.timer import Timer
@@ -48,25 +51,36 @@ class FakeLogger:
         yield
 
 
-def make_parts(tmp: Path, steps: int, save_period: int = 2) -> LoopParts:
+def make_parts(
+    tmp: Path, steps: int, save_period: int = 2, checkpointing: bool = True
+) -> LoopParts:
     ckpt = CheckpointingConfig(
-        enabled=True, checkpoint_dir=str(tmp / "ckpt"), save_period=save_period, keep_top_k=None
+        enabled=checkpointing, checkpoint_dir=str(tmp / "ckpt"), save_period=save_period,
+        keep_top_k=None,
     )
     cfg = SFTMasterConfig(checkpointing=ckpt, logger=LoggerConfig(log_dir=str(tmp / "logs")))
     loader = StatefulPromptLoader(list(range(10)), 3, seed=1, collate_fn=lambda rows: rows)
     return LoopParts(
         cfg=cfg, policy=FakePolicy(), train_loader=loader, logger=FakeLogger(), timer=Timer(),
-        checkpointer=CheckpointManager(ckpt), max_num_steps=steps, val_period=3, val_at_start=True,
+        checkpointer=CheckpointManager(ckpt) if checkpointing else None, max_num_steps=steps,
+        val_period=3, val_at_start=True,
     )
 
 
-def run(parts: LoopParts, stop_after: int | None = None) -> dict[str, float]:
-    """Train with a step that mixes the batch and a driver random draw into the weight."""
+def run(
+    parts: LoopParts, stop_after: int | None = None, fail_at_step: int | None = None
+) -> dict[str, float]:
+    """Train with a step that mixes the batch and a driver random draw into the weight; a
+    stop signal during the step after ``stop_after`` log records; a dead worker in step
+    ``fail_at_step``."""
 
     def step_fn(batches: Iterator[list[int]]) -> dict[str, float]:
         parts.policy.weight = parts.policy.weight * 0.5 + sum(next(batches)) + float(torch.rand(()))
         if stop_after is not None and len(parts.logger.records) >= stop_after:
             os.kill(os.getpid(), signal.SIGUSR1)  # a stop signal during this step
+        if fail_at_step is not None and parts.logger.records[-1][1] + 1 == fail_at_step:
+            raise WorkerDied("policy worker rank 1 on node2 (10.0.0.2) died during train "
+                             "(its node has died)")
         return {"weight": parts.policy.weight}
 
     with training_loop.stop_guard(parts) as guard:
@@ -105,3 +119,44 @@ def test_resumed_run_continues_exactly(tmp_path: Path) -> None:
     resumed = [(s, m["weight"]) for p, s, m in second.logger.records if p == "train"]
     assert [s for s, _ in resumed] == [4, 5, 6, 7]
     assert [w for _, w in resumed] == expected[3:]
+
+
+def test_stop_signal_without_checkpointing_finishes_the_step_and_saves_nothing(
+    tmp_path: Path,
+) -> None:
+    parts = make_parts(tmp_path, steps=7, checkpointing=False)
+    with pytest.raises(RunStopped) as stop:
+        run(parts, stop_after=5)  # the signal comes during step 3
+    assert stop.value.step == 3 and stop.value.code == 128 + signal.SIGUSR1
+    assert str(stop.value) == (
+        "stopped after step 3 (received SIGUSR1); checkpointing is off "
+        "(checkpointing.enabled=false): nothing was saved, a rerun starts over (exit code 138)"
+    )
+    assert [s for p, s, _ in parts.logger.records if p == "train"] == [1, 2, 3]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_dead_worker_stops_the_run_naming_the_newest_checkpoint(tmp_path: Path) -> None:
+    parts = make_parts(tmp_path, steps=7, save_period=2)
+    with pytest.raises(ResumableFault) as fault:
+        run(parts, fail_at_step=5)
+    assert fault.value.exit_code == 75 and isinstance(fault.value.__cause__, WorkerDied)
+    assert str(fault.value) == (
+        "policy worker rank 1 on node2 (10.0.0.2) died during train (its node has died); the "
+        f"newest checkpoint is {tmp_path / 'ckpt' / 'step_4'}: rerun the same command to "
+        "resume from it (exit code 75)"
+    )
+    # the rerun resumes from step 4
+    second = make_parts(tmp_path, steps=7, save_period=2)
+    run(second)
+    assert [s for p, s, _ in second.logger.records if p == "train"] == [5, 6, 7]
+
+
+def test_a_dead_worker_without_checkpointing_says_nothing_was_saved(tmp_path: Path) -> None:
+    with pytest.raises(RunFault) as fault:
+        run(make_parts(tmp_path, steps=7, checkpointing=False), fail_at_step=2)
+    assert not isinstance(fault.value, ResumableFault) and fault.value.exit_code == 1
+    assert str(fault.value).endswith(
+        "(its node has died); checkpointing is off (checkpointing.enabled=false): nothing was "
+        "saved, a rerun starts over"
+    )

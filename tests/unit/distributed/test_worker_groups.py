@@ -2,12 +2,15 @@
 
 Two worker groups of 4 ranks share one cluster of 4 bundles (max_colocated_worker_groups=2):
 ``gloo`` (dp=2, tp=2) really rendezvous with torch.distributed on 127.0.0.1, ``light``
-(pp=2, dp=2) checks the pipeline output-rank rule.
+(pp=2, dp=2) checks the pipeline output-rank rule. Groups of two ``fragile`` ranks on a cluster
+of their own have a rank stop (SIGSTOP) or die: the waits report it in one line naming the
+rank, its node and the call.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +25,12 @@ import torch.distributed as dist
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import LOOPBACK
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, TooFewNodesError
+from nemo_rl.distributed.worker_faults import (
+    CollectiveFailed,
+    WorkerDied,
+    WorkerTimeout,
+    node_description,
+)
 from nemo_rl.distributed.worker_groups import RayWorkerGroup, sharding_from_env, start_together
 
 pytestmark = pytest.mark.slow
@@ -76,6 +85,35 @@ class GlooWorker(EchoWorker):
 
     def destroy(self) -> None:
         dist.destroy_process_group()
+
+
+# Collective timeout of the fragile groups, seconds.
+FRAGILE_TIMEOUT_S = 3
+
+
+class FragileWorker(EchoWorker):
+    """A rank of a gloo world whose collectives time out after FRAGILE_TIMEOUT_S; a rank can
+    stop itself (SIGSTOP: a hung process)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(tag)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # env:// rendezvous
+        world = list(range(dist.get_world_size()))
+        self.world = dist.new_group(world, timeout=timedelta(seconds=FRAGILE_TIMEOUT_S))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop_on_rank(self, rank: int) -> int:
+        if self.rank == rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self.rank
+
+    def all_reduce_unless_stopped(self, rank: int) -> float:
+        self.stop_on_rank(rank)
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor, group=self.world)
+        return float(tensor.item())
 
 
 # The worker classes travel by value: workers need not import this test module (and with it
@@ -312,6 +350,10 @@ def test_generation_on_a_full_cluster_fails_at_once_naming_the_limit(local_ray_8
         full.shutdown()
 
 
+def _node_of(group: RayWorkerGroup, rank: int) -> str:
+    return node_description(group.cluster.get_bundle_locations()[rank].node_id)
+
+
 def test_failed_rank_is_reported_on_timeout(gloo_group: RayWorkerGroup) -> None:
     # Rank 1 raises; rank 0 (the output rank of DP shard 0) then waits in its TP all_reduce.
     futures = gloo_group.run_all_workers_sharded_data(
@@ -321,14 +363,75 @@ def test_failed_rank_is_reported_on_timeout(gloo_group: RayWorkerGroup) -> None:
     # stuck) until rank 1's failure has arrived, however slow the host.
     deadline = time.monotonic() + 120
     while True:
-        with pytest.raises(TimeoutError) as info:
+        with pytest.raises(WorkerTimeout) as info:
             gloo_group.get_all_worker_results(futures, timeout_s=1)
         if "failed ranks" in str(info.value) or time.monotonic() > deadline:
             break
+    assert isinstance(info.value, TimeoutError)
     assert str(info.value) == (
-        "2 worker results not all ready within 1 s; failed ranks: "
+        f"worker rank 0 on {_node_of(gloo_group, 0)} gave no result for fail_on_rank within "
+        "1 s: stopped, hung, or waiting in a collective for a rank that is; failed ranks: "
         "rank 1: ValueError: rank 1 fails on purpose"
     )
+
+
+@pytest.fixture
+def fragile_cluster(local_ray_8cpu: None) -> Iterator[RayVirtualCluster]:
+    cluster = RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=1.0, name="fragile")
+    yield cluster
+    cluster.shutdown()
+
+
+def _assert_dead(workers: list[Any]) -> None:
+    for worker in workers:
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(worker.last_seen.remote(), timeout=30)
+
+
+def test_a_stopped_rank_fails_its_peers_collective_within_the_collective_timeout(
+    fragile_cluster: RayVirtualCluster,
+) -> None:
+    group = RayWorkerGroup(fragile_cluster, FragileWorker, {"tp": 2}, {"tag": "f"}, name="fragile")
+    workers = list(group.workers)
+    futures = group.run_all_workers_single_data("all_reduce_unless_stopped", 1)
+    # far longer than the collective's timeout: what ends the wait is rank 0's collective
+    with pytest.raises(CollectiveFailed) as failed:
+        group.get_all_worker_results(futures, timeout_s=300)
+    message = str(failed.value)
+    assert message.startswith(
+        f"fragile worker rank 0 on {_node_of(group, 0)} gave up on a collective during "
+        f"all_reduce_unless_stopped after {FRAGILE_TIMEOUT_S} s (Timed out waiting "
+        f"{FRAGILE_TIMEOUT_S * 1000}ms for "
+    ), message
+    assert message.endswith(": a peer rank stopped or died; rank 1 had not answered"), message
+    assert failed.value.exit_code == 75
+    # no cleanup call (the stopped rank would never answer it): the actors are killed
+    assert group.shutdown(cleanup_method="destroy") is False
+    _assert_dead(workers)
+
+
+def test_a_hung_rank_times_out_and_a_killed_one_fails_the_next_call_at_once(
+    fragile_cluster: RayVirtualCluster,
+) -> None:
+    group = RayWorkerGroup(fragile_cluster, FragileWorker, {"dp": 2}, {"tag": "f"}, name="fragile")
+    workers = list(group.workers)
+    pid = ray.get(workers[1].pid.remote())
+    futures = group.run_all_workers_single_data("stop_on_rank", 1)
+    with pytest.raises(WorkerTimeout) as hung:
+        group.get_all_worker_results(futures, timeout_s=2, timeout_field="test.timeout_s")
+    assert str(hung.value) == (
+        f"fragile worker rank 1 on {_node_of(group, 1)} gave no result for stop_on_rank within "
+        "2 s (test.timeout_s): stopped, hung, or waiting in a collective for a rank that is"
+    )
+    os.kill(pid, signal.SIGKILL)  # what the OOM killer or a lost node does to it
+    with pytest.raises(WorkerDied) as died:
+        group.get_all_worker_results(group.run_all_workers_single_data("echo", "x"), 300)
+    assert str(died.value) == (
+        f"fragile worker rank 1 on {_node_of(group, 1)} died during echo (its worker process "
+        "has died)"
+    )
+    assert group.shutdown(cleanup_method="destroy") is False
+    _assert_dead(workers)
 
 
 def test_shutdown_kills_only_own_actors(

@@ -149,3 +149,34 @@ def test_stop_terminates_then_kills(ignores_term: bool, status: int) -> None:
     child = f"bash -c \"{trap}exec sleep 30\" & p=$!\nsleep 0.3\n"
     out = bash(child + "nrl_stop 2 $p\nwait $p\necho $?")
     assert out.stdout.strip() == str(status)  # SIGTERM (128+15), or SIGKILL (128+9) after 2 s
+
+
+@pytest.mark.parametrize(
+    "settings, rc, requeued",
+    [
+        ("NRL_REQUEUE=1", 75, True),  # the driver stopped early, or a worker died or hung
+        ("NRL_REQUEUE=1", 5, True),  # a Ray node died under the driver
+        ("NRL_REQUEUE=1", 1, False),  # a failure a rerun would repeat
+        ("NRL_REQUEUE=1", 143, False),  # scancel or the time limit
+        ("NRL_REQUEUE=0", 75, False),
+        ("NRL_REQUEUE=1 SLURM_RESTART_COUNT=3", 75, False),  # the default limit reached
+        ("NRL_REQUEUE=1 NRL_MAX_REQUEUES=4 SLURM_RESTART_COUNT=3", 75, True),
+    ],
+)
+def test_requeue_follows_the_exit_code_and_the_limit(
+    tmp_path: Path, settings: str, rc: int, requeued: bool
+) -> None:
+    scontrol = tmp_path / "scontrol"  # records its arguments instead of asking slurm
+    scontrol.write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\n')
+    scontrol.chmod(0o755)
+    out = bash(
+        f"SLURM_JOB_ID=41 {settings} nrl_requeue_if_resumable {rc}",
+        env={"PATH": f"{tmp_path}:{os.environ['PATH']}"},
+    )
+    assert out.returncode == 0, out.stderr
+    calls = (tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else ""
+    assert calls == ("requeue 41\n" if requeued else "")
+    if requeued:
+        assert "requeueing job 41 (restart" in out.stdout and "resumes from the newest" in out.stdout
+    elif "SLURM_RESTART_COUNT=3" in settings:
+        assert "not requeued: job 41 was requeued 3 time(s) already (--max-requeues 3)" in out.stdout

@@ -168,3 +168,19 @@ def test_chained_jobs_each_wait_for_every_earlier_one_to_fail(
         f"--parsable --dependency=afternotok:101 --kill-on-invalid-dep=yes {script}",
         f"--parsable --dependency=afternotok:101:102 --kill-on-invalid-dep=yes {script}",
     ]
+
+
+def test_requeue_submits_requeueable_appending_jobs_with_their_limit(tmp_path: Path) -> None:
+    cfg = SlurmLaunchConfig(nodes=1, gpus_per_node=0, log_dir=str(tmp_path), requeue=True,
+                            max_requeues=5)
+    script = render_sbatch(cfg, ["nemo-rl", "grpo"])
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert header[-2:] == ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    assert run_preamble(script, 'echo "$NRL_REQUEUE:$NRL_MAX_REQUEUES"').strip() == "1:5"
+    plain = render_sbatch(SlurmLaunchConfig(nodes=1, gpus_per_node=0), ["x"])
+    assert "#SBATCH --requeue" not in plain
+    assert run_preamble(plain, 'echo "$NRL_REQUEUE"').strip() == "0"
+    with pytest.raises(ValueError, match="max_requeues needs requeue"):
+        SlurmLaunchConfig(nodes=1, max_requeues=2)
+    with pytest.raises(ValueError, match="an --attach job has none"):
+        SlurmLaunchConfig(nodes=1, attach=True, requeue=True)

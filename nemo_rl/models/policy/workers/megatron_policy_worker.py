@@ -10,6 +10,7 @@ replica its shard.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers import megatron as parts  # megatron-core parts: on first use
 from nemo_rl.models.policy.workers.megatron import data_plane_io
 from nemo_rl.models.policy.workers.megatron.reference import take_reference
+from nemo_rl.utils.fault_injection import fault_at, kill_this_process, stop_this_process
 
 
 class MegatronPolicyWorker:
@@ -95,6 +97,7 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:
         """``logprobs`` ``[B, S]`` float32 in ``data``'s row order (last PP stage; an empty
         dict on the other stages)."""
+        _fault_point("policy.logprobs")
         mbs = micro_batch_size or self.config.logprob_batch_size
         logprobs = parts.train_step.compute_logprobs(self.policy, data, mbs, self._packing)
         return BatchedDataDict() if logprobs is None else BatchedDataDict(logprobs=logprobs)
@@ -147,6 +150,7 @@ class MegatronPolicyWorker:
             RuntimeError: the worker was made with ``init_optimizer=False``.
         """
         parts.model_setup.require_optimizer(self.policy, "train")
+        _fault_point("policy.train")
         gbs = gbs or self.config.train_global_batch_size
         mbs = mbs or self.config.train_micro_batch_size
         steps = list(
@@ -241,6 +245,7 @@ class MegatronPolicyWorker:
         :class:`~nemo_rl.models.generation.refit.interfaces.WeightSender`). Every rank is
         called (the export is collective over each replica's TP/PP ranks, and over EP for a
         mixture-of-experts model)."""
+        _fault_point("policy.refit", verb=verb)
         if self._refit is None:
             from megatron.core import parallel_state
 
@@ -267,6 +272,7 @@ class MegatronPolicyWorker:
         """Model, optimizer, scheduler, RNG and step into the new folder ``path``, with the
         source model's tokenizer files (an export of it is a complete HF folder)."""
         parts.model_setup.require_optimizer(self.policy, "save a training checkpoint")
+        _fault_point("policy.save")
         parts.checkpointing.save_training_checkpoint(self.policy, path, self.step, self.model_path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -282,3 +288,13 @@ class MegatronPolicyWorker:
             self._data_plane.close()
         destroy_megatron_parallel()
         return True
+
+
+def _fault_point(point: str, **context: Any) -> None:
+    """Test-only fault injection (:mod:`nemo_rl.utils.fault_injection`): a ``kill`` or
+    ``stop`` armed for ``point`` at this worker's rank ends or stops this process here."""
+    action = fault_at(point, rank=int(os.environ.get("RANK", "0")), **context)
+    if action == "kill":
+        kill_this_process()
+    elif action == "stop":
+        stop_this_process()

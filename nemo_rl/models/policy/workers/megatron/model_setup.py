@@ -143,6 +143,7 @@ def init_parallel_from_env(megatron_cfg: MegatronConfig, seed: int) -> ParallelL
         master_port=int(os.environ["MASTER_PORT"]),
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         seed=seed,
+        timeout_s=megatron_cfg.distributed_timeout_minutes * 60,
         ep=ep,
     )
     return ParallelLayout(rank, world, tp, pp, cp, world // (tp * pp * cp), ep)
