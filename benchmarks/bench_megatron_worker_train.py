@@ -187,7 +187,6 @@ def time_worker_steps(
     """
     import torch
 
-    from nemo_rl.algorithms.loss import NLLLoss
     from megatron_bridge.parallel_state import find_free_port
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
@@ -222,16 +221,26 @@ def time_worker_steps(
         ).shards
     torch.manual_seed(0)
     worker = MegatronPolicyWorker(config, path, init_reference_model=False)
-    times = []
     try:
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            worker.train(batch, NLLLoss(), gbs=gbs, mbs=mbs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        return timed_train_steps(worker, batch, gbs, mbs, steps)
     finally:
         worker.shutdown()
+
+
+def timed_train_steps(worker: Any, batch: Any, gbs: int, mbs: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` ``NLLLoss`` optimizer steps of ``worker`` on ``batch``,
+    after one warm-up step."""
+    import torch
+
+    from nemo_rl.algorithms.loss import NLLLoss
+
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        worker.train(batch, NLLLoss(), gbs=gbs, mbs=mbs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
     return times[1:]
 
 

@@ -10,7 +10,8 @@ Megatron: :func:`save_megatron_checkpoint` / :func:`load_megatron_checkpoint` us
 ``megatron.core.dist_checkpointing`` on a built model; its layout is independent of TP/PP, so
 a checkpoint saved at TP=2 loads at PP=2. The folder also holds ``bridge.json`` (the HF
 config, the padded vocabulary size and the dtype) and an ``hf_assets/`` copy of the tokenizer
-files. Conversion writes and reads the same folders without a model
+files; a model with LoRA adapters (:mod:`megatron_bridge.lora`) also records them in
+``lora.json``. Conversion writes and reads the same folders without a model
 (:mod:`megatron_bridge.dist_ckpt_writer`, :mod:`megatron_bridge.dist_ckpt_reader`).
 """
 
@@ -28,9 +29,11 @@ import torch.distributed as dist
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
 from megatron_bridge.dcp_file_writer import dcp_file_writer
 from megatron_bridge.load import INDEX_FILE, SINGLE_FILE, build_gpt_model
+from megatron_bridge.lora import LoraSpec
 from megatron_bridge.safetensors_stream import SafetensorsStreamWriter, TensorSpec, tensor_nbytes
 
 BRIDGE_FILE = "bridge.json"
+LORA_FILE = "lora.json"
 HF_ASSETS_DIR = "hf_assets"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -243,6 +246,17 @@ def write_bridge_files(
     if assets_dir is not None:
         (ckpt_dir / HF_ASSETS_DIR).mkdir(exist_ok=True)
         copy_hf_assets(assets_dir, ckpt_dir / HF_ASSETS_DIR)
+
+
+def write_lora_file(ckpt_dir: Path, spec: LoraSpec) -> None:
+    """Record a model's LoRA adapters (settings and adapted linears) as ``lora.json``."""
+    (Path(ckpt_dir) / LORA_FILE).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+
+
+def read_lora_spec(ckpt_dir: str | Path) -> LoraSpec | None:
+    """The LoRA adapters a checkpoint holds (its ``lora.json``); None when it holds none."""
+    lora_file = Path(ckpt_dir) / LORA_FILE
+    return LoraSpec.from_json(json.loads(lora_file.read_text())) if lora_file.is_file() else None
 
 
 def read_bridge_metadata(ckpt_dir: str | Path) -> dict[str, Any]:

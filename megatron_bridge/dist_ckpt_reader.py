@@ -28,8 +28,11 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_bridge.checkpoint import read_lora_spec
 from megatron_bridge.config import BridgeConfig
-from megatron_bridge.dist_ckpt_layout import tensor_chunks
+from megatron_bridge.dist_ckpt_layout import TensorChunk, tensor_chunks
+from megatron_bridge.lora import LoraSpec
+from megatron_bridge.lora_targets import ADAPTER_SUFFIX
 
 # Prefix of the keys megatron-core's optimizers give their sharded state (Adam moments, fp32
 # master copies) in a dist checkpoint saved with the model.
@@ -181,7 +184,9 @@ def checkpoint_hf_weights(
     """Yield ``(hf_name, tensor)`` for every HF tensor of a Megatron dist checkpoint.
 
     Same names, order and values as :func:`megatron_bridge.export_hf_weights` on the loaded
-    model (vocabulary padding dropped; tied embeddings yield no lm_head).
+    model (vocabulary padding dropped; tied embeddings yield no lm_head). A checkpoint with
+    LoRA adapters (``lora.json``) is exported merged, like the live model: each adapted
+    linear's weight is ``W + scale * B A`` (in float32, then the stored dtype).
 
     Args:
         ckpt_dir: a checkpoint written by :func:`~megatron_bridge.checkpoint.
@@ -202,6 +207,7 @@ def checkpoint_hf_weights(
         KeyError: a tensor missing from the checkpoint.
     """
     reader = DistCheckpointReader(ckpt_dir)
+    lora = read_lora_spec(ckpt_dir)
     dims = bridge.dims(1)
     # Each Megatron tensor's whole region: one chunk at TP=1 (two for a fused gate/up).
     plan = [(mapping, tensor_chunks(mapping, bridge, 1, 0)) for mapping in bridge.plan()]
@@ -210,7 +216,12 @@ def checkpoint_hf_weights(
         for k, md in reader.metadata.state_dict_metadata.items()
         if hasattr(md, "chunks") and not k.startswith(OPTIMIZER_KEY_PREFIX)
     }
-    leftover = sorted(stored - {chunks[0].key for _, chunks in plan})
+    produced = {chunks[0].key for _, chunks in plan}
+    if lora is not None:
+        produced |= {
+            _adapter_key(chunks[0].key, ab) for _, chunks in plan for ab in ("lora_A", "lora_B")
+        }
+    leftover = sorted(stored - produced)
     if leftover:
         reader.close()
         raise ValueError(
@@ -229,9 +240,42 @@ def checkpoint_hf_weights(
             # without a copy (a fused gate/up's halves are stored as separate chunks).
             parts = [reader.read(key, c.offset, c.shape).reshape(c.shape[c.stacked :])
                      for c in chunks]
+            if lora is not None:
+                parts = _merged_parts(reader, lora, mapping.megatron_name, chunks, parts)
             tensors = parts if mapping.kind == "gate_up" else mapping.unshard(parts, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]
             yield from zip(mapping.hf_names, tensors)
     finally:
         reader.close()
+
+
+def _adapter_key(weight_key: str, tensor: str) -> str:
+    """The checkpoint key of the adapter ``tensor`` (lora_A / lora_B) of the linear whose
+    weight is stored under ``weight_key``."""
+    return f"{weight_key.removesuffix('.weight')}{ADAPTER_SUFFIX}.{tensor}"
+
+
+def _merged_parts(
+    reader: DistCheckpointReader,
+    lora: LoraSpec,
+    megatron_name: str,
+    chunks: list[TensorChunk],
+    parts: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``parts`` (a whole TP=1 Megatron weight, or its gate and up halves) with the adapter of
+    its linear folded in; unchanged when the linear has none."""
+    target = next((t for t in lora.targets if f"{t.module_name()}.weight" == megatron_name), None)
+    if target is None:
+        return parts
+    index, _ = lora.stack_index(target)
+
+    def adapter(tensor: str) -> torch.Tensor:
+        key = _adapter_key(chunks[0].key, tensor)
+        shape = reader.shape(key)
+        return reader.read(key, (index, 0, 0), (1, *shape[1:]))[0].float()
+
+    a, b = adapter("lora_A"), adapter("lora_B")
+    b_parts = b.chunk(len(parts))  # a gated fc1's B: gate rows, then up rows, as its weight
+    scale = lora.settings.scale
+    return [(w.float() + scale * bp @ a).to(w.dtype) for w, bp in zip(parts, b_parts)]

@@ -7,6 +7,10 @@ tensor-parallel group by the expert-parallel rank that holds the expert, which b
 to the other EP ranks of its stage first. Every rank yields the same ``(name, tensor)`` stream and
 holds at most one full HF tensor group at a time, so memory stays bounded by the largest
 tensor (the embedding), not the model.
+
+A linear with a LoRA adapter (:mod:`megatron_bridge.lora`) is exported merged: each rank folds
+its adapter slice into its weight shard (``W_r + scale * B_r A_r``) before the gather, so the
+stream holds the weights of the adapted model and no adapter tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
 from megatron_bridge.load import expert_range, stage_mappings
+from megatron_bridge.lora import lora_adapters
 from megatron_bridge.parallel_state import collective_device
 
 
@@ -27,7 +32,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8)
 
 
-def _gather_tp(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
+def gather_tp(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
     """Every TP rank's copy of ``tensor`` (same shape on all ranks), in rank order."""
     if size == 1:
         return [tensor]
@@ -37,7 +42,7 @@ def _gather_tp(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> lis
     return [p.view(tensor.dtype).view(tensor.shape) for p in parts]
 
 
-def _stage_layer_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
+def stage_layer_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
     """``[start, stop)`` of global layer indices held by each pipeline stage, stage order."""
     from megatron.core import parallel_state
 
@@ -52,7 +57,7 @@ def _stage_layer_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
     return ranges
 
 
-def _owner_stage(mapping: ParamMapping, ranges: list[tuple[int, int]]) -> int:
+def owner_stage(mapping: ParamMapping, ranges: list[tuple[int, int]]) -> int:
     """The pipeline stage that holds ``mapping``'s tensor."""
     if mapping.layer is not None:
         return next(s for s, (lo, hi) in enumerate(ranges) if lo <= mapping.layer < hi)
@@ -93,7 +98,7 @@ def export_hf_weights(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = parallel_state.get_pipeline_model_parallel_world_size()
     dims = bridge.dims(tp)
-    ranges = _stage_layer_ranges(model)
+    ranges = stage_layer_ranges(model)
     # Global Megatron name -> this stage's parameter name (the tied output copy is not exported).
     local_names = {
         m.megatron_name: name
@@ -101,29 +106,34 @@ def export_hf_weights(
         if not (bridge.tie_word_embeddings and name == "output_layer.weight")
     }
     params = dict(model.named_parameters())
+    adapters = lora_adapters(model)
 
     for mapping in bridge.plan():
-        owner = _owner_stage(mapping, ranges)
+        owner = owner_stage(mapping, ranges)
         tensors: list[torch.Tensor] = []
         expert = mapping.expert
         if owner == pp_rank and (expert is None or expert in experts):
-            param = params[local_names[mapping.megatron_name]]
-            local = param.detach().to(collective_device())
+            local_name = local_names[mapping.megatron_name]
+            local = params[local_name].detach()
+            module, _, kind = local_name.rpartition(".")
+            if kind == "weight" and module in adapters:
+                local = adapters[module].merged(local)
+            local = local.to(collective_device())
             if expert is None:
-                shards = _gather_tp(local, tp_group, tp)
+                shards = gather_tp(local, tp_group, tp)
             else:
-                shards = _gather_tp(local, etp_group, etp)
+                shards = gather_tp(local, etp_group, etp)
             tensors = mapping.unshard(shards, dims)
             if dtype is not None:
                 tensors = [t.to(dtype) for t in tensors]
         if owner == pp_rank and expert is not None and ep > 1:
-            tensors = _broadcast_from(tensors, expert // len(experts), ep_group)
+            tensors = broadcast_from(tensors, expert // len(experts), ep_group)
         if pp_ranks > 1:
-            tensors = _broadcast_from(tensors, owner, pp_group)
+            tensors = broadcast_from(tensors, owner, pp_group)
         yield from zip(mapping.hf_names, tensors)
 
 
-def _broadcast_from(
+def broadcast_from(
     tensors: list[torch.Tensor], owner: int, group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
     """Send group rank ``owner``'s tensors to every rank of ``group`` (the pipeline stage

@@ -23,6 +23,7 @@ from megatron_bridge.config import BridgeConfig
 from megatron_bridge.families import ParamMapping
 from megatron_bridge.families.base import TE_NORM_NAMES
 from megatron_bridge.layer_spec import gpt_stage_spec, with_model_biases
+from megatron_bridge.lora_targets import is_adapter_param
 from megatron_bridge.tensor_check import check_hf_tensors
 
 SINGLE_FILE = "model.safetensors"
@@ -213,7 +214,8 @@ def stage_mappings(model: torch.nn.Module, bridge: BridgeConfig) -> dict[str, Pa
     num_local = len(model.decoder.layers)
     experts = expert_range(bridge)
     plan = bridge.plan()
-    params = {name for name, _ in model.named_parameters()}
+    # LoRA adapters (megatron_bridge.lora) have no HF tensor of their own: export merges them.
+    params = {name for name, _ in model.named_parameters() if not is_adapter_param(name)}
     result: dict[str, ParamMapping] = {}
     for mapping in plan:
         if mapping.layer is not None and not offset <= mapping.layer < offset + num_local:
@@ -336,6 +338,8 @@ def load_hf_weights(model: torch.nn.Module, bridge: BridgeConfig, hf_path: str |
     mappings = stage_mappings(model, bridge)
     dims = bridge.dims(tp)
     for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            continue  # a LoRA adapter is not part of the HF checkpoint
         mapping = mappings[name]
         if mapping.expert is None:
             tensor = mapping.shard(reader, dims, tp_rank, tp)

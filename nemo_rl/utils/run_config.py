@@ -3,9 +3,9 @@
 Every ``step_<n>`` folder holds ``config.yaml`` (:data:`RUN_CONFIG_FILE`): the validated
 recipe of the run that saved it, so a checkpoint says which model it was trained from
 (``policy.model_name``), on which data and with which settings. Resuming checks the new recipe
-against it: a changed model or data (:data:`RESUME_FIXED_KEYS`) is refused, naming each changed
-key with both values; anything else (the parallel layout, which the policy reshards, the
-learning rate, the step count...) may change.
+against it: a changed model, LoRA adapters or data (:data:`RESUME_FIXED_KEYS`) is refused,
+naming each changed key with both values; anything else (the parallel layout, which the policy
+reshards, the learning rate, the step count...) may change.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ RUN_CONFIG_FILE = "config.yaml"
 
 # Recipe keys (dotted; a section covers every key under it) a resumed run must keep: what the
 # saved weights, optimizer state and data position mean depends on them.
+# A key a checkpoint may not record (saved before the key existed) is checked only where it does.
 RESUME_FIXED_KEYS = (
     "policy.model_name",
     "policy.megatron_cfg.make_vocab_size_divisible_by",
+    "policy.megatron_cfg.peft",  # the adapters are trained state: their shape and placement
     "data",
 )
 
@@ -57,6 +59,8 @@ def changed_fixed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     between two recipe trees (sorted by key)."""
     changes = []
     for key in RESUME_FIXED_KEYS:
+        if _select(saved, key) is None and _select(current, key) is not None:
+            continue  # not recorded by this checkpoint
         old = _flatten(_select(saved, key), key)
         new = _flatten(_select(current, key), key)
         for leaf in sorted(old.keys() | new.keys()):
@@ -66,7 +70,8 @@ def changed_fixed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def check_resume(step_dir: str | Path, cfg: BaseModel) -> None:
-    """Refuse to resume from ``step_dir`` with a recipe that changed its model or data.
+    """Refuse to resume from ``step_dir`` with a recipe that changed its model, LoRA adapters or
+    data.
 
     A checkpoint without ``config.yaml`` (saved before checkpoints carried one) is not checked.
 
@@ -80,7 +85,7 @@ def check_resume(step_dir: str | Path, cfg: BaseModel) -> None:
     changes = changed_fixed_keys(saved, cfg.model_dump(mode="json"))
     if changes:
         raise ConfigError(
-            f"cannot resume from {step_dir}: the recipe changed the model or the data it was "
-            f"trained with ({'; '.join(changes)}); restore those keys, or start a new run "
-            "with another checkpointing.checkpoint_dir"
+            f"cannot resume from {step_dir}: the recipe changed the model, its LoRA adapters or "
+            f"the data it was trained with ({'; '.join(changes)}); restore those keys, or start a "
+            "new run with another checkpointing.checkpoint_dir"
         )

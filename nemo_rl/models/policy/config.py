@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from megatron_bridge.lora_targets import check_selection
 from nemo_rl.models.generation.config import GenerationConfig, Precision
 from nemo_rl.models.generation.refit.buckets import ALIGNMENT
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
@@ -80,6 +81,60 @@ class MegatronSchedulerConfig(ConfigModel):
                 f"({self.lr_warmup_iters}); raise lr_decay_iters or lower lr_warmup_iters"
             )
         return self
+
+class PeftConfig(ConfigModel):
+    """LoRA adapters on the Megatron policy (``policy.megatron_cfg.peft``, NeMo RL's keys).
+
+    The base weights are frozen (no gradient, no optimizer state) and every selected linear
+    layer learns ``W + (alpha / dim) * B A``; the reference policy of KL penalties and DPO is
+    the base model with the adapters switched off. Module names and matching:
+    :mod:`megatron_bridge.lora_targets`.
+    """
+
+    enabled: bool = Field(default=False, description="Train LoRA adapters instead of all weights.")
+    target_modules: list[str] = Field(
+        default_factory=list,
+        description="Linear layers to adapt: Megatron names (linear_qkv, linear_proj, "
+        "linear_fc1, linear_fc2), Hugging Face projection names (q_proj, k_proj, v_proj "
+        "together, o_proj, gate_proj and up_proj together, down_proj) or patterns over full "
+        "names such as '*.layers.0.*.linear_qkv'. Empty: every linear layer of the decoder "
+        "(the embedding and LM head are never adapted).",
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list,
+        description="Linear layers not to adapt (same names and patterns); only with an empty "
+        "target_modules.",
+    )
+    dim: int = Field(default=32, ge=1, description="Rank of the adapters (r).")
+    alpha: float = Field(
+        default=32, gt=0.0, description="The update is scaled by alpha / dim."
+    )
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Dropout probability on the adapter path."
+    )
+    dropout_position: Literal["pre", "post"] = Field(
+        default="pre",
+        description="Dropout on the adapter's input ('pre') or on its output ('post').",
+    )
+    lora_A_init_method: Literal["xavier", "uniform"] = Field(
+        default="xavier",
+        description="Initialisation of A: 'xavier' (Glorot normal) or 'uniform' (Kaiming "
+        "uniform with a = sqrt(5), torch.nn.Linear's default).",
+    )
+    lora_B_init_method: Literal["zero"] = Field(
+        default="zero",
+        description="Initialisation of B: 'zero', so the adapted model starts as the base.",
+    )
+    lora_dtype: Precision | None = Field(
+        default=None,
+        description="Parameter dtype of the adapters; None: the policy's precision.",
+    )
+
+    @model_validator(mode="after")
+    def _check_module_names(self) -> PeftConfig:
+        check_selection(self.target_modules, self.exclude_modules)
+        return self
+
 
 class MegatronConfig(ConfigModel):
     """Megatron-Core training backend (``policy.megatron_cfg``): parallelism and optimizer."""
@@ -169,6 +224,9 @@ class MegatronConfig(ConfigModel):
         "CUTLASS kernels on Hopper and newer) instead of megatron's loop over the experts; "
         "same parameters, checkpoints and refit. false: the loop (needed for experts with "
         "biases or fp8).",
+    )
+    peft: PeftConfig = Field(
+        default_factory=PeftConfig, description="LoRA adapters instead of full training."
     )
     freeze_moe_router: bool = Field(
         default=False,
@@ -398,6 +456,11 @@ class PolicyConfig(ConfigModel):
                 f"generation.vllm_cfg.max_model_len ({vllm.max_model_len}) must be >= "
                 f"max_total_sequence_length ({self.max_total_sequence_length}); set it to "
                 "${policy.max_total_sequence_length} or more"
+            )
+        if self.megatron_cfg.peft.enabled and self.reward_model_cfg.enabled:
+            raise ValueError(
+                "megatron_cfg.peft.enabled with reward_model_cfg.enabled: a reward model's "
+                "new score head must be trained in full, which LoRA does not do; disable one"
             )
         if self.tokenizer.name is None:
             self.tokenizer.name = self.model_name

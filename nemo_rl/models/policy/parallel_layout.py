@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_bridge import BridgeConfig
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.peft import lora_targets
 
 _MCFG = "policy.megatron_cfg"
 
@@ -59,7 +60,8 @@ def plan_parallel_layout(
             experts not divisible by EP, EP > 1 on a dense model, a mixture-of-experts model
             at TP > 1 without sequence parallelism (megatron-core refuses to train it); CP
             with lengths that cannot split into 2*CP chunks; global batch not divisible into
-            DP x micro-batches.
+            DP x micro-batches; LoRA targets the model lacks
+            (:func:`~nemo_rl.models.policy.peft.lora_targets`).
     """
     mcfg = cfg.megatron_cfg
     tp = mcfg.tensor_model_parallel_size
@@ -90,6 +92,8 @@ def plan_parallel_layout(
                 f"{_MCFG}.tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} "
                 f"/ expert_model_parallel_size={ep} do not fit the model at {model_path}: {err}"
             ) from None
+        if mcfg.peft.enabled:
+            lora_targets(mcfg.peft, bridge, str(model_path))
         if bridge.is_moe and tp > 1 and not mcfg.sequence_parallel:
             raise ValueError(
                 f"{_MCFG}.tensor_model_parallel_size={tp} on the mixture-of-experts model at "

@@ -1,5 +1,6 @@
-"""A checkpoint's config.yaml, and the resume check against it: a changed model or data is
-refused naming each key and both values; a changed parallel layout or learning rate is not."""
+"""A checkpoint's config.yaml, and the resume check against it: a changed model, LoRA adapters
+or data is refused naming each key and both values; a changed parallel layout or learning rate
+is not."""
 
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ def test_changed_data_is_refused_naming_every_key(tmp_path):
     assert f"data.train_path: None -> '{mine}'" in message
     assert "data.synthetic.max_operand: 9 -> 4" in message
     assert "policy.model_name" not in message
+
+
+def test_changed_lora_adapters_are_refused_a_checkpoint_without_them_is_not(tmp_path):
+    lora = {"model_name": "tiny-llama", "megatron_cfg": {"peft": {"enabled": True, "dim": 8}}}
+    save_run_config(tmp_path, config(policy=lora))
+    check_resume(tmp_path, config(policy=lora))
+    for peft, change in (
+        ({"enabled": True, "dim": 4}, "policy.megatron_cfg.peft.dim: 8 -> 4"),
+        ({}, "policy.megatron_cfg.peft.enabled: True -> False"),
+    ):
+        changed = config(policy={"model_name": "tiny-llama", "megatron_cfg": {"peft": peft}})
+        with pytest.raises(ConfigError, match=change.replace(".", r"\.")):
+            check_resume(tmp_path, changed)
+    # saved before the key existed: its config.yaml has no peft section
+    saved = config().model_dump(mode="json")
+    del saved["policy"]["megatron_cfg"]["peft"]
+    (tmp_path / RUN_CONFIG_FILE).write_text(yaml.safe_dump(saved))
+    check_resume(tmp_path, config())
 
 
 def test_checkpoint_without_config_is_not_checked(tmp_path):

@@ -27,7 +27,7 @@ from megatron_bridge.parallel_state import destroy_megatron_parallel
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers import megatron as parts  # megatron-core parts: on first use
 from nemo_rl.models.policy.workers.megatron import data_plane_io
-from nemo_rl.models.policy.workers.megatron.reference import ReferenceWeights
+from nemo_rl.models.policy.workers.megatron.reference import take_reference
 from nemo_rl.utils.fault_injection import fault_at, kill_this_process, stop_this_process
 
 
@@ -37,7 +37,8 @@ class MegatronPolicyWorker:
     Args:
         config: the validated ``policy`` section (a :class:`PolicyConfig`; it pickles through Ray).
         model_path: local HF checkpoint folder.
-        init_reference_model: keep the initial weights on the CPU as the reference policy.
+        init_reference_model: keep the initial weights on the CPU as the reference policy
+            (under LoRA: the base model, adapters switched off, nothing copied).
         seed: base seed of megatron's model-parallel RNG tracker.
         init_optimizer: False: a frozen worker that only scores (no DDP gradient buffers, no
             optimizer or scheduler); ``train``, ``reset_optimizer`` and the checkpoint verbs
@@ -55,7 +56,12 @@ class MegatronPolicyWorker:
         self.config = config
         self.model_path = model_path
         self.policy = parts.model_setup.setup_policy_model(config, model_path, seed, init_optimizer)
-        self.reference = ReferenceWeights(self.policy.model.module) if init_reference_model else None
+        self._lora = config.megatron_cfg.peft.enabled
+        self.reference = (
+            take_reference(self.policy.model.module, self._lora, initial=True)
+            if init_reference_model
+            else None
+        )
         self.step = 0
         self._packing = config.sequence_packing.enabled
         self._host_stash = parts.offload.HostStash()  # pinned buffers, reused by every offload
@@ -63,8 +69,9 @@ class MegatronPolicyWorker:
         self._data_plane: DataPlaneClient | None = None
 
     def snapshot_reference_policy(self) -> None:
-        """Make the current weights the reference policy (e.g. after an SFT warm start)."""
-        self.reference = ReferenceWeights(self.policy.model.module)
+        """Make the current weights the reference policy (e.g. after an SFT warm start; under
+        LoRA a copy of the adapters only)."""
+        self.reference = take_reference(self.policy.model.module, self._lora, initial=False)
 
     def reset_optimizer(self, lr_schedule: Mapping[str, Any] | None = None) -> None:
         """Start the optimizer over from the current weights: zero Adam state and a new

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from layout_ports import next_layout_port
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from layout_ports import next_layout_port, run_two_ranks
+from megatron_bridge.parallel_state import destroy_megatron_parallel
 
 PAIRS, SEQ, VOCAB, TOPK = 4, 13, 1024, 8
 ALGORITHMS = ("rm", "dpo", "distillation")
@@ -43,7 +42,7 @@ def make_batch() -> Any:
     )
 
 
-def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> dict[Any, Any]:
     from nemo_rl.algorithms.loss import DistillationLossFn, DPOLossFn, PreferenceLossFn
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
@@ -83,14 +82,12 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
             results[name, algorithm] = {"step": step, "rewards": rewards}
             port = next_layout_port()
             destroy_megatron_parallel()
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("rm_parallel")
-    mp.spawn(_worker, args=(str(tiny_llama_path), str(out), find_free_port()), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_two_ranks(_worker, tiny_llama_path, tmp_path_factory.mktemp("rm_parallel"))
 
 
 @pytest.mark.slow

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from layout_ports import next_layout_port
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from layout_ports import next_layout_port, run_two_ranks
+from megatron_bridge.parallel_state import destroy_megatron_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def _router_weights(policy: Any) -> dict[str, torch.Tensor]:
 CKPT_NAME = "ep2_step1"
 
 
-def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
+def _worker(rank: int, model_path: str, out_dir: str, port: int) -> dict[str, Any]:
     from megatron_bridge.export import export_hf_weights
     from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
@@ -131,7 +130,7 @@ def _worker(rank: int, model_path: str, out_dir: str, port: int) -> None:
         results[name] = out
         port = next_layout_port()
         destroy_megatron_parallel()
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +144,7 @@ def moe_path() -> Path:
 def run_dir(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The spawn's folder: ``rank<r>.pt`` results and the EP=2 checkpoint ``CKPT_NAME``."""
     out = tmp_path_factory.mktemp("moe_layouts")
-    mp.spawn(_worker, args=(str(moe_path), str(out), find_free_port()), nprocs=2, join=True)
+    run_two_ranks(_worker, moe_path, out)
     return out
 
 

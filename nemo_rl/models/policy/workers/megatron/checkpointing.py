@@ -7,8 +7,10 @@ checkpoint saved at one layout loads at another. Scheduler state and the step ar
 (replicated) entries. RNG states are per rank (``rng/rank_<r>.pt``) and restored only when
 the layout is unchanged. ``layout.json`` records the layout of the save and the optimizer
 steps taken (``optimizer_step``: SFT warm-start steps included, so it is not the GRPO step of
-the ``step_<n>`` folder holding it). Every file is fsynced before the save returns (the caller
-seals the folder with a manifest and renames it: nemo_rl/utils/checkpoint.py).
+the ``step_<n>`` folder holding it). A LoRA policy's folder also has ``lora.json`` (its
+adapters' settings and linears); a checkpoint loads only into a policy with the same adapters.
+Every file is fsynced before the save returns (the caller seals the folder with a manifest and
+renames it: nemo_rl/utils/checkpoint.py).
 
 The folder is also a ``megatron_bridge`` checkpoint: ``bridge.json`` (the HF config, vocabulary
 padding, parameter dtype) and ``hf_assets/`` (tokenizer, chat template, generation config of the
@@ -33,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.checkpoint import write_bridge_files
+from megatron_bridge.checkpoint import read_lora_spec, write_bridge_files, write_lora_file
+from megatron_bridge.lora import LoraSpec
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 from nemo_rl.utils.checkpoint_manifest import fsync_path, fsync_tree
@@ -66,15 +69,25 @@ def _sharded_state(policy: PolicyModel, is_loading: bool) -> dict[str, Any]:
     }
 
 
-def _init_empty_adam_state(optimizer: Any) -> None:
-    """Give every parameter of a not-yet-stepped Adam its (zero) state.
+def _init_empty_optimizer_state(optimizer: Any) -> None:
+    """Give every parameter of a not-yet-stepped Adam or SGD its (zero) state.
 
     Loading builds the optimizer's sharded state dict from its current state, which megatron's
     distributed optimizer reads with the Adam step count of every parameter: a fresh optimizer
-    has none. Loading then overwrites these zeros.
+    has none. SGD's momentum buffers are made here too, since megatron-core 0.16.1 has no state
+    initialiser for SGD (its ``init_state_fn`` is None and loading calls it; it becomes a no-op).
+    Loading then overwrites these zeros.
     """
     for opt in optimizer_parts(optimizer):
         inner = opt.optimizer
+        if isinstance(inner, torch.optim.SGD):
+            if getattr(opt, "init_state_fn", False) is None:
+                opt.init_state_fn = lambda *_: None
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if group["momentum"] and not inner.state[param]:
+                        inner.state[param] = {"momentum_buffer": torch.zeros_like(param)}
+            continue
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in inner.param_groups:
@@ -220,6 +233,8 @@ def save_training_checkpoint(
             json.dumps({**layout, "optimizer_step": step}, indent=2) + "\n"
         )
         write_bridge_files(ckpt, policy.bridge, policy.layout.tp, policy.dtype, assets_dir)
+        if policy.lora is not None:
+            write_lora_file(ckpt, policy.lora)
     dist.barrier()
     rng_file = ckpt / RNG_DIR / f"rank_{rank}.pt"
     torch.save(_rng_state(), rng_file)
@@ -239,6 +254,32 @@ def _layout_record(policy: PolicyModel) -> dict[str, int]:
     return layout
 
 
+def _check_same_adapters(saved: LoraSpec | None, policy: PolicyModel, ckpt: Path) -> None:
+    """A checkpoint loads only into a policy with the LoRA adapters it was saved with (or
+    none, as it had none): its adapters and their optimizer state are the training state.
+
+    Raises:
+        ValueError: naming what differs and the config that restores it.
+    """
+    if saved == policy.lora:
+        return
+
+    def describe(spec: LoraSpec | None) -> str:
+        if spec is None:
+            return "no LoRA adapters (policy.megatron_cfg.peft.enabled=false)"
+        s = spec.settings
+        return (
+            f"LoRA adapters dim={s.dim}, alpha={s.alpha}, dropout={s.dropout} "
+            f"({s.dropout_position}), A init {s.a_init!r}, dtype {s.dtype} on "
+            f"{len(spec.targets)} linears ({spec.targets[0].module_name()}, ...)"
+        )
+
+    raise ValueError(
+        f"{ckpt} holds {describe(saved)}, but this policy has {describe(policy.lora)}; set "
+        "policy.megatron_cfg.peft as the checkpoint was saved, or start a new run"
+    )
+
+
 def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
     """Load a checkpoint written by :func:`save_training_checkpoint` (any TP/PP/DP/EP layout).
 
@@ -256,7 +297,8 @@ def load_training_checkpoint(policy: PolicyModel, path: str | Path) -> int:
             f"{ckpt / LAYOUT_FILE} not found: {ckpt} is not a Megatron policy checkpoint"
         )
     saved_layout = json.loads((ckpt / LAYOUT_FILE).read_text())
-    _init_empty_adam_state(policy.optimizer)
+    _check_same_adapters(read_lora_spec(ckpt), policy, ckpt)
+    _init_empty_optimizer_state(policy.optimizer)
     state = _sharded_state(policy, is_loading=True)
     state["scheduler"] = policy.scheduler.state_dict()
     state["step"] = 0

@@ -33,6 +33,7 @@ from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
 
 if TYPE_CHECKING:
+    from megatron_bridge.lora import LoraSpec
     from nemo_rl.models.policy.config import (
         MegatronConfig,
         MegatronOptimizerConfig,
@@ -70,6 +71,7 @@ class PolicyModel:
         bridge: the HF <-> Megatron description of the model (vocabulary, family).
         layout: parallel sizes of this run.
         dtype: parameter dtype.
+        lora: the model's LoRA adapters (``megatron_cfg.peft``); None when it has none.
     """
 
     model: Any
@@ -78,6 +80,7 @@ class PolicyModel:
     bridge: BridgeConfig
     layout: ParallelLayout
     dtype: torch.dtype
+    lora: LoraSpec | None = None
 
 
 class FrozenStage(torch.nn.Module):
@@ -185,7 +188,10 @@ def build_gpt_stage(
         **moe_overrides(mcfg, bridge),
         **recompute,
     )
-    spec = get_gpt_stage_spec(tconfig, grouped_experts=mcfg.moe_grouped_gemm)
+    # LoRA adapts megatron-core's own parallel linears: the local spec, also where
+    # TransformerEngine is installed (its linears fuse the norm into linear_qkv/linear_fc1).
+    use_te = False if mcfg.peft.enabled else None
+    spec = get_gpt_stage_spec(tconfig, use_te=use_te, grouped_experts=mcfg.moe_grouped_gemm)
     model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -194,6 +200,22 @@ def build_gpt_stage(
     if mcfg.freeze_moe_router:
         freeze_routers(model)
     return model, bridge, tconfig
+
+
+def add_lora_adapters(
+    model: torch.nn.Module, config: PolicyConfig, bridge: BridgeConfig, model_path: str, seed: int
+) -> LoraSpec:
+    """Give ``model`` the LoRA adapters of ``megatron_cfg.peft`` and freeze everything else:
+    only the adapters then need gradients, DDP buffers and optimizer state. Returns them."""
+    from megatron_bridge.lora import attach_lora
+    from megatron_bridge.lora_targets import is_adapter_param
+    from nemo_rl.models.policy.peft import lora_spec
+
+    spec = lora_spec(config.megatron_cfg.peft, bridge, model_path)
+    attach_lora(model, spec, seed)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
+    return spec
 
 
 def _fused_swiglu(config: Any) -> bool:
@@ -396,7 +418,8 @@ def attach_score_head(
 def setup_policy_model(
     config: PolicyConfig, model_path: str, seed: int, init_optimizer: bool = True
 ) -> PolicyModel:
-    """Process groups, model stage with HF weights, DDP, optimizer and scheduler for this rank.
+    """Process groups, model stage with HF weights (and LoRA adapters, the rest frozen, with
+    ``megatron_cfg.peft``), DDP, optimizer and scheduler for this rank.
 
     Args:
         config: the validated ``policy`` section.
@@ -411,10 +434,11 @@ def setup_policy_model(
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
     if config.reward_model_cfg.enabled:
         bridge = attach_score_head(model, bridge, model_path, seed)
+    lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:
-        return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype)
+        return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype, lora)
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
-    return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype)
+    return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype, lora)

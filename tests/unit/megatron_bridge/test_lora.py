@@ -1,0 +1,103 @@
+"""LoRA adapters (:mod:`megatron_bridge.lora`) on every family's tiny checkpoint, in this
+process at TP=1 (the layouts are compared in tests/unit/models/policy/test_lora_layouts.py):
+
+* freshly attached (``B = 0``) the model's logits are the base model's, bit for bit;
+* with non-zero adapters the logits change, switching them off gives the base back, and the
+  merged export (``W + scale * B A``) loaded into transformers gives the adapted model's logits
+  (1e-5): the merge folds each adapter into the right rows/columns of q/k/v, gate/up, o, down;
+* the PEFT-layout adapter tensors export and load back unchanged, and a fused linear refuses
+  projections with different ``A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mb_fixtures import hf_reference_logits, sample_input_ids
+from megatron_bridge.parallel_state import (
+    destroy_megatron_parallel,
+    find_free_port,
+    initialize_megatron_parallel,
+)
+
+SETTINGS = dict(dim=4, alpha=8.0, dropout=0.0, dropout_position="pre", a_init="xavier", dtype=None)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    initialize_megatron_parallel(0, 1, tp=1, pp=1, master_port=find_free_port())
+    yield
+    destroy_megatron_parallel()
+
+
+def _adapted(path: Path):
+    from megatron_bridge import load_hf_into_megatron
+    from megatron_bridge.lora import LoraSettings, LoraSpec, attach_lora
+    from megatron_bridge.lora_targets import select_lora_targets
+
+    model, bridge = load_hf_into_megatron(path)
+    targets = select_lora_targets(bridge.num_layers, bridge.features.sparse_layers, [], [])
+    attach_lora(model, LoraSpec(LoraSettings(**SETTINGS), tuple(targets)), seed=5)
+    return model, bridge
+
+
+def _random_b(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        k: torch.randn(v.shape, generator=gen) * 0.05 if k.endswith("lora_B.weight") else v
+        for k, v in tensors.items()
+    }
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_merged_export_is_the_adapted_model(family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from megatron_bridge import export_hf_weights, megatron_logits
+    from megatron_bridge.lora import adapters_disabled
+    from megatron_bridge.lora_weights import export_lora_weights, load_lora_weights
+
+    for name, path in family_checkpoints.items():
+        model, bridge = _adapted(path)
+        ids = sample_input_ids(bridge.vocab_size)
+        base = hf_reference_logits(path, ids)
+        fresh = megatron_logits(model, ids, bridge.vocab_size)
+        with adapters_disabled(model):
+            assert torch.equal(megatron_logits(model, ids, bridge.vocab_size), fresh), name
+        assert (fresh - base).abs().max() <= 1e-5, name
+
+        adapters = _random_b(dict(export_lora_weights(model, bridge)))
+        load_lora_weights(model, bridge, adapters)
+        adapted = megatron_logits(model, ids, bridge.vocab_size)
+        assert (adapted - fresh).abs().max() > 0.1, name  # the adapters matter
+        with adapters_disabled(model):
+            assert torch.equal(megatron_logits(model, ids, bridge.vocab_size), fresh), name
+        exported = dict(export_lora_weights(model, bridge))
+        assert sorted(exported) == sorted(adapters), name
+        assert all(torch.equal(exported[k], adapters[k]) for k in adapters), name
+
+        merged_dir = tmp_path / name
+        merged_dir.mkdir()
+        for f in ("config.json",):
+            (merged_dir / f).write_text((path / f).read_text())
+        save_file({k: v.contiguous() for k, v in export_hf_weights(model, bridge)},
+                  str(merged_dir / "model.safetensors"))
+        merged = hf_reference_logits(merged_dir, ids)
+        diff = (merged - adapted).abs().max().item()
+        assert diff <= 1e-5, f"{name}: merged export vs adapter forward differ by {diff}"
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_fused_projections_must_share_a(family_checkpoints: dict[str, Path]) -> None:
+    from megatron_bridge.lora_weights import export_lora_weights, load_lora_weights
+
+    model, bridge = _adapted(family_checkpoints["llama"])
+    adapters = dict(export_lora_weights(model, bridge))
+    adapters["model.layers.1.mlp.up_proj.lora_A.weight"] = adapters[
+        "model.layers.1.mlp.up_proj.lora_A.weight"] + 1
+    with pytest.raises(ValueError, match=r"gate_proj', .*up_proj'\] have different lora_A.*linear_fc1"):
+        load_lora_weights(model, bridge, adapters)

