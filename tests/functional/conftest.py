@@ -29,3 +29,4 @@ def arm_faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Call
 
     yield arm
     fault_injection._armed.cache_clear()
+    fault_injection._hits.clear()

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.launch import exit_codes
+from nemo_rl.utils import fault_injection
 from nemo_rl.utils.config import config_to_yaml
 
 from tiny_grpo import WARM_RUN_STEPS, assert_same_steps, train_records, warm_started_config
@@ -415,11 +416,16 @@ def test_usr1_reaches_the_driver_and_the_chained_job_runs_across_two_nodes(
 
 
 def test_a_run_whose_policy_worker_is_killed_is_requeued_resumes_and_finishes(
-    slurm: LoopbackSlurm, tiny_llama_path: Path, request: pytest.FixtureRequest
+    slurm: LoopbackSlurm,
+    tiny_llama_path: Path,
+    request: pytest.FixtureRequest,
+    arm_faults,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The tiny GRPO run (the session's warm-started run, saving every step) as a job with
-    --requeue; its policy worker's process is killed (SIGKILL, as the OOM killer does) once
-    step 1 is saved. The driver stops in one line naming the worker, its slurm node and the
+    --requeue; its policy worker's process is killed (SIGKILL, as the OOM killer does) as it
+    starts training step 2, after step 1 is saved (an injected fault: a kill from outside
+    could land after the short run's last step). The driver stops in one line naming the worker, its slurm node and the
     newest checkpoint (exit 75), the job requeues itself, the requeued job resumes from that
     checkpoint and finishes; every checkpoint is there and every step's numbers are the
     uninterrupted run's."""
@@ -428,19 +434,19 @@ def test_a_run_whose_policy_worker_is_killed_is_requeued_resumes_and_finishes(
     recipe = root / "recipe.yaml"
     root.mkdir()
     recipe.write_text(config_to_yaml(cfg))
+    # the job's environment carries the fault to its Ray workers; it fires once across the
+    # requeue (the shared folder records that it fired)
+    fired = arm_faults({"point": "policy.train", "step": 2, "action": "kill"}) / "fired-0"
     job_id, log_dir = _submit(
         slurm, "nrl-requeue", None, "--requeue", "--max-requeues", "1", "--ray-num-cpus", "8",
         command=[str(VENV_BIN / "nemo-rl"), "grpo", "--config", str(recipe)],
     )
     output = log_dir / f"slurm-{job_id}.out"
     deadline = time.monotonic() + GRPO_JOB_S
-    while not (root / "ckpt" / "step_1").is_dir():
+    while not fired.exists():
         assert time.monotonic() < deadline, (output.read_text(), slurm.job_fields(job_id))
-        time.sleep(1)
-    (worker,) = [pid for pid, cmd in slurm.namespace_processes().items()
-                 if cmd.startswith("ray::MegatronPolicyWorker")]
+        time.sleep(0.2)
     killed = time.monotonic()
-    os.kill(worker, signal.SIGKILL)
     _wait_for_line(output, f"requeueing job {job_id} (restart 1 of at most 1)", slurm, job_id)
     print(f"job {job_id} requeued {time.monotonic() - killed:.1f} s after its worker was killed")
     assert time.monotonic() - killed < FAILURE_DONE_S
@@ -465,6 +471,8 @@ def test_a_run_whose_policy_worker_is_killed_is_requeued_resumes_and_finishes(
     got = train_records(root / "logs")
     assert sorted(got) == list(range(1, WARM_RUN_STEPS + 1))
     # asked for only now: unless an earlier test ran it, it runs on a stack of workers held in
-    # a local Ray, which would compete with the job's run for the cores and memory
+    # a local Ray, which would compete with the job's run for the cores and memory (unarmed)
+    monkeypatch.delenv(fault_injection.FAULTS_ENV)
+    fault_injection._armed.cache_clear()
     expected = train_records(request.getfixturevalue("warm_colocated_run") / "logs")
     assert_same_steps(got, expected, range(1, WARM_RUN_STEPS + 1))
