@@ -128,11 +128,19 @@ class VllmGeneration(GenerationInterface):
     def _start_engines(self, replicas: range | list[int], timeout_s: float) -> None:
         """Build the engines of ``replicas`` on their rank 0, giving each its ranks' GPU ids."""
         workers = self.worker_group.workers
-        futures = []
-        for replica in replicas:
-            ranks = self.layout.engine_bundles(replica)
-            ids = ray.get([workers[r].device_ids.remote() for r in ranks], timeout=timeout_s)
-            futures.append(workers[ranks[0]].start_engine.remote([i for rank in ids for i in rank]))
+        ranks_of = [self.layout.engine_bundles(replica) for replica in replicas]
+        # one round trip for every rank's ids (not one per replica: a start-up of many engines)
+        ids = ray.get(
+            [workers[r].device_ids.remote() for ranks in ranks_of for r in ranks],
+            timeout=timeout_s,
+        )
+        tp = self.layout.tensor_parallel_size
+        futures = [
+            workers[ranks[0]].start_engine.remote(
+                [i for rank_ids in ids[n * tp : (n + 1) * tp] for i in rank_ids]
+            )
+            for n, ranks in enumerate(ranks_of)
+        ]
         self.worker_group.get_all_worker_results(futures, timeout_s)
 
     def _on_engines(self, method: str, *args: Any) -> list[ray.ObjectRef]:
