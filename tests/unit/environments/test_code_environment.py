@@ -7,7 +7,9 @@ are skipped and only the unisolated mode and the refusal to start without it are
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -35,6 +37,7 @@ isolated_only = pytest.mark.skipif(
     NO_ISOLATION is not None, reason=f"isolated sandbox unavailable: {NO_ISOLATION}"
 )
 
+REPO = Path(__file__).resolve().parents[3]
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
 
 
@@ -302,3 +305,27 @@ def test_metrics_report_accuracy_and_counts_since_last_call(monkeypatch):
     assert metrics["accuracy"] == 0.5 and metrics["pass@2"] == 1.0
     assert metrics["code_runs"] == 1.0 and metrics["code_timeouts"] == 0.0
     assert environment.global_post_process_and_metrics(batch)[1]["code_runs"] == 0.0
+
+
+# ---- the recipe's data ----
+
+
+@isolated_only
+def test_recipe_rows_score_one_with_the_asked_program_and_demonstrations_show_its_output(env):
+    rows = [
+        json.loads(line)
+        for name in ("code_train.jsonl", "code_val.jsonl")
+        for line in (REPO / "configs" / "data" / name).read_text().splitlines()[:2]
+    ]
+    asked = [re.search(r"prints (\d+ [+*] \d+)\.", row["prompt"]).group(1) for row in rows]
+    last_turn = [{"tests": row["tests"], "turn": env.cfg.max_turns - 1} for row in rows]
+    right = env.step([_log(_code(f"print({e})")) for e in asked], last_turn)
+    assert right.rewards.tolist() == [1.0] * len(rows)
+    wrong = env.step([_log(_code(f"print({e} + 1)")) for e in asked], last_turn)
+    assert wrong.rewards.tolist() == [0.0] * len(rows)
+    demos = (REPO / "configs" / "data" / "code_sft.jsonl").read_text().splitlines()[:2]
+    for demo in map(json.loads, demos):
+        program = extract_program(demo["response"])
+        shown = demo["response"].split("</code>", 1)[1].split("</result>", 1)[0] + "</result>"
+        ran = env.step([_log(_code(program))], [{"tests": ADD_TESTS}])
+        assert ran.observations[0]["content"] == shown
