@@ -347,7 +347,7 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _processes_of(uid: int) -> list[int]:
+def processes_of(uid: int) -> list[int]:
     """Pids of the processes whose real owner is ``uid`` (from /proc)."""
     pids = []
     for entry in os.scandir("/proc"):
@@ -368,7 +368,7 @@ def _kill_uid(uid: int, patience_s: float = 10.0) -> None:
     none of them still counted against its process limit.
     """
     deadline = time.monotonic() + patience_s
-    while pids := _processes_of(uid):
+    while pids := processes_of(uid):
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

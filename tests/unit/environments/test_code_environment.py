@@ -30,6 +30,7 @@ from nemo_rl.environments.sandbox import (
     SandboxLimits,
     SandboxUnavailable,
     isolation_problem,
+    processes_of,
 )
 
 NO_ISOLATION = isolation_problem()
@@ -73,18 +74,6 @@ def _run_attack(env: CodeEnvironment, source: str) -> tuple[str, dict[str, float
     assert not bool(result.terminateds[0]) and float(result.rewards[0]) == 0.0
     assert result.observations[0]["role"] == "tool"
     return result.observations[0]["content"], env.take_counts()
-
-
-def _processes_of(uid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    pids.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return pids
 
 
 def _trainer_can_still_fork() -> None:
@@ -191,7 +180,7 @@ def test_fork_bomb_hits_the_process_limit_and_leaves_nothing_behind(env):
     assert "BlockingIOError: [Errno 11]" in observation
     assert counts["code_process_limits"] == 1 and counts["code_sandbox_violations"] == 1
     for slot in range(env.cfg.num_workers):
-        assert _processes_of(env.cfg.sandbox_uid + slot) == []
+        assert processes_of(env.cfg.sandbox_uid + slot) == []
     _trainer_can_still_fork()
 
 
@@ -205,7 +194,7 @@ def test_a_child_that_detaches_dies_with_the_run(env):
     observation, _ = _run_attack(env, source)
     assert "parent done" in observation
     for slot in range(env.cfg.num_workers):
-        assert _processes_of(env.cfg.sandbox_uid + slot) == []
+        assert processes_of(env.cfg.sandbox_uid + slot) == []
 
 
 @isolated_only
