@@ -256,8 +256,15 @@ class Sandbox:
             "work_dir": str(work_dir),
             "work_dir_mb": limits.work_dir_mb,
             "files": {"main.py": program},
+            # the interpreter's folders, and the way to the work folder (TMPDIR may lie
+            # under a folder closed to other users)
             "expose": sorted(
-                {sys.base_prefix, sys.prefix, str(Path(self.python).resolve().parent.parent)}
+                {
+                    sys.base_prefix,
+                    sys.prefix,
+                    str(Path(self.python).resolve().parent.parent),
+                    str(run_dir),
+                }
             ),
             "python": self.python,
             "argv": ["main.py"],

@@ -6,7 +6,8 @@ nothing of the trainer is loaded into the sandbox). In the isolated mode it runs
 PID 1 of fresh PID, mount and network namespaces made by ``unshare`` and, before the program
 starts:
 
-1. makes the interpreter's folders reachable (``expose``) and remounts every mount of its mount namespace read-only (a bind remount: the change is seen
+1. hides /tmp, /var/tmp, /dev/shm and /run, makes the interpreter's folders and the work
+   folder reachable (``expose``), and remounts every mount of its mount namespace read-only (a bind remount: the change is seen
    only in this namespace, the trainer's view is untouched);
 2. mounts a private tmpfs of ``work_dir_mb`` MiB on ``work_dir`` (owned by the sandbox uid)
    and copies the program's files into it;
@@ -78,14 +79,31 @@ def _private_ancestor(path):
     return None
 
 
+# Shared scratch folders hidden from the program (empty tmpfs in their place): what other
+# processes keep there (files, unix sockets) is out of its reach.
+HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
 def _expose(libc, paths):
-    """Make folders under private ones (the interpreter's install, e.g. under /root) reachable
-    by the sandbox uid: a tmpfs hides each private folder's content, and only ``paths`` are
-    bound back into it (so the rest of, e.g., /root stays hidden)."""
-    blocked = {path: _private_ancestor(path) for path in paths}
-    blocked = {path: top for path, top in blocked.items() if top is not None}
-    handles = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in blocked}
-    for top in sorted(set(blocked.values())):
+    """Hide :data:`HIDDEN` and every folder closed to other users on the way to ``paths`` (the
+    interpreter's install, e.g. under /root; the work folder) under empty tmpfs, then bind
+    ``paths`` back into them: the sandbox uid reaches exactly those, and nothing else kept
+    there (the rest of /root, the trainer's /tmp)."""
+    tops = [top for top in HIDDEN if os.path.isdir(top) and not os.path.islink(top)]
+    tops += [top for top in map(_private_ancestor, paths) if top is not None]
+
+    def outermost(path):
+        return min(
+            (t for t in tops if path == t or path.startswith(t.rstrip("/") + "/")),
+            key=len,
+            default=None,
+        )
+
+    roots = sorted({outermost(top) for top in tops})
+    handles = {
+        path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in paths if outermost(path)
+    }
+    for top in roots:
         _mount(libc, "sandbox", top, "tmpfs", 0, "size=1m,mode=0755")
     for path, handle in handles.items():
         os.makedirs(path, mode=0o755, exist_ok=True)
