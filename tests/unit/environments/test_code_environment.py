@@ -206,22 +206,28 @@ def test_a_10_gb_allocation_fails_inside_the_sandbox(env):
 
 @isolated_only
 def test_writes_outside_the_folder_are_refused(env, tmp_path):
-    # Permissions that would let any user write: only the read-only mounts stop it.
+    # Permissions that would let any user write the test's file: the sandbox must stop it.
     target = tmp_path / "precious.txt"
     target.write_text("original")
     target.chmod(0o666)
-    for folder in (tmp_path, *tmp_path.parents):
-        if folder != Path("/"):
-            folder.chmod(folder.stat().st_mode | 0o001)
     tmp_path.chmod(0o777)
+    for folder in tmp_path.parents:
+        folder.chmod(folder.stat().st_mode | 0o001)
     new_file = tmp_path / "planted.txt"
     observation, counts = _run_attack(env, f"open({str(target)!r}, 'w').write('changed')")
+    assert "No such file or directory" in observation  # the trainer's /tmp is hidden
+    _run_attack(env, f"open({str(new_file)!r}, 'w').write('x')")
+    assert target.read_text() == "original" and not new_file.exists()
+    # what it sees of /tmp is an empty read-only tmpfs; everything else is mounted read-only
+    observation, counts = _run_attack(env, "open('/tmp/nemo_rl_sandbox_planted', 'w').write('x')")
     assert "Read-only file system" in observation
     assert counts["code_filesystem_denials"] == 1 and counts["code_sandbox_violations"] == 1
-    _run_attack(env, f"open({str(new_file)!r}, 'w').write('x')")
-    _run_attack(env, "open('/tmp/nemo_rl_sandbox_planted', 'w').write('x')")
-    assert target.read_text() == "original"
-    assert not new_file.exists() and not Path("/tmp/nemo_rl_sandbox_planted").exists()
+    assert not Path("/tmp/nemo_rl_sandbox_planted").exists()
+    readonly = "import os, sys\nprint([os.statvfs(p).f_flag & 1 for p in ('/', '/tmp', sys.prefix)])"
+    assert _run_attack(env, readonly)[0] == "<result>\n[1, 1, 1]\n</result>"
+    observation, counts = _run_attack(env, "import sys\nopen(sys.prefix + '/planted', 'w')")
+    assert "Read-only file system" in observation or "Permission denied" in observation
+    assert counts["code_filesystem_denials"] == 1
     observation, _ = _run_attack(env, "open('own.txt', 'w').write('ok')\nprint(open('own.txt').read())")
     assert observation == "<result>\nok\n</result>"
 
