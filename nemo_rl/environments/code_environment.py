@@ -312,7 +312,7 @@ class CodeEnvironment(EnvironmentInterface):
             answers=[None] * size,
         )
 
-    def take_counts(self) -> dict[str, float]:
+    def take_metrics(self) -> dict[str, float]:
         """The counts since the last call (``COUNT_NAMES``), then zeroed."""
         counts = {name: float(self.counts[name]) for name in COUNT_NAMES}
         self.counts = Counter({name: 0 for name in COUNT_NAMES})
@@ -320,5 +320,5 @@ class CodeEnvironment(EnvironmentInterface):
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         """``accuracy`` (all tests passed), ``pass@k`` and the sandbox counts since the last
-        call (:meth:`take_counts`); batch unchanged."""
-        return batch, {**batch_success_metrics(batch), **self.take_counts()}
+        call (:meth:`take_metrics`); batch unchanged."""
+        return batch, {**batch_success_metrics(batch), **self.take_metrics()}

@@ -69,11 +69,11 @@ def env() -> CodeEnvironment:
 
 def _run_attack(env: CodeEnvironment, source: str) -> tuple[str, dict[str, float]]:
     """One multi-turn step running ``source``: (the observation, the counts of that step)."""
-    env.take_counts()
+    env.take_metrics()
     result = env.step([_log(_code(source))], [{"tests": ADD_TESTS}])
     assert not bool(result.terminateds[0]) and float(result.rewards[0]) == 0.0
     assert result.observations[0]["role"] == "tool"
-    return result.observations[0]["content"], env.take_counts()
+    return result.observations[0]["content"], env.take_metrics()
 
 
 def _trainer_can_still_fork() -> None:
@@ -107,7 +107,7 @@ def test_correct_program_scores_one_wrong_zero_partial_between(env):
     partial = _code("def add(a, b):\n    return 5")
     exits_early = _code("import sys\ndef add(a, b):\n    return 0\nsys.exit(0)")
     single_turn = CodeEnvironment(env.cfg.model_copy(update={"terminate_on_evaluation": True}))
-    single_turn.take_counts()
+    single_turn.take_metrics()
     result = single_turn.step(
         [_log(correct), _log(wrong), _log(partial), _log(exits_early), _log("no code")],
         [{"tests": ADD_TESTS}] * 5,
@@ -118,7 +118,7 @@ def test_correct_program_scores_one_wrong_zero_partial_between(env):
         "passed 2/2 tests", "passed 0/2 tests", "passed 1/2 tests", "passed 0/2 tests",
         "no code to test",
     ]
-    counts = single_turn.take_counts()
+    counts = single_turn.take_metrics()
     assert counts["code_runs"] == 8 and counts["code_tests_passed"] == 3
     assert counts["code_tests_failed"] == 7
 
