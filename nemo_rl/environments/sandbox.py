@@ -226,6 +226,9 @@ class Sandbox:
         self.uid = uid
         self.slots = slots
         self.python = python or sys.executable
+        if isolate:  # what a previous owner of the slots (an actor that died) left running
+            for slot in range(slots):
+                _kill_uid(uid + slot)
         probe = self.run("print('sandbox ok')")
         if probe.stdout != "sandbox ok\n":
             raise SandboxUnavailable(
