@@ -7,11 +7,13 @@ PID 1 of fresh PID, mount and network namespaces made by ``unshare`` and, before
 starts:
 
 1. hides /tmp, /var/tmp, /dev/shm and /run, makes the interpreter's folders and the work
-   folder reachable (``expose``), and remounts every mount of its mount namespace read-only (a bind remount: the change is seen
-   only in this namespace, the trainer's view is untouched);
+   folder reachable (``expose``), and remounts every mount of its mount namespace read-only
+   and nosuid (a bind remount: the change is seen only in this namespace, the trainer's view
+   is untouched);
 2. mounts a private tmpfs of ``work_dir_mb`` MiB on ``work_dir`` (owned by the sandbox uid)
    and copies the program's files into it;
-3. drops to the unprivileged ``uid``/``gid`` with no supplementary groups and no capabilities.
+3. drops to the unprivileged ``uid``/``gid`` with no supplementary groups and no capabilities,
+   and sets no_new_privs (no setuid program or file capability can give any back).
 
 In every mode it then forks the program (``python -E -s main.py`` in ``work_dir`` with the
 spec's environment, stdin/stdout/stderr inherited from the runner), sets the child's rlimits
@@ -40,9 +42,11 @@ import sys
 SETUP_FAILED = 125
 
 _MS_RDONLY = 1
+_MS_NOSUID = 2
 _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 16384
+_PR_SET_NO_NEW_PRIVS = 38
 # statvfs f_flag bits kept on a read-only remount (nosuid, nodev, noexec, sync, mandlock,
 # noatime, nodiratime, relatime: their ST_* values equal the MS_* mount flags).
 _KEPT_FLAGS = 2 | 4 | 8 | 16 | 64 | 1024 | 2048 | 4096
@@ -123,7 +127,8 @@ def _isolate_filesystem(spec):
     for point in _mount_points():
         try:
             kept = os.statvfs(point).f_flag & _KEPT_FLAGS
-            _mount(libc, "none", point, "", _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept, "")
+            flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | kept
+            _mount(libc, "none", point, "", flags, "")
         except OSError as err:
             if point == "/":
                 _fail(f"cannot remount / read-only ({err})")
@@ -142,6 +147,9 @@ def _isolate_filesystem(spec):
 
 
 def _drop_privileges(spec):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        _fail(f"cannot set no_new_privs ({os.strerror(ctypes.get_errno())})")
     os.setgroups([])
     os.setresgid(spec["gid"], spec["gid"], spec["gid"])
     os.setresuid(spec["uid"], spec["uid"], spec["uid"])

@@ -223,12 +223,18 @@ def test_writes_outside_the_folder_are_refused(env, tmp_path):
     assert "Read-only file system" in observation
     assert counts["code_filesystem_denials"] == 1 and counts["code_sandbox_violations"] == 1
     assert not Path("/tmp/nemo_rl_sandbox_planted").exists()
-    readonly = "import os, sys\nprint([os.statvfs(p).f_flag & 1 for p in ('/', '/tmp', sys.prefix)])"
-    assert _run_attack(env, readonly)[0] == "<result>\n[1, 1, 1]\n</result>"
+    # read-only (1) and nosuid (2) everywhere, and no setuid program can give privileges back
+    readonly = (
+        "import os, sys\nprint([os.statvfs(p).f_flag & 3 for p in ('/', '/tmp', sys.prefix)])\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0])"
+    )
+    observation = _run_attack(env, readonly)[0]
+    assert observation == "<result>\n[3, 3, 3]\nNoNewPrivs:\t1\n</result>"
     observation, counts = _run_attack(env, "import sys\nopen(sys.prefix + '/planted', 'w')")
     assert "Read-only file system" in observation or "Permission denied" in observation
     assert counts["code_filesystem_denials"] == 1
-    observation, _ = _run_attack(env, "open('own.txt', 'w').write('ok')\nprint(open('own.txt').read())")
+    own_file = "open('own.txt', 'w').write('ok')\nprint(open('own.txt').read())"
+    observation, _ = _run_attack(env, own_file)
     assert observation == "<result>\nok\n</result>"
 
 
