@@ -10,15 +10,17 @@ threads, each with its own uid slot) and returns a :class:`SandboxResult`. Every
 - a private working folder, removed after the run, and stdout/stderr capped at
   ``max_output_bytes`` each (written to files the runner opened, the cap enforced by
   RLIMIT_FSIZE and the text cut with :data:`TRUNCATION_MARKER`);
+- unbuffered output (what a program printed before it was killed is kept);
 - stdin from the given text only (empty: end of file at once), and an environment of
   ``PATH``, ``LANG``, ``HOME``/``TMPDIR`` (the working folder) and single-thread BLAS settings:
   nothing of the trainer's environment.
 
-Isolated mode (``Sandbox.isolation_available()``: root and a working ``unshare``): the program
+Isolated mode (:func:`isolation_problem` is None: root and a working ``unshare``): the program
 also runs in new network (no interface up but a down loopback: no connection anywhere, not
 even 127.0.0.1), PID (it sees only its own processes; all die with the run) and mount
-namespaces, as an unprivileged uid with no capabilities, every mount read-only except its
-private tmpfs working folder (``work_dir_mb``). See :mod:`nemo_rl.environments.sandbox_init`.
+namespaces, as an unprivileged uid with no capabilities and no_new_privs, /tmp, /var/tmp,
+/dev/shm and /run hidden, every mount read-only and nosuid except its private tmpfs working
+folder (``work_dir_mb``). See :mod:`nemo_rl.environments.sandbox_init`.
 
 Unisolated mode (only when the caller allows it; the code environment's
 ``allow_no_network_isolation``): the same limits, folder, environment and output cap, but the
@@ -242,8 +244,6 @@ class Sandbox:
             "LANG": "C.UTF-8",
             "HOME": work_dir,
             "TMPDIR": work_dir,
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",

@@ -15,7 +15,7 @@ starts:
 3. drops to the unprivileged ``uid``/``gid`` with no supplementary groups and no capabilities,
    and sets no_new_privs (no setuid program or file capability can give any back).
 
-In every mode it then forks the program (``python -E -s main.py`` in ``work_dir`` with the
+In every mode it then forks the program (``python -E -s -u -B main.py`` in ``work_dir`` with the
 spec's environment, stdin/stdout/stderr inherited from the runner), sets the child's rlimits
 (CPU seconds, address space, processes of its uid, file size, no core files) just before the
 exec, reaps every process until the program ends and exits with the program's status (its
@@ -173,7 +173,9 @@ def _run_program(spec):
         try:
             os.chdir(spec["work_dir"])
             _set_limits(spec["limits"])
-            argv = [spec["python"], "-E", "-s", *spec["argv"]]
+            # -E -s: no PYTHON* variables, no user site; -u: unbuffered (what it printed
+            # survives a kill); -B: no bytecode files
+            argv = [spec["python"], "-E", "-s", "-u", "-B", *spec["argv"]]
             os.execve(spec["python"], argv, spec["env"])
         except BaseException as err:  # noqa: BLE001 - reported, then the child ends
             _fail(f"cannot start the program ({type(err).__name__}: {err})")

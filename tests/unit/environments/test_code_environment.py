@@ -168,8 +168,9 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit(env):
 
 @isolated_only
 def test_sleeping_forever_is_killed_at_the_wall_clock_limit(env):
-    observation, counts = _run_attack(env, "import time\nwhile True:\n    time.sleep(1)")
-    assert "[killed: wall-clock limit]" in observation
+    source = "import time\nprint('started')\nwhile True:\n    time.sleep(1)"
+    observation, counts = _run_attack(env, source)
+    assert observation == "<result>\nstarted\n[killed: wall-clock limit]\n</result>"
     assert counts["code_timeouts"] == 1
 
 
