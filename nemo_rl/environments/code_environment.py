@@ -20,8 +20,8 @@ A row carries its tests in ``tests``, a list whose items are either
 Each test is its own sandbox run. The reward is the fraction of the tests passed (1.0: all);
 a reply with no program to test scores 0.
 
-Per-step counts (what :meth:`CodeEnvironment.global_post_process_and_metrics` reports since its
-last call, and :attr:`CodeEnvironment.counts`): ``code_runs``, ``code_timeouts``,
+Counts (:meth:`CodeEnvironment.take_metrics`, since its last call; the GRPO step logs them
+as ``env/<task>/<name>`` every step): ``code_runs``, ``code_timeouts``,
 ``code_cpu_limits``, ``code_memory_errors``, ``code_output_truncations``,
 ``code_process_limits``, ``code_network_denials``, ``code_filesystem_denials``,
 ``code_sandbox_violations`` (the last three plus process limits), ``code_setup_failures``,
@@ -319,6 +319,5 @@ class CodeEnvironment(EnvironmentInterface):
         return counts
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
-        """``accuracy`` (all tests passed), ``pass@k`` and the sandbox counts since the last
-        call (:meth:`take_metrics`); batch unchanged."""
-        return batch, {**batch_success_metrics(batch), **self.take_metrics()}
+        """``accuracy`` (all tests passed) and ``pass@k``; batch unchanged."""
+        return batch, batch_success_metrics(batch)

@@ -303,10 +303,13 @@ def test_metrics_report_accuracy_and_counts_since_last_call(monkeypatch):
     environment = CodeEnvironment(CodeEnvConfig(allow_no_network_isolation=True))
     environment.step([_log(_code("print(1)"))], [{"tests": ADD_TESTS}])
     batch = {"total_reward": torch.tensor([1.0, 0.0]), "idx": [0, 0]}
-    _, metrics = environment.global_post_process_and_metrics(batch)
-    assert metrics["accuracy"] == 0.5 and metrics["pass@2"] == 1.0
-    assert metrics["code_runs"] == 1.0 and metrics["code_timeouts"] == 0.0
-    assert environment.global_post_process_and_metrics(batch)[1]["code_runs"] == 0.0
+    assert environment.global_post_process_and_metrics(batch)[1] == {
+        "accuracy": 0.5, "pass@2": 1.0,
+    }
+    counts = environment.take_metrics()
+    assert sorted(counts) == sorted(code_environment.COUNT_NAMES)
+    assert counts["code_runs"] == 1.0 and counts["code_timeouts"] == 0.0
+    assert environment.take_metrics()["code_runs"] == 0.0
 
 
 # ---- the recipe's data ----
