@@ -119,6 +119,61 @@ class CalculatorEnvConfig(EnvActorConfig):
     )
 
 
+class CodeEnvConfig(EnvActorConfig):
+    """``env.code``: the model's Python runs in a sandbox; the row's tests give the reward
+    (docs/code_environment.md)."""
+
+    environment_class: ClassVar[str] = "nemo_rl.environments.code_environment:CodeEnvironment"
+
+    num_workers: int = Field(
+        default=1, ge=1, description="Sandbox runs in flight at once (one uid each)."
+    )
+    terminate_on_evaluation: bool = Field(
+        default=False,
+        description="True: the first reply's code is tested and the episode ends (single "
+        "turn). False: each reply's code runs and its output comes back, until a reply "
+        "without code (or turn max_turns) ends the episode and the last code is tested.",
+    )
+    max_turns: int = Field(default=4, ge=1, description="Assistant turns allowed.")
+    timeout_s: float = Field(
+        default=5.0, gt=0, description="Wall-clock seconds of one run before it is killed."
+    )
+    cpu_time_s: int = Field(default=5, ge=1, description="CPU seconds of one run (RLIMIT_CPU).")
+    memory_mb: int = Field(
+        default=512, ge=64, description="Address space of each process of a run, MiB (RLIMIT_AS)."
+    )
+    max_processes: int = Field(
+        default=16,
+        ge=1,
+        description="Processes and threads of a run (RLIMIT_NPROC of its own uid; not "
+        "enforced in the unisolated mode when the trainer runs as root).",
+    )
+    max_output_bytes: int = Field(
+        default=4096,
+        ge=64,
+        description="Bytes kept of stdout and of stderr each (the rest is cut, with a marker); "
+        "also the largest file a run may write.",
+    )
+    work_dir_mb: int = Field(
+        default=64, ge=1, description="Size of a run's private tmpfs folder, MiB (isolated mode)."
+    )
+    sandbox_uid: int = Field(
+        default=62000,
+        ge=1,
+        description="First unprivileged uid (and gid) runs use: sandbox_uid .. sandbox_uid + "
+        "num_workers - 1; they must own no other processes on the machine.",
+    )
+    python: Optional[str] = Field(
+        default=None, description="Interpreter of the programs; None: the trainer's."
+    )
+    allow_no_network_isolation: bool = Field(
+        default=False,
+        description="Where the sandbox cannot be isolated (not root, or no unshare), run the "
+        "programs anyway with the limits only: no network, PID or file-system isolation, as "
+        "the trainer's user (docs/code_environment.md). False: the environment refuses to start.",
+    )
+
+
 REWARD_FN_ENVIRONMENT = "nemo_rl.environments.reward_fn_environment:RewardFnEnvironment"
 
 
@@ -195,6 +250,9 @@ class EnvConfigs(ConfigModel):
     )
     calculator: Optional[CalculatorEnvConfig] = Field(
         default=None, description="Calculator tool use (task_name 'calculator')."
+    )
+    code: Optional[CodeEnvConfig] = Field(
+        default=None, description="Sandboxed Python execution and tests (task_name 'code')."
     )
 
     def sections(self) -> dict[str, EnvActorConfig]:

@@ -94,6 +94,11 @@ class EnvironmentInterface(ABC):
             kill_this_process()
         return self.step(unpack_message_logs(packed_message_logs), metadata)
 
+    def take_metrics(self) -> dict[str, float]:
+        """Counts the environment kept since the last call (e.g. sandbox timeouts), then
+        zeroed; the GRPO step logs them as ``env/<task>/<name>``. Default: none."""
+        return {}
+
     @abstractmethod
     def global_post_process_and_metrics(
         self, batch: Any

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, Optional, Union
 
 import ray
@@ -26,6 +27,7 @@ from nemo_rl.environments.common import final_step_return
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.message_wire import pack_message_logs
+from nemo_rl.utils.plugins import load_object
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +193,40 @@ def safe_env_step(
         error = repr(getattr(err, "cause", None) or err)
         logger.error("environment %r failed on %d samples: %s; scoring them 0", env, size, error)
     return failed_step_return(size), error
+
+
+def tasks_with_metrics(env_cfgs: EnvConfigs) -> set[str]:
+    """Tasks whose environment class keeps counts (overrides
+    :meth:`~EnvironmentInterface.take_metrics`): the only ones :func:`environment_metrics`
+    asks, so environments without counts cost no call."""
+    tasks = set()
+    for task, section in env_cfgs.sections().items():
+        path, key, _, _ = section.environment_call()
+        cls = load_object(path, f"env.{task}.{key}" if key else f"env.{task}")
+        if getattr(cls, "take_metrics", None) is not EnvironmentInterface.take_metrics:
+            tasks.add(task)
+    return tasks
+
+
+def environment_metrics(
+    task_to_env: dict[str, Any], tasks: Iterable[str], timeout_s: float = 10.0
+) -> dict[str, float]:
+    """The :meth:`~EnvironmentInterface.take_metrics` of the environments of ``tasks`` as
+    ``{"env/<task>/<name>": value}``. An actor that does not answer within ``timeout_s`` (busy
+    with a step, restarting, dead) or fails is left out with a warning: its counts of this call
+    are lost, the run goes on."""
+    metrics: dict[str, float] = {}
+    for task in tasks:
+        env = task_to_env.get(task)
+        if env is None:
+            continue
+        try:
+            if isinstance(env, ray.actor.ActorHandle):
+                values = ray.get(env.take_metrics.remote(), timeout=timeout_s)
+            else:
+                values = env.take_metrics()
+        except Exception as err:  # noqa: BLE001 - counts are best effort, never stop the run
+            logger.warning("environment %r: no metrics this step (%r)", task, err)
+            continue
+        metrics.update({f"env/{task}/{name}": float(v) for name, v in values.items()})
+    return metrics

@@ -24,7 +24,8 @@
 
 A vLLM engine that dies during the step is restarted, refit, and the generation batch it broke
 is redone from the same sampling step (:mod:`~.engine_recovery`); the step logs the restarts
-as ``generation/engine_restarts``.
+as ``generation/engine_restarts``; the environments' own counts since the previous step
+(:func:`~nemo_rl.environments.utils.environment_metrics`) are logged as ``env/<task>/<name>``.
 
 The store decides where the samples live (driver memory or the data plane); the step sees
 handles, a :class:`~nemo_rl.experience.grouped_rollouts.RolloutCarry` and metrics. A
@@ -61,6 +62,7 @@ from nemo_rl.algorithms.grpo_step.metrics import (
 from nemo_rl.algorithms.grpo_step.train_fields import train_fields
 from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.utils import environment_metrics, tasks_with_metrics
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
 
 GroupsT = TypeVar("GroupsT")
@@ -143,6 +145,8 @@ def grpo_step(
     restarts = sum(components.generation.engine_restarts)
     metrics["generation/engine_restarts"] = float(restarts - components.engine_restarts_logged)
     components.engine_restarts_logged = restarts
+    tasks = tasks_with_metrics(cfg.env)
+    metrics.update(environment_metrics(components.task_to_env, tasks))
     return metrics
 
 

@@ -12,9 +12,12 @@ import torch
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.math_environment import MathEnvironment
+from nemo_rl.environments.sandbox import isolation_problem
 from nemo_rl.environments.utils import (
     create_environments,
+    environment_metrics,
     remote_environment,
+    tasks_with_metrics,
     safe_env_step,
     shutdown_environments,
 )
@@ -103,6 +106,26 @@ def test_actors_from_config_step_and_shut_down(local_ray_8cpu):
         shutdown_environments(envs)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(envs["math"].step.remote([conversation("1")], [{"ground_truth": "1"}]), timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(isolation_problem() is not None, reason="isolated sandbox unavailable")
+def test_code_environment_actor_runs_the_sandbox_and_reports_its_counts(local_ray_8cpu):
+    env_cfgs = EnvConfigs.model_validate({"math": {}, "code": {"timeout_s": 2, "cpu_time_s": 1}})
+    tasks = tasks_with_metrics(env_cfgs)
+    assert tasks == {"code"}  # math keeps no counts: it is never asked
+    envs = create_environments(env_cfgs)
+    try:
+        reply = "<code>import socket\nsocket.create_connection(('127.0.0.1', 1))</code>"
+        out, error = safe_env_step(envs["code"], [conversation(reply)], [{"tests": ["pass"]}], 60)
+        assert error is None and "Network is unreachable" in out.observations[0]["content"]
+        metrics = environment_metrics(envs, tasks)
+        assert metrics["env/code/code_runs"] == 1.0
+        assert metrics["env/code/code_network_denials"] == 1.0
+        assert environment_metrics(envs, tasks)["env/code/code_runs"] == 0.0  # since the last call
+    finally:
+        shutdown_environments(envs)
+    assert environment_metrics(envs, tasks) == {}  # dead actors are left out, nothing raised
 
 
 @pytest.mark.slow
