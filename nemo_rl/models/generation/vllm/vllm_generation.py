@@ -36,6 +36,7 @@ import ray
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
@@ -47,7 +48,6 @@ from nemo_rl.models.generation.interfaces import (
 )
 from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
-from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.models.generation.vllm.engine_health import (
     EngineFault,
     EngineTimeout,

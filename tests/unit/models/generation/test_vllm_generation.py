@@ -365,14 +365,14 @@ def test_a_stopped_engine_times_out_naming_it_and_past_its_restarts_stops_the_ru
     from nemo_rl.models.generation.vllm.engine_health import EngineFault, EngineTimeout
 
     one = generations[0]
-    one.config = one.config.model_copy(update={"generate_timeout_s": 2.0, "call_timeout_s": 2.0})
+    one.config = one.config.model_copy(update={"generate_timeout_s": 1.0, "call_timeout_s": 1.0})
     engine = one.engines[0]
     node = node_description(one.worker_group.worker_places(per_device=False)[0])
     os.kill(ray.get(engine.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
     with pytest.raises(EngineTimeout) as timeout:
         one.generate(batch)
     assert timeout.value.exit_code == 75
-    generate_bound = "2 s (policy.generation.generate_timeout_s)"
+    generate_bound = "1 s (policy.generation.generate_timeout_s)"
     assert str(timeout.value) == (
         f"vLLM engine 0 on {node} gave no result for generate within {generate_bound}: "
         "stopped, hung, or slower than the bound allows"
@@ -383,7 +383,7 @@ def test_a_stopped_engine_times_out_naming_it_and_past_its_restarts_stops_the_ru
         one.restart_dead_engines()
     assert str(fault.value) == (
         f"vLLM engine 0 on {node} hung (no result for generate within {generate_bound}; then "
-        "its rank 0 answered no health check within 2 s (policy.generation.call_timeout_s)); "
+        "its rank 0 answered no health check within 1 s (policy.generation.call_timeout_s)); "
         f"it was restarted {limit} time(s) already "
         f"(policy.generation.max_engine_restarts={limit})"
     )
