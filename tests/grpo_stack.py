@@ -9,8 +9,8 @@ checkpoint manager, loss) from the run's own config, and the run stops only what
 besides the stack. Before each run the stack is put back where a freshly started one is: the
 policy loads the checkpoint it saved when the stack started (weights, step count, RNG), its
 optimizer starts over (zero Adam state, the configured schedule at step 0), its reference
-policy is those weights again, and the engines restart their sampling sequence and are refit
-from the policy before they first generate (a refit of unchanged weights leaves every engine
+policy is those weights again, and the engines restart their sampling sequence and their count
+of restarts and are refit from the policy before they first generate (a refit of unchanged weights leaves every engine
 parameter bitwise as it was: tests/unit/models/generation/test_refit.py). A resumed run then
 loads its checkpoint over that, as a fresh one would. A run on a reset stack trains the numbers
 of a run on a fresh one, to the bit (loss, grad norm, reward and the engines' logprob error
@@ -76,6 +76,9 @@ class GRPOStack:
         if self.shape["reference_policy"]:
             self.policy.snapshot_reference_policy()
         self.generation.sampling_step = 0
+        # a run counts its own engine restarts (generation/engine_restarts, and the bound
+        # policy.generation.max_engine_restarts), as a run on fresh engines does
+        self.generation.engine_restarts = [0] * self.generation.num_replicas
 
 
 def _still_batch(size: int) -> BatchedDataDict:

@@ -27,13 +27,20 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_rl.distributed.cpu_threads import bundle_threads, node_cores
-from nemo_rl.utils.errors import InputError
+from nemo_rl.utils.errors import InputError, ResumableFault
 
 logger = logging.getLogger(__name__)
 
 # Label every Ray node carries with its node id; a bundle label selector on it keeps a
 # placement group off (or on) given nodes.
 NODE_ID_LABEL = "ray.io/node-id"
+# Seconds a node has to report its CPU cores (RayVirtualCluster.cpu_threads).
+NODE_CORES_TIMEOUT_S = 60.0
+
+
+class NodeTimeout(ResumableFault, TimeoutError):
+    """A node did not answer within its bound (its Ray stopped, hung or out of reach); the
+    message names it. Exit code 75: a rerun may find it back."""
 
 
 class TooFewNodesError(InputError, ValueError):
@@ -228,15 +235,27 @@ class RayVirtualCluster:
     def cpu_threads(self, location: BundleLocation) -> int | None:
         """Threads of a CPU worker on ``location``: its node's cores split over the bundles
         computing there at once (this cluster's and ``other_bundles_per_node``, see
-        :mod:`nemo_rl.distributed.cpu_threads`); None on a GPU cluster."""
+        :mod:`nemo_rl.distributed.cpu_threads`); None on a GPU cluster.
+
+        Raises:
+            NodeTimeout: the node did not report its cores within ``NODE_CORES_TIMEOUT_S``."""
         if self.use_gpus:
             return None
         pg = location.placement_group
         if pg.id not in self._node_cores:
             strategy = PlacementGroupSchedulingStrategy(pg, location.bundle_index)
-            self._node_cores[pg.id] = ray.get(
-                node_cores.options(scheduling_strategy=strategy).remote(), timeout=60
-            )
+            try:
+                self._node_cores[pg.id] = ray.get(
+                    node_cores.options(scheduling_strategy=strategy).remote(),
+                    timeout=NODE_CORES_TIMEOUT_S,
+                )
+            except ray.exceptions.GetTimeoutError:
+                raise NodeTimeout(
+                    f"the node of bundle {location.bundle_index} of {self!r} (Ray node "
+                    f"{location.node_id}) did not report its CPU cores within "
+                    f"{NODE_CORES_TIMEOUT_S:g} s (fixed: reading the count takes milliseconds once "
+                    "the task runs): its Ray is stopped, hung or out of reach"
+                ) from None
         return bundle_threads(self._node_cores[pg.id], pg.bundle_count + self.other_bundles_per_node)
 
     def __getstate__(self) -> dict[str, Any]:

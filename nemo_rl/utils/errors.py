@@ -55,3 +55,12 @@ def reported_error_of(exc: BaseException) -> InputError | RunFault | None:
             cause = current.__cause__
         current = cause
     return None
+
+
+def error_line(err: BaseException) -> str:
+    """``Type: first line of its message`` of ``err``, or of the remote error a Ray task error
+    carries as its ``cause`` (a worker's own exception, not Ray's wrapping of it)."""
+    cause = getattr(err, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else err
+    lines = str(shown).strip().splitlines()
+    return f"{type(shown).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -26,10 +26,11 @@ Points and their actions:
     stream before publishing the bucket, as one that failed mid-stream.
     ``generation.generate`` (context ``replica``: the engine's index), on the engine's actor
     before it generates: ``kill`` ends the actor's process with SIGKILL (an operator's
-    ``kill -9`` of it).
+    ``kill -9`` of it); ``stop`` stops it with SIGSTOP (a hung engine: it neither answers nor
+    dies).
     ``refit.load`` (context ``bucket``, ``rank``: the engine's rank), in an engine's rank
-    process once it received a bucket of a refit, before loading it: ``kill`` as above (with
-    one rank, the engine's actor; with several, that rank's vLLM process).
+    process once it received a bucket of a refit, before loading it: ``kill`` or ``stop`` as
+    above (with one rank, the engine's actor; with several, that rank's vLLM process).
     ``environment.step`` (context ``env``: the environment's class name), on the environment's
     actor before it steps: ``kill`` as above.
     ``policy.train``, ``policy.logprobs``, ``policy.save`` (context ``rank``: the policy
@@ -131,6 +132,17 @@ def fault_at(point: str, **context: Any) -> str | None:
         if all(context.get(k) == v for k, v in keys.items()) and _claim(fault, folder):
             return str(fault["action"])
     return None
+
+
+def process_fault_at(point: str, **context: Any) -> None:
+    """A point whose actions are the process's own fault: a ``kill`` (:func:`kill_this_process`)
+    or ``stop`` (:func:`stop_this_process`) armed for ``point`` and ``context`` (as
+    :func:`fault_at`) ends or stops this process here."""
+    action = fault_at(point, **context)
+    if action == "kill":
+        kill_this_process()
+    elif action == "stop":
+        stop_this_process()
 
 
 def kill_this_process() -> None:

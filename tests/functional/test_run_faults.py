@@ -109,6 +109,8 @@ def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
     tmp_path, tiny_llama_path, tiny_colocated_stack
 ):
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, enabled=False)
+    # as if an earlier run on the stack had restarted its engine twice: this run counts its own
+    tiny_colocated_stack.generation.engine_restarts = [2]
     sender = sigterm_after_first_step(tmp_path / "logs")
     with pytest.raises(RunStopped) as stopped:
         run_grpo_on(tiny_colocated_stack, cfg)
@@ -119,5 +121,7 @@ def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
         f"stopped after step {k} (received SIGTERM); checkpointing is off "
         "(checkpointing.enabled=false): nothing was saved, a rerun starts over (exit code 143)"
     )
-    assert sorted(train_records(tmp_path / "logs")) == list(range(1, k + 1))
+    records = train_records(tmp_path / "logs")
+    assert sorted(records) == list(range(1, k + 1))
+    assert [records[s]["generation/engine_restarts"] for s in records] == [0] * k
     assert not (tmp_path / "ckpt").exists()

@@ -22,8 +22,10 @@ from nemo_rl.algorithms.grpo_step.interfaces import BatchStore, Partition
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_actors import kill_actors
+from nemo_rl.distributed.worker_faults import WorkerTimeout
 from nemo_rl.experience.sync_rollout_actor import SyncRolloutActor
 from nemo_rl.experience.grouped_rollouts import RolloutCarry, RolloutRunner
+from nemo_rl.experience.rollouts import ENV_STEP_TIMEOUT_S
 from nemo_rl.models.policy.tq_policy import VAL_PARTITION_ID, TQPolicy
 
 
@@ -57,6 +59,18 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
         # no CPU reserved: the actor mostly waits on the engines and environments
         actor_cls = ray.remote(num_cpus=0)(SyncRolloutActor)
         self.actor = actor_cls.remote(runner, policy.dp_cfg)
+        # the actor's own waits are bounded: each turn's generation, each environment's step,
+        # the store's writes; past their sum it is stopped or hung itself
+        turns = runner.max_rollout_turns
+        self.rollout_timeout_s = (
+            turns * (self.generation.config.generate_timeout_s
+                     + ENV_STEP_TIMEOUT_S * max(len(runner.task_to_env), 1))
+            + policy.dp_cfg.op_timeout_s
+        )
+        self._rollout_bound = (
+            f"{turns} turn(s) x (policy.generation.generate_timeout_s + "
+            f"{ENV_STEP_TIMEOUT_S:g} s per environment) + data_plane.op_timeout_s"
+        )
 
     @contextmanager
     def scope(self, partition: Partition, num_samples: int, group_size: int) -> Iterator[None]:
@@ -76,15 +90,20 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
     def rollout(
         self, prompts: BatchedDataDict, num_generations: int, partition: Partition, greedy: bool
     ) -> tuple[KVBatchMeta, RolloutCarry]:
-        meta, carry = ray.get(
-            self.actor.rollout.remote(
-                prompts,
-                self.partition_ids[partition],
-                num_generations=num_generations,
-                generation=self.generation,
-                greedy=greedy,
-            )
+        ref = self.actor.rollout.remote(
+            prompts,
+            self.partition_ids[partition],
+            num_generations=num_generations,
+            generation=self.generation,
+            greedy=greedy,
         )
+        try:
+            meta, carry = ray.get(ref, timeout=self.rollout_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerTimeout(
+                f"the rollout actor gave no result for rollout within "
+                f"{self.rollout_timeout_s:g} s ({self._rollout_bound}): stopped or hung"
+            ) from None
         self.generation.sampling_step = carry.sampling_step
         return meta, carry
 

@@ -1,8 +1,10 @@
 """Redoing a generation batch that an engine's death broke.
 
 A vLLM engine that dies under a rollout or a refit (its actor, or one of its tensor-parallel
-rank processes: ``kill -9``, a crash, a lost device) fails the call. :func:`redo_on_engine_death`
-then restarts it on its bundles
+rank processes: ``kill -9``, a crash, a lost device) fails the call; one that hangs (stopped, a
+deadlock) fails it once the call's bound passed (``policy.generation.generate_timeout_s``...).
+:func:`redo_on_engine_death` then restarts it on its bundles (a hung one: once it also missed
+a health check)
 (:meth:`~nemo_rl.models.generation.vllm.VllmGeneration.restart_dead_engines`), has the engines
 take the policy's weights again and rolls the same prompts out again from the same sampling
 step: with the same weights and seeds the redone batch is the one an uninterrupted run

@@ -120,4 +120,30 @@ class GenerationConfig(ConfigModel):
         "the run with exit code 75 (rerunning resumes from the newest checkpoint), naming the "
         "engine and its node. A rerun counts from 0 again. 0: the first death stops the run.",
     )
+    startup_timeout_s: float = Field(
+        default=600.0,
+        gt=0.0,
+        description="Seconds the vLLM engines have to start (their actors, the model load, "
+        "CUDA graphs), at the run's start and when a dead or hung engine is restarted; past "
+        "it the run stops naming the engine and its node (exit 75).",
+    )
+    generate_timeout_s: float = Field(
+        default=3600.0,
+        gt=0.0,
+        description="Seconds one generation call may take on an engine (a rollout turn's "
+        "batch, or one sample's turn with vllm_cfg.async_engine). An engine that gives no "
+        "result within it counts as hung: unless it then answers a health check within "
+        "call_timeout_s it is restarted like a dead one (max_engine_restarts) and the batch "
+        "redone; otherwise the run stops with one line naming the engine, its node and the "
+        "call (exit 75).",
+    )
+    call_timeout_s: float = Field(
+        default=600.0,
+        gt=0.0,
+        description="Seconds the driver waits for the engines to answer any other call: waking "
+        "up or going to sleep, taking the refit info, leaving the refit group, reporting "
+        "their weight version, a health check. An engine that does not answer a health check "
+        "within it counts as hung (restarted like a dead one); any other call past it stops "
+        "the run with one line naming the engine, its node and the call (exit 75).",
+    )
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")

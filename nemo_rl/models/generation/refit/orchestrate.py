@@ -39,6 +39,8 @@ from nemo_rl.models.generation.refit.errors import RefitError, RefitFailed
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.models.generation.refit.plan import RingAssignment, engine_reads, plan_rings
 from nemo_rl.distributed.memory_plan import RING_SLOTS
+from nemo_rl.distributed.worker_faults import node_description
+from nemo_rl.utils.errors import error_line
 from nemo_rl.utils.timer import Timer
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
 
 logger = logging.getLogger(__name__)
+
+# How the bound of a refit's stream follows from the config.
+_STREAM_BOUND = "policy.refit_timeout_s per bucket, for each bucket and one more"
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,29 @@ def _slowest(results: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str
     return {k: max((float(r.get(k, 0.0)) for r in results), default=0.0) for k in keys}
 
 
-def _wait(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[Any]:
-    """Results of ``refs`` in their order, once all finished; raises RefitError naming every
-    failure."""
+def _participants(policy: Policy, generation: VllmGeneration) -> list[str]:
+    """Who answers the futures of a refit step: every engine, then every policy rank (the
+    order of ``loads + sends``), each named with its node."""
+    nodes = policy.worker_group.worker_places(per_device=False)
+    return [generation.engine_name(e) for e in range(generation.num_replicas)] + [
+        f"policy worker rank {rank} on {node_description(node)}"
+        for rank, node in enumerate(nodes)
+    ]
+
+
+def _wait(
+    refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float, what: str, bound: str
+) -> list[Any]:
+    """Results of ``refs`` (answered by ``names``, one each) in their order, once all
+    finished; raises RefitError naming every failure, and those that gave no result within
+    ``timeout_s`` (``bound``: how the config sets it)."""
     refs = list(refs)
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    failures = [f"{what} did not finish within {timeout_s:g} s"] if pending else []
+    late = [name for name, ref in zip(names, refs) if ref in pending]
+    failures = (
+        [f"{what}: {'; '.join(late)} gave no result within {timeout_s:g} s ({bound})"]
+        if late else []
+    )
     finished = set(ready)
     results = []
     for ref in refs:  # in the callers' order
@@ -168,17 +190,10 @@ def _wait(refs: Sequence[ray.ObjectRef], timeout_s: float, what: str) -> list[An
         try:
             results.append(ray.get(ref))
         except Exception as err:  # a worker's error or its death
-            failures.append(_describe(err))
+            failures.append(error_line(err))
     if failures:
         raise RefitError("; ".join(dict.fromkeys(failures)))
     return results
-
-
-def _describe(err: BaseException) -> str:
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {cause}"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def colocated_plan(policy: Policy, generation: VllmGeneration) -> list[RingAssignment]:
@@ -213,7 +228,8 @@ def _refit_colocated(
         keys = [name for bucket in layout.plan() for name in bucket]
         sends = policy.refit("get_weights_ipc_handles", keys)
         results = _wait(
-            loads + sends, settings.timeout_s * (layout.num_buckets + 1), "the refit stream"
+            loads + sends, _participants(policy, generation),
+            settings.timeout_s * (layout.num_buckets + 1), "the refit stream", _STREAM_BOUND,
         )
     finally:  # the engines are done with the rings (loaded or gave up)
         _finish_ipc(policy)
@@ -238,7 +254,11 @@ def _ensure_group(policy: Policy, generation: VllmGeneration, timeout_s: float) 
     refs = policy.init_collective(ip, port, world_size)
     refs += generation.init_collective(ip, port, world_size, timeout_s)
     try:
-        _wait(refs, timeout_s + 30, "forming the refit group")
+        names = _participants(policy, generation)
+        # the policy's futures come first here
+        names = names[generation.num_replicas :] + names[: generation.num_replicas]
+        _wait(refs, names, timeout_s + 30, "forming the refit group",
+              "policy.refit_timeout_s + 30 s")
     except RefitError:
         _close_group(policy, generation)
         raise
@@ -263,7 +283,8 @@ def _refit_collective(
     )
     try:
         results = _wait(
-            loads + sends, settings.timeout_s * (layout.num_buckets + 1), "the refit broadcast"
+            loads + sends, _participants(policy, generation),
+            settings.timeout_s * (layout.num_buckets + 1), "the refit broadcast", _STREAM_BOUND,
         )
     except RefitError:
         # after a failed broadcast the group may be out of step or broken: form it anew

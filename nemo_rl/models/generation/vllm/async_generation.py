@@ -47,16 +47,23 @@ class AsyncVllmGeneration(VllmGeneration, AsyncGenerationInterface):
 
         Raises:
             ValueError: a malformed batch (as :meth:`generate`) or an empty ``seed_key``.
-            TimeoutError: no answer within ``generate_timeout_s``.
+            EngineTimeout: no answer within ``config.generate_timeout_s`` (names the engine,
+                its node and the bound).
         """
         size = _validate_batch(data)
         if not seed_key:
             raise ValueError("seed_key must name the call, e.g. (sampling_step, sample, turn)")
-        worker = self.engines[seed_key[0] % self.num_replicas]
+        replica = seed_key[0] % self.num_replicas
         seeds = [_request_seed(self.seed, *seed_key, row) for row in range(size)]
-        return await asyncio.wait_for(
-            worker.generate.remote(data, greedy, seeds), self.generate_timeout_s
-        )
+        timeout_s = self.config.generate_timeout_s
+        try:
+            return await asyncio.wait_for(
+                self.engines[replica].generate.remote(data, greedy, seeds), timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise self.timed_out(
+                [replica], "generate", timeout_s, "policy.generation.generate_timeout_s"
+            ) from None
 
     def reserve_sampling_step(self) -> int:
         """The current ``sampling_step``, then advanced by one."""

@@ -13,12 +13,16 @@ number of ``generate`` calls made so far (:attr:`VllmGeneration.sampling_step`) 
 global index, so results do not depend on the number of replicas and a run repeats exactly
 given the same seed and call sequence.
 
-Engine deaths. A call that fails because an engine died (its actor, or one of its
-tensor-parallel rank processes) raises; :meth:`VllmGeneration.restart_dead_engines` then
-starts that replica anew on its bundles, up to ``max_engine_restarts`` times per engine
-(:mod:`.engine_health`). The restarted engine holds the checkpoint's weights until the caller
-refits it; redoing the failed batch from the same ``sampling_step`` gives the rows an
-uninterrupted run would have got.
+Engine deaths and hangs. Every wait for the engines is bounded (``config.generate_timeout_s``
+for a generation, ``config.startup_timeout_s`` for a start, ``config.call_timeout_s`` for any
+other call); a wait past its bound raises :class:`~.engine_health.EngineTimeout` naming the
+engines that gave no result, their nodes, the call, the seconds and the config key. A call
+that fails because an engine died (its actor, or one of its tensor-parallel rank processes) or
+timed out raises; :meth:`VllmGeneration.restart_dead_engines` then starts every dead or hung
+replica (one that answers no health check within ``call_timeout_s``) anew on its bundles, up
+to ``max_engine_restarts`` times per engine (:mod:`.engine_health`). The restarted engine holds
+the checkpoint's weights until the caller refits it; redoing the failed batch from the same
+``sampling_step`` gives the rows an uninterrupted run would have got.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import ray
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
@@ -44,12 +49,13 @@ from nemo_rl.models.generation.interfaces import (
 from nemo_rl.models.generation.placement import plan_generation_layout
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
 from nemo_rl.models.generation.vllm.engine_health import (
-    HEALTH_CHECK_TIMEOUT_S,
     EngineFault,
+    EngineTimeout,
+    bound_text,
     dead_replicas,
-    one_line,
 )
 from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
+from nemo_rl.utils.errors import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +65,11 @@ class VllmGeneration(GenerationInterface):
 
     Args:
         cluster: bundles to run on; one replica per ``tensor_parallel_size`` bundles of a node.
-        config: generation settings (sampling and ``vllm_cfg``).
+        config: generation settings (sampling, ``vllm_cfg``, the bounds of every wait for the
+            engines and ``max_engine_restarts``).
         model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
         pad_token_id: token id that pads ``output_ids``.
         seed: base of every request's sampling seed (see the module docstring).
-        startup_timeout_s: seconds allowed for all engines to start (and for a restarted
-            engine to start).
-        generate_timeout_s: seconds allowed for one ``generate`` call.
 
     Raises:
         ValueError: a ``tensor_parallel_size`` that does not divide every node's bundles.
@@ -82,8 +86,6 @@ class VllmGeneration(GenerationInterface):
         *,
         pad_token_id: int,
         seed: int = 0,
-        startup_timeout_s: float = 600.0,
-        generate_timeout_s: float = 3600.0,
     ) -> None:
         self.layout = plan_generation_layout(
             cluster.bundle_ct_per_node_list, config.vllm_cfg.tensor_parallel_size, repr(cluster)
@@ -91,13 +93,14 @@ class VllmGeneration(GenerationInterface):
         self.config = config
         self.pad_token_id = pad_token_id
         self.seed = seed
-        self.startup_timeout_s = startup_timeout_s
-        self.generate_timeout_s = generate_timeout_s
         # Restarts of each engine so far (config.max_engine_restarts bounds each).
         self.engine_restarts = [0] * self.layout.replicas
         # Number of generate() calls so far; part of every request's seed. Restore it when
         # resuming a run to continue the same random sequence.
         self.sampling_step = 0
+        # {replica: the call it last gave no result for, within which bound}: named when the
+        # health check finds it hung
+        self._unanswered: dict[int, str] = {}
         # What the engines were last given by prepare_refit_info, and the refit group they
         # joined ((ip, port, world_size); None: none).
         self.refit_info: RefitInfo | None = None
@@ -115,37 +118,84 @@ class VllmGeneration(GenerationInterface):
                 "seed": seed,
             },
             env_vars=WORKER_ENV_VARS,
-            startup_timeout_s=startup_timeout_s,
+            startup_timeout_s=config.startup_timeout_s,
         )
         # Rank 0 of each replica: the actor holding the replica's engine.
         self.engines = self.worker_group.workers[:: self.layout.tensor_parallel_size]
         try:
-            self._start_engines(range(self.num_replicas), startup_timeout_s)
+            self._start_engines(range(self.num_replicas))
         except BaseException:
             self.worker_group.shutdown()
             raise
 
-    def _start_engines(self, replicas: range | list[int], timeout_s: float) -> None:
-        """Build the engines of ``replicas`` on their rank 0, giving each its ranks' GPU ids."""
+    def _start_engines(self, replicas: range | list[int]) -> None:
+        """Build the engines of ``replicas`` on their rank 0, giving each its ranks' GPU ids,
+        within ``config.startup_timeout_s``."""
         workers = self.worker_group.workers
         ranks_of = [self.layout.engine_bundles(replica) for replica in replicas]
+        bound = (self.config.startup_timeout_s, "policy.generation.startup_timeout_s")
         # one round trip for every rank's ids (not one per replica: a start-up of many engines)
-        ids = ray.get(
-            [workers[r].device_ids.remote() for ranks in ranks_of for r in ranks],
-            timeout=timeout_s,
+        ids = self._wait(
+            [(replica, workers[r].device_ids.remote())
+             for replica, ranks in zip(replicas, ranks_of) for r in ranks],
+            "its start (device ids)", *bound,
         )
         tp = self.layout.tensor_parallel_size
-        futures = [
-            workers[ranks[0]].start_engine.remote(
-                [i for rank_ids in ids[n * tp : (n + 1) * tp] for i in rank_ids]
-            )
-            for n, ranks in enumerate(ranks_of)
-        ]
-        self.worker_group.get_all_worker_results(futures, timeout_s)
+        self._wait(
+            [
+                (replica, workers[ranks[0]].start_engine.remote(
+                    [i for rank_ids in ids[n * tp : (n + 1) * tp] for i in rank_ids]
+                ))
+                for n, (replica, ranks) in enumerate(zip(replicas, ranks_of))
+            ],
+            "its start (the engine)", *bound,
+        )
 
-    def _on_engines(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        """Call ``method(*args)`` on every replica's engine without waiting; one future each."""
-        return [getattr(engine, method).remote(*args) for engine in self.engines]
+    def engine_name(self, replica: int) -> str:
+        """``"vLLM engine <replica> on <node> (<address>)"``."""
+        rank = self.layout.engine_bundles(replica)[0]
+        node = node_description(self.worker_group.worker_places(per_device=False)[rank])
+        return f"vLLM engine {replica} on {node}"
+
+    def _wait(
+        self, futures: list[tuple[int, ray.ObjectRef]], call: str, timeout_s: float, key: str
+    ) -> list[Any]:
+        """Results of ``futures`` (``(replica, future)`` each) in their order, once all
+        finished (or failed: one that died leaves the others idle) within ``timeout_s``.
+
+        Raises:
+            EngineTimeout: some gave no result in time, naming their engines, nodes, ``call``,
+                the seconds and the config key ``key``.
+            Whatever a finished call raised (a dead engine's ``RayActorError``...).
+        """
+        refs = [ref for _, ref in futures]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = sorted({replica for replica, ref in futures if ref in pending})
+            raise self.timed_out(late, call, timeout_s, key)
+        return ray.get(refs)
+
+    def timed_out(
+        self, replicas: list[int], call: str, timeout_s: float, key: str
+    ) -> EngineTimeout:
+        """The fault of ``replicas`` giving no result for ``call`` within ``timeout_s``
+        (config key ``key``), remembered for the health check that follows
+        (:meth:`restart_dead_engines`)."""
+        missed = f"no result for {call} within {bound_text(timeout_s, key)}"
+        self._unanswered.update({replica: missed for replica in replicas})
+        names = "; ".join(self.engine_name(replica) for replica in replicas)
+        return EngineTimeout(
+            f"{names} gave {missed}: stopped, hung, or slower than the bound allows"
+        )
+
+    def _call_engines(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every replica's engine, within ``config.call_timeout_s``."""
+        return self._wait(
+            [(replica, getattr(engine, method).remote(*args))
+             for replica, engine in enumerate(self.engines)],
+            method if method != "refit" else f"refit verb {args[0]}",
+            self.config.call_timeout_s, "policy.generation.call_timeout_s",
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -166,31 +216,28 @@ class VllmGeneration(GenerationInterface):
         self.sampling_step += 1
         futures = []
         start = 0
-        for worker, rows in zip(self.engines, _chunk_sizes(size, self.num_replicas)):
+        for replica, (worker, rows) in enumerate(
+            zip(self.engines, _chunk_sizes(size, self.num_replicas))
+        ):
             if rows == 0:
                 continue
             shard = data.slice(start, start + rows)
             seeds = [_request_seed(self.seed, step, row) for row in range(start, start + rows)]
-            futures.append(worker.generate.remote(shard, greedy, seeds))
+            futures.append((replica, worker.generate.remote(shard, greedy, seeds)))
             start += rows
-        # every engine finishes (or fails) first: one that died leaves the others idle
-        _, pending = ray.wait(futures, num_returns=len(futures), timeout=self.generate_timeout_s)
-        if pending:
-            raise TimeoutError(
-                f"{len(pending)} of {len(futures)} engines did not finish generating within "
-                f"{self.generate_timeout_s:g} s"
-            )
-        return BatchedDataDict.from_batches(
-            ray.get(futures), pad_value_dict={"output_ids": self.pad_token_id}
+        results = self._wait(
+            futures, "generate", self.config.generate_timeout_s,
+            "policy.generation.generate_timeout_s",
         )
+        return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.pad_token_id})
 
     def prepare_for_generation(self, **kwargs: Any) -> bool:
         """Wake every engine (weights and KV cache back on the GPU when colocated)."""
-        return all(ray.get(self._on_engines("wake_up")))
+        return all(self._call_engines("wake_up"))
 
     def finish_generation(self, **kwargs: Any) -> bool:
         """Put every engine to sleep (GPU colocated) or reset its prefix cache (otherwise)."""
-        return all(ray.get(self._on_engines("sleep")))
+        return all(self._call_engines("sleep"))
 
     def shutdown(self) -> bool:
         """Drop the engines and end their actors; the cluster's bundles stay reserved."""
@@ -199,30 +246,37 @@ class VllmGeneration(GenerationInterface):
     # ------------------------------------------------------------------ engine deaths
 
     def restart_dead_engines(self) -> list[int]:
-        """Start every engine that died (:mod:`.engine_health`) anew on its bundles: new
-        actors, an engine with the checkpoint's weights, given the refit info again; a
+        """Start every engine that died or hangs (:mod:`.engine_health`: no answer to a health
+        check within ``config.call_timeout_s``) anew on its bundles: its actors killed, new
+        ones with an engine holding the checkpoint's weights, given the refit info again; a
         broadcast refit group is formed anew at the next refit. The caller then refits the
         engines and redoes what the dead ones were doing.
 
         Returns:
-            The restarted replicas (empty when every engine is alive).
+            The restarted replicas (empty when every engine is alive and answers).
 
         Raises:
-            EngineFault: an engine died once more than ``config.max_engine_restarts`` allows,
-                or its new actors or engine did not start (e.g. its node is gone).
+            EngineFault: an engine died or hung once more than ``config.max_engine_restarts``
+                allows (its actors are killed), or its new actors or engine did not start
+                (e.g. its node is gone).
         """
         tp = self.layout.tensor_parallel_size
-        dead = dead_replicas(self.worker_group.workers, tp, HEALTH_CHECK_TIMEOUT_S)
+        unanswered, self._unanswered = self._unanswered, {}
+        dead = dead_replicas(
+            self.worker_group.workers, tp, self.config.call_timeout_s,
+            "policy.generation.call_timeout_s", unanswered,
+        )
         for replica, reason in sorted(dead.items()):
             self._restart(replica, reason)
         return sorted(dead)
 
     def _restart(self, replica: int, reason: str) -> None:
         ranks = self.layout.engine_bundles(replica)
-        node = node_description(self.worker_group.worker_places(per_device=False)[ranks[0]])
         limit = self.config.max_engine_restarts
-        what = f"vLLM engine {replica} on {node} died ({reason})"
+        what = f"{self.engine_name(replica)} {reason}"
         if self.engine_restarts[replica] >= limit:
+            # a hung engine would hold its devices (and the shut-down's wait) until killed
+            kill_actors([self.worker_group.workers[r] for r in ranks])
             raise EngineFault(
                 f"{what}; it was restarted {limit} time(s) already "
                 f"(policy.generation.max_engine_restarts={limit})"
@@ -234,16 +288,19 @@ class VllmGeneration(GenerationInterface):
         )
         started = time.monotonic()
         try:
-            self.worker_group.replace_workers(ranks, self.startup_timeout_s)
+            self.worker_group.replace_workers(ranks, self.config.startup_timeout_s)
             self.engines[replica] = self.worker_group.workers[ranks[0]]
-            self._start_engines([replica], self.startup_timeout_s)
+            self._start_engines([replica])
             if self.refit_info is not None:
-                ray.get(
-                    self.engines[replica].refit.remote("prepare_refit_info", self.refit_info),
-                    timeout=self.startup_timeout_s,
+                self._wait(
+                    [(replica, self.engines[replica].refit.remote(
+                        "prepare_refit_info", self.refit_info
+                    ))],
+                    "refit verb prepare_refit_info", self.config.startup_timeout_s,
+                    "policy.generation.startup_timeout_s",
                 )
         except Exception as err:  # noqa: BLE001 - any failure to come back ends the run
-            raise EngineFault(f"{what} and could not be restarted: {one_line(err)}") from err
+            raise EngineFault(f"{what} and could not be restarted: {error_line(err)}") from err
         # the broadcast group held the dead engine: every member joins a new one
         self.refit_group = None
         logger.warning(
@@ -256,16 +313,17 @@ class VllmGeneration(GenerationInterface):
     def refit(self, verb: str, *args: Any) -> list[ray.ObjectRef]:
         """Run one verb of the weight-sync protocol
         (:class:`~nemo_rl.models.generation.refit.interfaces.WeightReceiver`) on every engine,
-        without waiting; one future per engine."""
-        return self._on_engines("refit", verb, *args)
+        without waiting; one future per engine (the caller bounds its wait)."""
+        return [engine.refit.remote(verb, *args) for engine in self.engines]
 
     def prepare_refit_info(self, info: RefitInfo) -> None:
         """Give every engine the policy's ``{hf_name: (shape, dtype)}`` and remember it.
 
         Raises:
             RefitError: the info does not match the engines' checkpoint.
+            EngineTimeout: an engine gave no answer within ``config.call_timeout_s``.
         """
-        ray.get(self.refit("prepare_refit_info", info))
+        self._call_engines("refit", "prepare_refit_info", info)
         self.refit_info = dict(info)
 
     def init_collective(
@@ -289,17 +347,18 @@ class VllmGeneration(GenerationInterface):
         ]
 
     def close_collective(self) -> None:
-        """Have every engine leave the refit group."""
+        """Have every engine leave the refit group (each within ``config.call_timeout_s``)."""
         self.refit_group = None
-        ray.get(self.refit("close_collective"))
+        self._call_engines("refit", "close_collective")
 
     def weight_version(self) -> int:
         """The engines' weight version (committed refits; 0: the checkpoint).
 
         Raises:
             RuntimeError: the engines hold different versions.
+            EngineTimeout: an engine gave no answer within ``config.call_timeout_s``.
         """
-        versions = ray.get(self._on_engines("report_weight_version"))
+        versions = self._call_engines("report_weight_version")
         if len(set(versions)) != 1:
             raise RuntimeError(f"the engines hold different weight versions: {versions}")
         return versions[0]

@@ -46,7 +46,7 @@ from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo
 from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
 from nemo_rl.models.generation.refit.receiver import LoadReport, RefitReceiver
 from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_from_rings
-from nemo_rl.utils.fault_injection import fault_at, kill_this_process
+from nemo_rl.utils.fault_injection import process_fault_at
 
 # Environment every worker needs before vLLM is imported: the engine core runs in-process, and
 # vLLM logs warnings and errors only (its per-engine INFO lines drown the training console;
@@ -211,8 +211,7 @@ class VllmGenerationWorker:
             RefitError: the engine holds the weights of a refit that broke off.
         """
         replica = int(os.environ.get("NEMO_RL_DP_RANK", 0))
-        if fault_at("generation.generate", replica=replica) == "kill":  # tests only
-            kill_this_process()
+        process_fault_at("generation.generate", replica=replica)  # tests only: kill, stop
         if self.asleep:
             raise RuntimeError(
                 "the vLLM worker is asleep; call prepare_for_generation() before generate()"

@@ -42,7 +42,7 @@ from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
 from nemo_rl.models.generation.refit.ipc import RingMappings, RingRead
-from nemo_rl.utils.fault_injection import fault_at, kill_this_process
+from nemo_rl.utils.fault_injection import process_fault_at
 
 # How a load went (see the module docstring).
 LoadPath = Literal["in_place", "reload"]
@@ -101,8 +101,8 @@ def load_from_rings(
         tick = time.perf_counter()
         for header, payload in ring.buckets(read.reader, layout, version, timeout_s):
             report["wait_s"] += time.perf_counter() - tick
-            if fault_at("refit.load", bucket=header.index, rank=worker.rank) == "kill":
-                kill_this_process()  # tests only: this rank dies mid-load
+            # tests only: this rank dies or hangs mid-load
+            process_fault_at("refit.load", bucket=header.index, rank=worker.rank)
             for name, tensor in layout.tensors(header.index, payload):
                 report["tensors"] += 1
                 yield name, tensor

@@ -28,7 +28,7 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.workers import megatron as parts  # megatron-core parts: on first use
 from nemo_rl.models.policy.workers.megatron import data_plane_io
 from nemo_rl.models.policy.workers.megatron.reference import take_reference
-from nemo_rl.utils.fault_injection import fault_at, kill_this_process, stop_this_process
+from nemo_rl.utils.fault_injection import process_fault_at
 
 
 class MegatronPolicyWorker:
@@ -293,8 +293,4 @@ class MegatronPolicyWorker:
 def _fault_point(point: str, **context: Any) -> None:
     """Test-only fault injection (:mod:`nemo_rl.utils.fault_injection`): a ``kill`` or
     ``stop`` armed for ``point`` at this worker's rank ends or stops this process here."""
-    action = fault_at(point, rank=int(os.environ.get("RANK", "0")), **context)
-    if action == "kill":
-        kill_this_process()
-    elif action == "stop":
-        stop_this_process()
+    process_fault_at(point, rank=int(os.environ.get("RANK", "0")), **context)

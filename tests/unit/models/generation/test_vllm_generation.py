@@ -346,3 +346,46 @@ def test_an_engine_dying_once_more_than_allowed_stops_the_run_naming_it(
         rf"\(policy\.generation\.max_engine_restarts={limit}\)",
         str(fault.value),
     ), str(fault.value)
+
+
+def test_a_stopped_engine_times_out_naming_it_and_past_its_restarts_stops_the_run(
+    generations: tuple[VllmGeneration, VllmGeneration], batch: Any
+) -> None:
+    """SIGSTOP of the one-replica generation's engine (a hung engine: alive, answering
+    nothing): generate gives up after ``generate_timeout_s`` naming the engine, its node, the
+    call and the bound; the health check then finds it hung, and with no restart left the
+    fault names both bounds and the restarts, and the stopped actor is killed (it would hold
+    its devices). Last in the module: the engine stays dead."""
+    import os
+    import signal
+
+    import ray
+
+    from nemo_rl.distributed.worker_faults import node_description
+    from nemo_rl.models.generation.vllm.engine_health import EngineFault, EngineTimeout
+
+    one = generations[0]
+    one.config = one.config.model_copy(update={"generate_timeout_s": 1.0, "call_timeout_s": 1.0})
+    engine = one.engines[0]
+    node = node_description(one.worker_group.worker_places(per_device=False)[0])
+    os.kill(ray.get(engine.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
+    with pytest.raises(EngineTimeout) as timeout:
+        one.generate(batch)
+    assert timeout.value.exit_code == 75
+    generate_bound = "1 s (policy.generation.generate_timeout_s)"
+    assert str(timeout.value) == (
+        f"vLLM engine 0 on {node} gave no result for generate within {generate_bound}: "
+        "stopped, hung, or slower than the bound allows"
+    )
+    limit = one.config.max_engine_restarts
+    one.engine_restarts[0] = limit  # as if restarted that often already
+    with pytest.raises(EngineFault) as fault:
+        one.restart_dead_engines()
+    assert str(fault.value) == (
+        f"vLLM engine 0 on {node} hung (no result for generate within {generate_bound}; then "
+        "its rank 0 answered no health check within 1 s (policy.generation.call_timeout_s)); "
+        f"it was restarted {limit} time(s) already "
+        f"(policy.generation.max_engine_restarts={limit})"
+    )
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(engine.__ray_ready__.remote(), timeout=30)
