@@ -42,23 +42,25 @@ def decoder_hidden_states(model_path: Path, input_ids: torch.Tensor) -> torch.Te
 
 @contextmanager
 def one_rank_worker(
-    model_path: Path, batch_size: int, seq: int, **worker_kwargs: Any
+    model_path: Path,
+    batch_size: int,
+    seq: int,
+    config: dict[str, Any] | None = None,
+    **worker_kwargs: Any,
 ) -> Iterator[MegatronPolicyWorker]:
     """A world-size-1 worker on ``model_path`` (global batch ``batch_size``, micro-batches of
-    2, sequences up to ``seq``); its process groups are torn down on exit."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(find_free_port())}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
+    2, sequences up to ``seq``, other ``policy`` keys from ``config``); its process groups are
+    torn down on exit."""
+    with one_rank_env():
         cfg = PolicyConfig(
             model_name=str(model_path),
             train_global_batch_size=batch_size,
             train_micro_batch_size=2,
             logprob_batch_size=2,
             max_total_sequence_length=seq,
+            **(config or {}),
         )
         yield MegatronPolicyWorker(cfg, str(model_path), init_reference_model=False, **worker_kwargs)
-    destroy_megatron_parallel()
 
 
 def token_batch(lengths: Sequence[int], seq: int) -> BatchedDataDict:

@@ -1,6 +1,6 @@
-"""The Megatron policy as PPO's critic, in one process (no Ray).
+"""The Megatron policy worker as PPO's critic, in one process (no Ray).
 
-A tiny Llama with the scalar head (``reward_model_cfg.enabled``) is trained with
+A tiny Llama worker with the scalar head (``reward_model_cfg.enabled``) is trained with
 :class:`~nemo_rl.algorithms.loss.MseValueLossFn` on one fixed batch of GAE returns; then: its
 per-token values are the head applied to transformers' hidden state at the previous position;
 the value loss falls over a few optimizer steps; and a saved checkpoint, loaded into a fresh
@@ -18,14 +18,7 @@ import torch
 from nemo_rl.algorithms.advantage_estimators import gae_advantages
 from nemo_rl.algorithms.loss import MseValueLossFn
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.workers.megatron.checkpointing import (
-    load_training_checkpoint,
-    save_training_checkpoint,
-)
-from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
-from nemo_rl.models.policy.workers.megatron.train_step import compute_values, iterate_steps
-from tests.one_rank_worker import decoder_hidden_states, one_rank_env
+from tests.one_rank_worker import decoder_hidden_states, one_rank_worker
 
 ROWS, SEQ, PROMPT = 4, 10, 3
 LENGTHS = [10, 7, 9, 6]  # right-padded with 0
@@ -48,44 +41,30 @@ def make_batch() -> BatchedDataDict:
     )
 
 
-def critic_config(model: Path) -> PolicyConfig:
-    return PolicyConfig(
-        model_name=str(model),
-        train_global_batch_size=ROWS,
-        train_micro_batch_size=2,
-        max_total_sequence_length=SEQ,
-        precision="float32",
-        reward_model_cfg={"enabled": True},
-        megatron_cfg={"optimizer": {"lr": 3e-3, "min_lr": 3e-3}},
-    )
+CRITIC = {"reward_model_cfg": {"enabled": True}, "megatron_cfg": {"optimizer": {"lr": 3e-3, "min_lr": 3e-3}}}
 
 
 @pytest.fixture(scope="module")
 def run(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Values before training, the value losses of the steps, the trained values, the head
     before training and the values of a fresh critic loaded from the saved checkpoint."""
-    ckpt = tmp_path_factory.mktemp("critic") / "value"
-    with one_rank_env():
-        critic = setup_policy_model(critic_config(tiny_llama_path), str(tiny_llama_path), seed=5)
+    ckpt = str(tmp_path_factory.mktemp("critic") / "value")
+    with one_rank_worker(tiny_llama_path, ROWS, SEQ, CRITIC, seed=5) as critic:
         batch = make_batch()
-        out: dict[str, Any] = {"head": critic.model.module.output_layer.weight.detach().clone()}
-        out["values_before"] = compute_values(critic, batch, 2, False)
+        out: dict[str, Any] = {"head": critic.policy.model.module.output_layer.weight.detach().clone()}
+        out["values_before"] = critic.get_values(batch)["values"]
         _, returns = gae_advantages(
             REWARDS, out["values_before"], batch["token_mask"], gamma=1.0, lam=0.95
         )
         batch["returns"], batch["values"] = returns, out["values_before"]
         loss_fn = MseValueLossFn({"scale": 1.0, "cliprange": None})
-        out["steps"] = [
-            step
-            for _ in range(STEPS)
-            for step in iterate_steps(critic, batch, loss_fn, ROWS, 2, False, False)
-        ]
-        out["values_after"] = compute_values(critic, batch, 2, False)
-        save_training_checkpoint(critic, ckpt, STEPS, assets_dir=tiny_llama_path)
-    with one_rank_env():
-        fresh = setup_policy_model(critic_config(tiny_llama_path), str(tiny_llama_path), seed=6)
-        out["resumed_step"] = load_training_checkpoint(fresh, ckpt)
-        out["values_resumed"] = compute_values(fresh, batch, 2, False)
+        out["steps"] = [critic.train(batch, loss_fn) for _ in range(STEPS)]
+        out["values_after"] = critic.get_values(batch)["values"]
+        critic.save_checkpoint(ckpt)
+    with one_rank_worker(tiny_llama_path, ROWS, SEQ, CRITIC, seed=6) as fresh:
+        fresh.load_checkpoint(ckpt)
+        out["resumed_step"] = fresh.get_train_step()
+        out["values_resumed"] = fresh.get_values(batch)["values"]
     return out
 
 
@@ -101,9 +80,9 @@ def test_values_are_the_head_on_the_previous_positions_hidden_state(
 
 
 def test_value_loss_falls_on_a_fixed_batch(run: dict[str, Any]) -> None:
-    losses = [step["loss"] for step in run["steps"]]
-    assert losses[-1] < 0.5 * losses[0], losses
-    assert all(step["metrics"]["vf_clipfrac"] == 0 for step in run["steps"])
+    losses = [loss for step in run["steps"] for loss in step["loss"]]
+    assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0], losses
+    assert all(step["metrics"]["vf_clipfrac"] == [0.0] for step in run["steps"])
     mask = make_batch()["token_mask"].bool()
     # With gamma=1 the returns of a row are close to its reward; the critic moves towards them.
     err = lambda v: (v - REWARDS[:, None].expand_as(v))[mask].square().mean().item()  # noqa: E731
