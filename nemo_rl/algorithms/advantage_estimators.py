@@ -1,4 +1,4 @@
-"""Advantage estimators for outcome-reward RL: GRPO, RLOO and REINFORCE++.
+"""Advantage estimators for outcome-reward RL: GRPO, RLOO, REINFORCE++ and PPO's GAE.
 
 Inputs are per-sample rewards [B] (one scalar per response), group ids [B] (responses to the
 same prompt share an id) and a token mask [B, S] (1 on the response tokens the loss trains on).
@@ -7,7 +7,8 @@ Each estimator returns advantages [B, S] that are 0 outside the mask.
 The semantics are NeMo RL's (``grpo.adv_estimator``), so a recipe gives the same advantages
 in both. GRPO's group standard deviations are sample standard deviations (Bessel's correction,
 n - 1); groups with a single member or zero spread get advantage 0 (never NaN). REINFORCE++
-whitens over the batch's tokens with the population variance.
+whitens over the batch's tokens with the population variance. GAE (``ppo.adv_estimator``)
+bootstraps from a critic's per-token values and whitens with the sample variance.
 """
 
 from __future__ import annotations
@@ -151,3 +152,65 @@ def reinforce_plus_plus_advantages(
     mean = (advantages * token_mask).sum() / count
     variance = ((advantages - mean).square() * token_mask).sum() / count
     return (advantages - mean) * variance.clamp_min(1e-8).rsqrt() * token_mask
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    normalize_advantages: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation for outcome rewards, as NeMo RL's PPO computes it
+    (``ppo.adv_estimator.name: gae`` with ``gae_gamma`` / ``gae_lambda``).
+
+    Each sample's reward is the token reward of its last masked token (0 on the others).
+    Backwards over the positions: ``delta_t = r_t + gamma * V_next - V_t`` and
+    ``A_t = delta_t + gamma * lam * A_next``, where ``V_next`` / ``A_next`` are the value and
+    advantage of the next *masked* position (0 after the last one): unmasked positions (prompt,
+    padding, a tool turn between two responses) are skipped, not treated as states. Returns
+    are ``A_t + V_t`` with the unwhitened advantages (the critic's targets). With
+    ``normalize_advantages`` the advantages are then whitened over all masked tokens of the
+    batch: ``(A - mean) / sqrt(var + 1e-8)`` with the sample variance (n - 1).
+
+    With ``gamma = lam = 1`` every advantage is ``reward - V_t``.
+
+    Args:
+        rewards: [B] float, one reward per response.
+        values: [B, S] float, the critic's value of each position (``V_t``: the state from
+            which token ``t`` is generated).
+        mask: [B, S], 1 on the response tokens (the loss's tokens).
+        gamma: discount factor per token.
+        lam: GAE lambda, 0 (one-step TD) to 1 (Monte Carlo).
+        normalize_advantages: whiten the advantages over the batch's masked tokens.
+
+    Returns:
+        ``(advantages, returns)``, each [B, S] in the rewards' dtype and 0 outside ``mask``.
+    """
+    token_mask = _check_inputs(rewards, mask, None)
+    batch, seq = token_mask.shape
+    check_tensor(values, "values", (batch, seq), "[batch, seq]", floating=True)
+    values = values.to(rewards.dtype)
+    has_response = token_mask.any(dim=1)
+    last = seq - 1 - token_mask.flip(1).argmax(dim=1)
+    token_rewards = torch.zeros_like(values)
+    token_rewards[has_response, last[has_response]] = rewards[has_response]
+    next_value = values.new_zeros(batch)
+    next_advantage = values.new_zeros(batch)
+    advantages = torch.zeros_like(values)
+    for t in range(seq - 1, -1, -1):
+        on = token_mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(on > 0, values[:, t], next_value)
+        next_advantage = torch.where(on > 0, advantage, next_advantage)
+        advantages[:, t] = next_advantage
+    returns = (advantages + values) * token_mask
+    if normalize_advantages:
+        count = token_mask.sum()
+        mean = (advantages * token_mask).sum() / count.clamp_min(1)
+        variance = ((advantages - mean).square() * token_mask).sum() / (count - 1).clamp_min(1)
+        advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
+    return advantages * token_mask, returns

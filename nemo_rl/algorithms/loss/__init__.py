@@ -7,6 +7,7 @@ from nemo_rl.algorithms.loss.draft import DraftCrossEntropyLoss
 from nemo_rl.algorithms.loss.interfaces import LossFunction, LossInputType, LossType
 from nemo_rl.algorithms.loss.nll import NLLLoss
 from nemo_rl.algorithms.loss.preference import PreferenceLossFn
+from nemo_rl.algorithms.loss.value import MseValueLossConfig, MseValueLossFn
 
 __all__ = [
     "ClippedPGLossConfig",
@@ -19,6 +20,8 @@ __all__ = [
     "LossFunction",
     "LossInputType",
     "LossType",
+    "MseValueLossConfig",
+    "MseValueLossFn",
     "NLLLoss",
     "PreferenceLossFn",
 ]

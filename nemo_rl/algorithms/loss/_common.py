@@ -35,13 +35,18 @@ def take_inputs(kwargs: Mapping[str, Any], names: Sequence[str], owner: str) -> 
     return [kwargs[n] for n in names]
 
 
+def per_token_input(kwargs: Mapping[str, Any], name: str, owner: str) -> torch.Tensor:
+    """The model output ``name``, a [B, S] float tensor (the loss's only keyword input), checked."""
+    (value,) = take_inputs(kwargs, (name,), owner)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"'{name}' must be a tensor of shape [batch, seq], got {got}")
+    return check_tensor(value, name, tuple(value.shape), "[batch, seq]", floating=True)
+
+
 def logprob_input(kwargs: Mapping[str, Any], owner: str) -> torch.Tensor:
     """The ``next_token_logprobs`` [B, S] float input of a LOGPROB loss, checked."""
-    (logprobs,) = take_inputs(kwargs, ("next_token_logprobs",), owner)
-    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
-        got = list(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
-        raise ValueError(f"'next_token_logprobs' must be a tensor of shape [batch, seq], got {got}")
-    return check_tensor(logprobs, "next_token_logprobs", tuple(logprobs.shape), "[batch, seq]", floating=True)
+    return per_token_input(kwargs, "next_token_logprobs", owner)
 
 
 def check_tensor(

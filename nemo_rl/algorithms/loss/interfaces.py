@@ -39,6 +39,9 @@ class LossInputType(enum.Enum):
     ``ClippedPGLossFn`` also takes NeMo RL's [batch, seq - 1], aligned with ``data[:, 1:]``."""
     REWARD = "reward"
     """``rewards``: [batch], a scalar head's value at each row's last real token."""
+    VALUE = "value"
+    """``values``: [batch, seq], a scalar head's value of the state before each token (the
+    head at the previous position; position 0 is 0), aligned like ``next_token_logprobs``."""
     DISTILLATION = "distillation"
     """``student_topk_logprobs``, ``teacher_topk_logprobs``: [batch, seq, k]; ``H_all``."""
     DRAFT = "draft"
@@ -71,7 +74,7 @@ class LossFunction(Protocol):
             global_valid_seqs: scalar, number of valid sequences in the global batch.
             global_valid_toks: scalar, number of valid tokens in the global batch.
             **kwargs: model outputs, by ``input_type``: LOGPROB ``next_token_logprobs``;
-                LOGIT ``logits``; REWARD ``rewards``; DISTILLATION ``student_topk_logprobs``,
+                LOGIT ``logits``; REWARD ``rewards``; VALUE ``values``; DISTILLATION ``student_topk_logprobs``,
                 ``teacher_topk_logprobs``, ``H_all``; DRAFT ``teacher_logits``,
                 ``student_logits``, ``mask``.
 

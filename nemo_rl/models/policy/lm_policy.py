@@ -177,6 +177,11 @@ class Policy(ColocatablePolicyInterface):
         row order: what a distillation teacher sends (never ``[batch, seq, vocab]``)."""
         return self._logprob_pass(data, "get_topk_logits", k=k, temperature=temperature)
 
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``values`` [batch, seq] of a critic (``reward_model_cfg.enabled``): the scalar
+        head's value of the state before each token, in ``data``'s row order."""
+        return self._logprob_pass(data, "get_values")
+
     def train(
         self,
         data: BatchedDataDict,

@@ -10,6 +10,7 @@ from nemo_rl.algorithms.loss import (
     LossFunction,
     LossInputType,
     LossType,
+    MseValueLossFn,
     NLLLoss,
     PreferenceLossFn,
 )
@@ -21,6 +22,7 @@ def test_enum_values() -> None:
         "LOGIT": "logit",
         "LOGPROB": "logprob",
         "REWARD": "reward",
+        "VALUE": "value",
         "DISTILLATION": "distillation",
         "DRAFT": "draft",
     }
@@ -48,6 +50,7 @@ def test_losses_follow_protocol() -> None:
         NLLLoss(): LossInputType.LOGPROB,
         DPOLossFn(dpo_cfg): LossInputType.LOGPROB,
         PreferenceLossFn(): LossInputType.REWARD,
+        MseValueLossFn({"scale": 0.4, "cliprange": 0.2}): LossInputType.VALUE,
         DistillationLossFn({"kl_type": "forward"}): LossInputType.DISTILLATION,
         DraftCrossEntropyLoss(): LossInputType.DRAFT,
     }

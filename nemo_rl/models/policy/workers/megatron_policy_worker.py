@@ -128,6 +128,16 @@ class MegatronPolicyWorker:
         out = parts.train_step.compute_topk_logits(self.policy, data, mbs, k, temperature)
         return BatchedDataDict() if out is None else BatchedDataDict(out)
 
+    def get_values(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``values`` ``[B, S]`` float32 in ``data``'s row order: a critic's (a worker built with
+        ``reward_model_cfg.enabled``) scalar head at each token's previous position, 0 at
+        position 0 and past each row's length (last PP stage; an empty dict on the others)."""
+        mbs = micro_batch_size or self.config.logprob_batch_size
+        values = parts.train_step.compute_values(self.policy, data, mbs, self._packing)
+        return BatchedDataDict() if values is None else BatchedDataDict(values=values)
+
     # ---------------------------------------------------------------- training
 
     def train(

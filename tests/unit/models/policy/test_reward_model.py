@@ -10,7 +10,6 @@ changed in the step (it trains).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.algorithms.loss import PreferenceLossFn
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.config import PolicyConfig
@@ -26,6 +24,7 @@ from nemo_rl.models.policy.export import export_checkpoint
 from nemo_rl.models.policy.workers.megatron.checkpointing import save_training_checkpoint
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel, setup_policy_model
 from nemo_rl.models.policy.workers.megatron.train_step import compute_rewards, iterate_steps
+from tests.one_rank_worker import decoder_hidden_states, one_rank_env
 
 PAIRS, SEQ = 2, 12
 LENGTHS = [12, 7, 9, 5]  # rows: chosen, rejected, chosen, rejected (right-padded with 0)
@@ -47,9 +46,6 @@ def make_batch() -> BatchedDataDict:
 @pytest.fixture(scope="module")
 def run(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Rewards before and after one step, the head before and after, and the exported folder."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(find_free_port())}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     config = PolicyConfig(
         model_name=str(tiny_llama_path),
         train_global_batch_size=PAIRS,
@@ -59,7 +55,7 @@ def run(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         reward_model_cfg={"enabled": True},
         megatron_cfg={"optimizer": {"lr": 1e-2, "min_lr": 1e-2}},
     )
-    try:
+    with one_rank_env():
         policy: PolicyModel = setup_policy_model(config, str(tiny_llama_path), seed=3)
         head = policy.model.module.output_layer.weight
         out: dict[str, Any] = {"head_before": head.detach().clone()}
@@ -72,21 +68,12 @@ def run(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         export_checkpoint(tmp / "policy", tmp / "hf")
         out["hf"] = tmp / "hf"
         yield out
-    finally:
-        destroy_megatron_parallel()
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def test_reward_is_the_head_on_the_last_real_tokens_hidden_state(
     run: dict[str, Any], tiny_llama_path: Path
 ) -> None:
-    from transformers import AutoModel
-
-    decoder = AutoModel.from_pretrained(tiny_llama_path, torch_dtype=torch.float32).eval()
-    batch = make_batch()
-    with torch.no_grad():
-        hidden = decoder(input_ids=batch["input_ids"]).last_hidden_state  # [B, S, h], normed
+    hidden = decoder_hidden_states(tiny_llama_path, make_batch()["input_ids"])  # [B, S, h]
     last = hidden[torch.arange(len(LENGTHS)), torch.tensor(LENGTHS) - 1]
     expected = last @ run["head_before"][0]
     torch.testing.assert_close(run["rewards_before"], expected, rtol=0, atol=1e-5)

@@ -247,6 +247,33 @@ def rewards_from_outputs(values: Tensor, inputs: ModelInputs) -> Tensor:
     return row[0, inputs.sample_offsets.to(row.device) + last]
 
 
+def values_from_outputs(values: Tensor, inputs: ModelInputs) -> Tensor:
+    """``[B, S]`` float32 per-token values of a critic: at position ``t`` the scalar head's
+    output at position ``t - 1`` (the state from which token ``t`` is generated), aligned like
+    :func:`logprobs_from_logits`' output; 0 at position 0 and past each row's length.
+
+    Args:
+        values: ``[b, t_local, 1]`` outputs of the model's scalar head (the same on every TP
+            rank), CP-local.
+        inputs: what :func:`build_model_inputs` made for the same micro-batch.
+    """
+    from megatron.core import parallel_state
+
+    if values.shape[-1] != 1:
+        raise ValueError(
+            f"per-token values need the scalar head (reward_model_cfg.enabled), got outputs "
+            f"of width {values.shape[-1]}"
+        )
+    row = values[..., 0].float()
+    if inputs.local_positions is not None:
+        row = _GatherContextParallel.apply(
+            row, inputs.local_positions, inputs.all_positions,
+            parallel_state.get_context_parallel_group(),
+        )
+    shifted = torch.cat([row.new_zeros(row.shape[0], 1), row[:, :-1]], dim=1)
+    return _to_batch_layout(shifted, inputs)
+
+
 def run_micro_batches(
     model: Any,
     inputs: list[ModelInputs],

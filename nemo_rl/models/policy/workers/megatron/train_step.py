@@ -30,6 +30,7 @@ from nemo_rl.models.policy.workers.megatron.forward import (
     logprobs_from_logits,
     rewards_from_outputs,
     run_micro_batches,
+    values_from_outputs,
 )
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 from nemo_rl.models.policy.workers.megatron.moe import (
@@ -178,13 +179,15 @@ def train_global_batch(
     """
     from megatron.core import parallel_state
 
-    trained = (LossInputType.LOGPROB, LossInputType.REWARD, LossInputType.DISTILLATION)
+    trained = (
+        LossInputType.LOGPROB, LossInputType.REWARD, LossInputType.VALUE, LossInputType.DISTILLATION
+    )
     if loss_fn.input_type not in trained:
         raise ValueError(
-            f"the Megatron worker trains losses with input_type LOGPROB, REWARD or "
+            f"the Megatron worker trains losses with input_type LOGPROB, REWARD, VALUE or "
             f"DISTILLATION, got {loss_fn.input_type}; use a logprob-based loss (NLLLoss, "
             "ClippedPGLossFn, DPOLossFn), DistillationLossFn or, with "
-            "policy.reward_model_cfg.enabled, PreferenceLossFn"
+            "policy.reward_model_cfg.enabled, PreferenceLossFn or MseValueLossFn"
         )
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
@@ -242,7 +245,8 @@ def loss_inputs(
 ) -> dict[str, Tensor]:
     """The model outputs ``loss_fn`` takes (by its ``input_type``) from a micro-batch's output:
     ``next_token_logprobs`` ``[B, S]`` (LOGPROB), ``rewards`` ``[B]`` (REWARD: the scalar head
-    at each row's last real token), or the top-k distillation inputs against the teacher's
+    at each row's last real token), ``values`` ``[B, S]`` (VALUE: the scalar head at each
+    token's previous position), or the top-k distillation inputs against the teacher's
     ``teacher_topk_logits`` / ``teacher_topk_indices`` of ``mb`` (DISTILLATION, at
     ``loss_fn.cfg.temperature`` and ``zero_outside_topk``)."""
     if loss_fn.input_type == LossInputType.DISTILLATION:
@@ -251,6 +255,8 @@ def loss_inputs(
         )
     if loss_fn.input_type == LossInputType.REWARD:
         return {"rewards": rewards_from_outputs(logits, inputs)}
+    if loss_fn.input_type == LossInputType.VALUE:
+        return {"values": values_from_outputs(logits, inputs)}
     return {"next_token_logprobs": logprobs_from_logits(logits, inputs, inference_only=eval_mode)}
 
 
@@ -290,6 +296,19 @@ def _score(
     return {key: torch.cat([fit(out[key]) for out in outputs]) for key in outputs[0]}
 
 
+def _score_rows(
+    policy: PolicyModel,
+    data: BatchedDataDict,
+    mbs: int,
+    packing_enabled: bool,
+    score: Callable[[Tensor, ModelInputs], Tensor],
+) -> Tensor | None:
+    """:func:`_score` of one per-row tensor ``score(outputs, inputs)``; None off the last
+    pipeline stage."""
+    out = _score(policy, data, mbs, packing_enabled, lambda o, i: {"rows": score(o, i)})
+    return None if out is None else out["rows"]
+
+
 def compute_logprobs(
     policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
 ) -> Tensor | None:
@@ -299,11 +318,10 @@ def compute_logprobs(
         The logprobs on the last pipeline stage, None on the others.
     """
 
-    def score(logits: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
-        return {"logprobs": logprobs_from_logits(logits, inputs, inference_only=True).float()}
+    def score(logits: Tensor, inputs: ModelInputs) -> Tensor:
+        return logprobs_from_logits(logits, inputs, inference_only=True).float()
 
-    out = _score(policy, data, mbs, packing_enabled, score)
-    return None if out is None else out["logprobs"]
+    return _score_rows(policy, data, mbs, packing_enabled, score)
 
 
 def compute_topk_logits(
@@ -331,11 +349,19 @@ def compute_rewards(
         The rewards on the last pipeline stage, None on the others.
     """
 
-    def score(outputs: Tensor, inputs: ModelInputs) -> dict[str, Tensor]:
-        return {"rewards": rewards_from_outputs(outputs, inputs).float()}
+    return _score_rows(policy, data, mbs, packing_enabled, rewards_from_outputs)
 
-    out = _score(policy, data, mbs, packing_enabled, score)
-    return None if out is None else out["rewards"]
+
+def compute_values(
+    policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
+) -> Tensor | None:
+    """``[B, S]`` float32 per-token values of ``data`` (a critic's scalar head at each
+    token's previous position, :func:`~.forward.values_from_outputs`), in row order, no grad.
+
+    Returns:
+        The values on the last pipeline stage, None on the others.
+    """
+    return _score_rows(policy, data, mbs, packing_enabled, values_from_outputs)
 
 
 def iterate_steps(
