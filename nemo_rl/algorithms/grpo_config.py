@@ -259,8 +259,10 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 gives = f"rewards {list(components)}" if components else "one reward"
                 raise ValueError(
                     f"grpo.adv_estimator.name=gdpo needs two or more rewards per sample, but "
-                    f"env.{task} ({field}) gives {gives}; give the task several reward "
-                    f"functions (env.{task}.reward_fns) or use grpo.adv_estimator.name=grpo"
+                    f"env.{task} ({field}) gives {gives}; train on a task with several "
+                    "(a plug-in section with reward_fns: {name: 'package.module:function', "
+                    "...}, or an environment class declaring reward_components) or use "
+                    "grpo.adv_estimator.name=grpo"
                 )
             weights = est.reward_weights
             if weights is not None and len(weights) != len(components):
