@@ -15,7 +15,11 @@ from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loop_config import plan_gpu_memory
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
-from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import (
+    RolloutLoopConfig,
+    RolloutMasterConfig,
+    train_tasks,
+)
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
 from nemo_rl.data_plane.config import DataPlaneConfig
@@ -251,7 +255,7 @@ class GRPOMasterConfig(RolloutMasterConfig):
         if est.name != "gdpo":
             return
         specs = self.env.specs()
-        for field, task in self.train_tasks().items():
+        for field, task in train_tasks(self.data).items():
             components = specs[task].reward_components
             if components is None:
                 continue

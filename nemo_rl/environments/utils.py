@@ -88,13 +88,13 @@ def _check_return(result: Any, size: int) -> EnvironmentReturn:
     rewards one ``[size]`` tensor or a dict of ``reward/<name>`` ones)."""
     if not isinstance(result, EnvironmentReturn):
         raise ValueError(f"step returned {type(result).__name__}, not EnvironmentReturn")
-    split_rewards(result.rewards, size)
     lengths = {
         name: len(value) for name, value in result._asdict().items() if name != "rewards"
     }
     wrong = {name: n for name, n in lengths.items() if n != size}
     if wrong:
         raise ValueError(f"step returned fields of the wrong length for {size} samples: {wrong}")
+    split_rewards(result.rewards, size)
     return result
 
 
