@@ -44,3 +44,9 @@ def test_gdpo_recipe_trains_and_logs_each_reward(
             metrics["reward/correctness"] + metrics["reward/format"], abs=1e-6
         )
         assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "reward/format"))
+    # every logged metric is in the glossary (the named rewards as `reward/<name>`)
+    glossary = (RECIPE.parents[1] / "docs" / "metrics.md").read_text()
+    logged = {key for r in records for key in r["metrics"]}
+    named = {key for key in logged if key.startswith("reward/")}
+    assert named == {"reward/correctness", "reward/format"} and "`reward/<name>`" in glossary
+    assert not {key for key in logged - named if f"`{key}`" not in glossary}
