@@ -1,4 +1,4 @@
-"""Advantage estimators for outcome-reward RL: GRPO, RLOO, REINFORCE++ and PPO's GAE.
+"""Advantage estimators for outcome-reward RL: GRPO, RLOO, GDPO, REINFORCE++ and PPO's GAE.
 
 Inputs are per-sample rewards [B] (one scalar per response), group ids [B] (responses to the
 same prompt share an id) and a token mask [B, S] (1 on the response tokens the loss trains on).
@@ -6,12 +6,16 @@ Each estimator returns advantages [B, S] that are 0 outside the mask.
 
 The semantics are NeMo RL's (``grpo.adv_estimator``), so a recipe gives the same advantages
 in both. GRPO's group standard deviations are sample standard deviations (Bessel's correction,
-n - 1); groups with a single member or zero spread get advantage 0 (never NaN). REINFORCE++
-whitens over the batch's tokens with the population variance. GAE (``ppo.adv_estimator``)
-bootstraps from a critic's per-token values and whitens with the sample variance.
+n - 1); groups with a single member or zero spread get advantage 0 (never NaN). GDPO takes
+several named rewards per sample (``reward/<name>`` components), normalises each within its
+group, sums them with weights and whitens the sum over the batch. REINFORCE++ whitens over the
+batch's tokens with the population variance. GAE (``ppo.adv_estimator``) bootstraps from a
+critic's per-token values and whitens with the sample variance.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -103,6 +107,130 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.
     the baseline does not depend on the sample's own reward.
     """
     return grpo_advantages(rewards, group_ids, mask, use_leave_one_out_baseline=True, normalize_rewards=False)
+
+
+# Relative size below which GDPO's combined advantages are rounding noise of cancelling terms.
+_CANCELLATION_TOLERANCE = 1e-12
+
+
+def _gdpo_component(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    use_leave_one_out_baseline: bool,
+    normalize_rewards: bool,
+    epsilon: float,
+) -> torch.Tensor:
+    """``[B]`` float64 advantage of one reward component, group by group (NeMo RL's GDPO).
+
+    Baseline: the group mean, or with ``use_leave_one_out_baseline`` the mean of the other
+    members. Scale (``normalize_rewards``): the sample std (n - 1) of the same values the
+    baseline averages (with leave-one-out, the other members: a per-sample std), plus
+    ``epsilon``; where those values have no spread the centred reward is kept unscaled. A group
+    of one gets 0.
+    """
+    values = rewards.double()
+    advantages = torch.zeros_like(values)
+    for group in torch.unique(group_ids):
+        rows = torch.nonzero(group_ids == group).flatten()
+        x = values[rows]
+        n = x.numel()
+        if n < 2:
+            continue
+        if use_leave_one_out_baseline:
+            others = ~torch.eye(n, dtype=torch.bool)  # row i: the members but i
+        else:
+            others = torch.ones(n, n, dtype=torch.bool)
+        count = others.sum(1).double()
+        members = x[None, :].expand(n, n)
+        baseline = (members * others).sum(1) / count
+        centred = x - baseline
+        if normalize_rewards:
+            deviations = torch.where(others, members - baseline[:, None], 0.0)
+            std = (deviations.square().sum(1) / (count - 1).clamp_min(1)).sqrt()
+            high = torch.where(others, members, -torch.inf).amax(1)
+            low = torch.where(others, members, torch.inf).amin(1)
+            spread = (high > low) & (count > 1)
+            centred = torch.where(spread, centred / (std + epsilon), centred)
+        if not use_leave_one_out_baseline and not bool((x.amax() > x.amin())):
+            centred = torch.zeros_like(centred)  # all equal: exactly 0, not rounding noise
+        advantages[rows] = centred
+    return advantages
+
+
+def gdpo_advantages(
+    reward_components: Mapping[str, torch.Tensor],
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    use_leave_one_out_baseline: bool = False,
+    normalize_rewards: bool = True,
+    reward_weights: Sequence[float] | None = None,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """GDPO advantages (``grpo.adv_estimator.name: gdpo``): each reward component normalised
+    within its group, the weighted sum of those, whitened over the batch.
+
+    Per component ``n`` (taken in sorted name order): ``A_n = (r_n - baseline) / (std +
+    epsilon)`` within the group, where baseline is the group mean (or, with
+    ``use_leave_one_out_baseline``, the mean of the other members) and std the sample std of
+    the same values; a sample whose baseline values have no spread keeps ``r_n - baseline``
+    unscaled, and a group of one gets 0. Then ``A = sum_n w_n A_n`` (``w_n = 1`` without
+    ``reward_weights``) and ``(A - mean(A)) / std(A)`` over all ``B`` samples (sample std; 0
+    when that std is 0 or float64 rounding noise of components that cancel exactly). The batch
+    whitening always runs; ``normalize_rewards`` only gates the per-component division.
+    Computed in float64: NeMo RL's float32 arithmetic agrees to ~1e-6
+    except where its rounding dominates (near-cancelling components, rewards whose spread is
+    tiny next to their size).
+
+    Args:
+        reward_components: ``{"reward/<name>": [B] float}``, at least two.
+        group_ids: [B] int, responses to the same prompt share an id.
+        mask: [B, S], 1 on the tokens that receive the advantage.
+        use_leave_one_out_baseline: baseline and std over the other members of the group.
+        normalize_rewards: divide each component by its group std + ``epsilon``.
+        reward_weights: one weight per component in the sorted order of the names; None: 1.
+        epsilon: added to each component's group std in the division.
+
+    Returns:
+        [B, S] advantages in the components' dtype, the sample's value on its masked tokens
+        and 0 elsewhere.
+
+    Raises:
+        ValueError: fewer than two components, components of different shapes, or
+            ``reward_weights`` of another length than the components.
+    """
+    names = sorted(reward_components)
+    if len(names) < 2:
+        raise ValueError(
+            f"GDPO needs two or more reward components (reward/<name>), got {names}; use "
+            "grpo.adv_estimator.name=grpo for a single reward"
+        )
+    first = reward_components[names[0]]
+    token_mask = _check_inputs(first, mask, group_ids)
+    for name in names[1:]:
+        check_tensor(reward_components[name], name, first.shape, "[batch]", floating=True)
+    weights = [1.0] * len(names) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(names):
+        raise ValueError(
+            f"grpo.adv_estimator.reward_weights has {len(weights)} weights but the rewards have "
+            f"{len(names)} components {names}; give one weight per component, in that (sorted) "
+            "order"
+        )
+    terms = [
+        weight
+        * _gdpo_component(
+            reward_components[name], group_ids, use_leave_one_out_baseline, normalize_rewards, epsilon
+        )
+        for weight, name in zip(weights, names)
+    ]
+    combined = torch.stack(terms).sum(0)
+    centred = combined - combined.mean()
+    spread = combined.std() if combined.numel() > 1 else torch.zeros((), dtype=combined.dtype)
+    # Components that cancel exactly leave float64 rounding noise (~1e-16 of the terms' size),
+    # which the whitening would blow up to unit scale: such a sum counts as no spread.
+    noise = _CANCELLATION_TOLERANCE * float(torch.stack(terms).abs().amax())
+    centred = centred / spread if spread > noise else torch.zeros_like(centred)
+    return centred.to(first.dtype)[:, None] * token_mask
 
 
 def reinforce_plus_plus_advantages(

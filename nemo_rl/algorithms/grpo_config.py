@@ -15,7 +15,11 @@ from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.loop_config import plan_gpu_memory
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
-from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
+from nemo_rl.algorithms.rollout_config import (
+    RolloutLoopConfig,
+    RolloutMasterConfig,
+    train_tasks,
+)
 from nemo_rl.algorithms.sft import SFTWarmupConfig
 from nemo_rl.data.synthetic import SYNTHETIC_ARITHMETIC
 from nemo_rl.data_plane.config import DataPlaneConfig
@@ -29,27 +33,46 @@ class AdvEstimatorConfig(ConfigModel):
     ``grpo``: reward minus the group baseline, divided by the group's std when
     ``normalize_rewards``. ``rloo``: reward minus the mean of the other responses to the same
     prompt, not normalised (GRPO with ``use_leave_one_out_baseline: true, normalize_rewards:
-    false``). ``reinforce_plus_plus``: reward minus the group mean when ``minus_baseline``,
-    whitened over all loss tokens of the batch.
+    false``). ``gdpo``: several named rewards per sample (``reward/<name>``), each normalised
+    within its group like grpo, summed with ``reward_weights`` and whitened over the batch.
+    ``reinforce_plus_plus``: reward minus the group mean when ``minus_baseline``, whitened over
+    all loss tokens of the batch.
     """
 
-    name: Literal["grpo", "rloo", "reinforce_plus_plus"] = Field(
-        default="grpo", description="The estimator: 'grpo', 'rloo' or 'reinforce_plus_plus'."
+    name: Literal["grpo", "rloo", "gdpo", "reinforce_plus_plus"] = Field(
+        default="grpo",
+        description="The estimator: 'grpo', 'rloo', 'gdpo' (several rewards per sample) or "
+        "'reinforce_plus_plus'.",
     )
     normalize_rewards: bool | None = Field(
         default=None,
-        description="grpo: divide by the group's reward std. None: grpo.normalize_rewards.",
+        description="grpo, gdpo: divide by the group's reward std (gdpo: per reward). None: "
+        "grpo.normalize_rewards.",
     )
     use_leave_one_out_baseline: bool | None = Field(
         default=None,
-        description="grpo: baseline = mean reward of the other responses of the prompt. "
+        description="grpo, gdpo: baseline = mean reward of the other responses of the prompt. "
         "None: grpo.use_leave_one_out_baseline.",
+    )
+    reward_weights: list[float] | None = Field(
+        default=None,
+        description="gdpo: weight of each reward's normalised advantage in their sum, one per "
+        "reward in the sorted order of the reward/<name> keys. None: 1 each.",
     )
     minus_baseline: bool = Field(
         default=True,
         description="reinforce_plus_plus: subtract the group's mean reward before the batch "
         "whitening (REINFORCE++-baseline).",
     )
+
+    @model_validator(mode="after")
+    def _weights_need_gdpo(self) -> AdvEstimatorConfig:
+        if self.reward_weights is not None and self.name != "gdpo":
+            raise ValueError(
+                f"reward_weights weigh GDPO's rewards, but name is {self.name!r}; set name "
+                "'gdpo' or remove reward_weights"
+            )
+        return self
 
 
 class AsyncGRPOConfig(ConfigModel):
@@ -224,6 +247,35 @@ class GRPOMasterConfig(RolloutMasterConfig):
         if needed:
             raise ValueError("loss_fn.use_kl_in_reward=true needs " + "; ".join(needed))
 
+    def _check_gdpo(self) -> None:
+        """GDPO needs every training task's environment to return two or more named rewards,
+        as many as ``reward_weights`` has weights (checked where the environment declares
+        them; otherwise at the first step)."""
+        est = self.grpo.adv_estimator
+        if est.name != "gdpo":
+            return
+        specs = self.env.specs()
+        for field, task in train_tasks(self.data).items():
+            components = specs[task].reward_components
+            if components is None:
+                continue
+            if len(components) < 2:
+                gives = f"rewards {list(components)}" if components else "one reward"
+                raise ValueError(
+                    f"grpo.adv_estimator.name=gdpo needs two or more rewards per sample, but "
+                    f"env.{task} ({field}) gives {gives}; train on a task with several "
+                    "(a plug-in section with reward_fns: {name: 'package.module:function', "
+                    "...}, or an environment class declaring reward_components) or use "
+                    "grpo.adv_estimator.name=grpo"
+                )
+            weights = est.reward_weights
+            if weights is not None and len(weights) != len(components):
+                raise ValueError(
+                    f"grpo.adv_estimator.reward_weights has {len(weights)} weights but env."
+                    f"{task} gives {len(components)} rewards {list(components)}; give one "
+                    "weight per reward, in that (sorted) order"
+                )
+
     @model_validator(mode="after")
     def _derive_and_check(self) -> GRPOMasterConfig:
         """Check constraints spanning sections, then fill the fields documented "None: X"."""
@@ -238,6 +290,7 @@ class GRPOMasterConfig(RolloutMasterConfig):
                 f"{self.policy.train_global_batch_size}"
             )
         self._check_kl_in_reward()
+        self._check_gdpo()
         self._check_async()
         if self.sft_warmup.global_batch_size is None:
             self.sft_warmup.global_batch_size = self.policy.train_global_batch_size

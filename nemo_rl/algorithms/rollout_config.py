@@ -269,7 +269,15 @@ class RolloutMasterConfig(ConfigModel):
     def _check_task(self) -> None:
         """The rows' default task names a configured environment (whose processor resolved
         when ``env`` was validated); rows' own task names are checked when the data loads."""
-        self.env.check_task(self.data.task_name or SYNTHETIC_TASK_NAME, "data.task_name")
-        for i, source in enumerate(self.data.train_datasets):
-            if source.task_name is not None:
-                self.env.check_task(source.task_name, f"data.train_datasets[{i}].task_name")
+        for field, task in train_tasks(self.data).items():
+            self.env.check_task(task, field)
+
+
+def train_tasks(data: DataConfig) -> dict[str, str]:
+    """``{recipe field: task name}`` of the training rows' tasks known at config time
+    (``data.task_name``, else the synthetic task, and each train dataset's own)."""
+    tasks = {"data.task_name": data.task_name or SYNTHETIC_TASK_NAME}
+    for i, source in enumerate(data.train_datasets):
+        if source.task_name is not None:
+            tasks[f"data.train_datasets[{i}].task_name"] = source.task_name
+    return tasks

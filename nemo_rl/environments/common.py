@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from nemo_rl.data.interfaces import LLMMessageLogType
-from nemo_rl.environments.interfaces import EnvironmentReturn
+from nemo_rl.environments.interfaces import REWARD_COMPONENT_PREFIX, EnvironmentReturn
 
 
 def last_assistant_content(message_log: LLMMessageLogType) -> str:
@@ -72,17 +72,57 @@ def batch_success_metrics(batch: Any, threshold: float = 1.0) -> dict[str, float
     return success_metrics(torch.as_tensor(batch["total_reward"]), idx, threshold)
 
 
+def split_rewards(
+    rewards: torch.Tensor | dict[str, torch.Tensor], size: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """An :attr:`EnvironmentReturn.rewards` as ``(total [size] float32, {"reward/<name>":
+    [size] float32})``: a single reward tensor has no components, a dict's total is the sum of
+    its components.
+
+    Raises:
+        ValueError: not a ``[size]`` tensor, or a dict that is empty, has a key without the
+            ``reward/`` prefix or a value that is not a ``[size]`` tensor (names the key).
+    """
+    if isinstance(rewards, dict):
+        if not rewards:
+            raise ValueError("rewards is an empty dict; return {'reward/<name>': [B] tensor, ...}")
+        components = {}
+        for key, value in sorted(rewards.items()):
+            if not isinstance(key, str) or not key.startswith(REWARD_COMPONENT_PREFIX):
+                raise ValueError(
+                    f"rewards key {key!r} lacks the {REWARD_COMPONENT_PREFIX!r} prefix; name "
+                    f"each reward component '{REWARD_COMPONENT_PREFIX}<name>'"
+                )
+            components[key] = _reward_tensor(value, size, f"rewards[{key!r}]")
+        return torch.stack(list(components.values())).sum(0), components
+    return _reward_tensor(rewards, size, "rewards"), {}
+
+
+def _reward_tensor(value: Any, size: int, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != (size,):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where} must be a tensor of shape ({size},), got {got}")
+    return value.to(torch.float32)
+
+
 def final_step_return(
-    rewards: torch.Tensor, answers: Optional[list[Optional[str]]] = None
+    rewards: torch.Tensor | dict[str, torch.Tensor],
+    answers: Optional[list[Optional[str]]] = None,
 ) -> EnvironmentReturn:
-    """Every sample's episode ends with ``rewards[i]`` (``[B]`` float32) and ``answers[i]``
-    (None: no answers) and nothing more: an empty observation, no metadata or stop strings."""
-    size = int(rewards.numel())
+    """Every sample's episode ends with ``rewards[i]`` (``[B]`` float32, or a dict of named
+    ``[B]`` rewards, :func:`split_rewards`) and ``answers[i]`` (None: no answers) and nothing
+    more: an empty observation, no metadata or stop strings."""
+    first = next(iter(rewards.values())) if isinstance(rewards, dict) else rewards
+    size = int(first.numel())
+    if isinstance(rewards, dict):
+        rewards = {key: value.to(torch.float32) for key, value in rewards.items()}
+    else:
+        rewards = rewards.to(torch.float32)
     return EnvironmentReturn(
         observations=[{"role": "environment", "content": ""} for _ in range(size)],
         metadata=[None] * size,
         next_stop_strings=[None] * size,
-        rewards=rewards.to(torch.float32),
+        rewards=rewards,
         terminateds=torch.ones(size, dtype=torch.bool),
         answers=[None] * size if answers is None else list(answers),
     )

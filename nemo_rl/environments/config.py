@@ -178,10 +178,10 @@ REWARD_FN_ENVIRONMENT = "nemo_rl.environments.reward_fn_environment:RewardFnEnvi
 
 
 class PluginEnvConfig(EnvActorConfig):
-    """``env.<task>`` for a task without a built-in section: exactly one of ``cls`` and
-    ``reward_fn``. Every key beyond the declared ones is passed to ``cls`` as a keyword
-    argument (``env.my_task: {cls: my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}`` starts
-    ``MyEnv(difficulty=3)``)."""
+    """``env.<task>`` for a task without a built-in section: exactly one of ``cls``,
+    ``reward_fn`` and ``reward_fns``. Every key beyond the declared ones is passed to ``cls`` as
+    a keyword argument (``env.my_task: {cls: my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}``
+    starts ``MyEnv(difficulty=3)``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -196,9 +196,16 @@ class PluginEnvConfig(EnvActorConfig):
         "fn(prompt, response, answer, metadata) -> float, run batched in a built-in "
         "environment's actor (processor 'reward_fn').",
     )
+    reward_fns: Optional[dict[str, str]] = Field(
+        default=None,
+        description="Instead of reward_fn, several named reward functions {name: "
+        "'package.module:function'}, each called like reward_fn: the task's rewards are "
+        "reward/<name> (what grpo.adv_estimator.name=gdpo normalises one by one; metrics "
+        "reward/<name>), its total reward their sum.",
+    )
     answer_fn: Optional[str] = Field(
         default=None,
-        description="With reward_fn: import path 'package.module:function' of "
+        description="With reward_fn or reward_fns: import path 'package.module:function' of "
         "fn(prompt, response, answer, metadata) -> str or None, called like the reward "
         "function: the answer the response gives (what nemo-rl eval's maj@k votes over and "
         "samples.jsonl records). None: the task extracts no answers, so maj@k is refused.",
@@ -206,31 +213,34 @@ class PluginEnvConfig(EnvActorConfig):
 
     def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
         """The class of ``cls`` with the section's extra keys, or the reward-function
-        environment with ``reward_fn`` (and ``answer_fn`` when set)."""
+        environment with ``reward_fn`` or ``reward_fns`` (and ``answer_fn`` when set)."""
         kwargs = dict(self.model_extra or {})
         if self.cls is not None:
             return self.cls, "cls", (), kwargs
-        functions = {"reward_fn": self.reward_fn}
+        key = "reward_fn" if self.reward_fn is not None else "reward_fns"
+        functions: dict[str, Any] = {key: getattr(self, key)}
         if self.answer_fn is not None:
             functions["answer_fn"] = self.answer_fn
-        return REWARD_FN_ENVIRONMENT, "reward_fn", (), functions
+        return REWARD_FN_ENVIRONMENT, key, (), functions
 
     @model_validator(mode="after")
     def _one_plugin(self) -> PluginEnvConfig:
-        if (self.cls is None) == (self.reward_fn is None):
+        if [self.cls, self.reward_fn, self.reward_fns].count(None) != 2:
             raise ValueError(
                 "a plug-in environment section needs exactly one of cls "
-                "('package.module:Class') and reward_fn ('package.module:function')"
+                "('package.module:Class'), reward_fn ('package.module:function') and "
+                "reward_fns ({name: 'package.module:function', ...})"
             )
-        if self.answer_fn is not None and self.reward_fn is None:
+        if self.answer_fn is not None and self.cls is not None:
             raise ValueError(
-                "answer_fn goes with reward_fn; an environment class (cls) returns its answers "
+                "answer_fn goes with reward_fn or reward_fns; an environment class (cls) returns its answers "
                 "from step() and sets returns_answers = True"
             )
-        if self.reward_fn is not None and self.model_extra:
+        if self.cls is None and self.model_extra:
             raise ValueError(
-                f"reward_fn takes no other keys (got {sorted(self.model_extra)}); bind them in "
-                "your function, or write an environment class (cls) that takes them"
+                f"{self.environment_call()[1]} takes no other keys (got "
+                f"{sorted(self.model_extra)}); bind them in your function, or write an "
+                "environment class (cls) that takes them"
             )
         return self
 

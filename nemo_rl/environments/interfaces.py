@@ -17,6 +17,9 @@ from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.environments.message_wire import unpack_message_logs
 from nemo_rl.utils.fault_injection import fault_at, kill_this_process
 
+# Keys of the named rewards an environment with several rewards returns (``reward/<name>``).
+REWARD_COMPONENT_PREFIX = "reward/"
+
 
 class EnvironmentReturn(NamedTuple):
     """What an environment says about each sample of a step (all lists of length B).
@@ -27,7 +30,9 @@ class EnvironmentReturn(NamedTuple):
             may be "" when there is nothing to say.
         metadata: per-sample state carried to the next step (None when the episode ended).
         next_stop_strings: stop strings for each sample's next generation turn, or None.
-        rewards: ``[B]`` float32 reward of this turn.
+        rewards: ``[B]`` float32 reward of this turn, or for an environment with several
+            rewards (GDPO) a dict of them, ``{"reward/<name>": [B] float32}``
+            (:data:`REWARD_COMPONENT_PREFIX`): the turn's reward is their sum.
         terminateds: ``[B]`` bool, True when the episode ended (answered, solved, failed).
         answers: the answer the environment extracted from the response, or None.
     """
@@ -35,7 +40,7 @@ class EnvironmentReturn(NamedTuple):
     observations: list[dict[str, str]]
     metadata: list[Optional[dict[str, Any]]]
     next_stop_strings: list[Optional[list[str]]]
-    rewards: torch.Tensor
+    rewards: torch.Tensor | dict[str, torch.Tensor]
     terminateds: torch.Tensor
     answers: list[Optional[str]]
 
@@ -54,11 +59,16 @@ class EnvironmentInterface(ABC):
             response (:attr:`EnvironmentReturn.answers`, None where it found none): what
             ``nemo-rl eval``'s maj@k votes over; maj@k is refused for a task whose environment
             returns none. Default False.
+        reward_components: the ``reward/<name>`` keys of the rewards :meth:`step` returns as a
+            dict, sorted; () for an environment returning one reward tensor (the default).
+            ``grpo.adv_estimator.name: gdpo`` is refused at config time for a task whose
+            environment declares fewer than two.
     """
 
     default_processor: ClassVar[str] = "prompt"
     required_fields: ClassVar[tuple[str, ...]] = ()
     returns_answers: ClassVar[bool] = False
+    reward_components: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def check_arguments(cls, where: str, *args: Any, **kwargs: Any) -> None:
@@ -71,6 +81,13 @@ class EnvironmentInterface(ABC):
         ``returns_answers``); for a class where that depends on them. Default:
         ``returns_answers``."""
         return cls.returns_answers
+
+    @classmethod
+    def reward_components_with(cls, *args: Any, **kwargs: Any) -> tuple[str, ...] | None:
+        """The ``reward/<name>`` keys the environment started with these arguments returns
+        (see ``reward_components``); None when only its steps will tell. Default:
+        ``reward_components``."""
+        return cls.reward_components
 
     @abstractmethod
     def step(

@@ -38,6 +38,9 @@ class EnvironmentSpec:
             ``answer`` after the ``data.prompt_key``/``answer_key`` mapping).
         returns_answers: the environment returns the answers it extracts (what maj@k votes
             over; :meth:`EnvironmentInterface.returns_answers_with`).
+        reward_components: the ``reward/<name>`` keys of its several rewards, () for one
+            reward, None when unknown before it runs
+            (:meth:`EnvironmentInterface.reward_components_with`).
     """
 
     task_name: str
@@ -48,6 +51,7 @@ class EnvironmentSpec:
     processor: TaskDataProcessFnCallable | None = None
     required_fields: tuple[str, ...] = ()
     returns_answers: bool = False
+    reward_components: tuple[str, ...] | None = ()
 
 
 def _check_environment_class(obj: Any, where: str, path: str, args: tuple, kwargs: dict) -> None:
@@ -99,4 +103,5 @@ def resolve_environment(task_name: str, section: EnvActorConfig) -> EnvironmentS
         processor=processor,
         required_fields=tuple(cls.required_fields),
         returns_answers=cls.returns_answers_with(*args, **kwargs),
+        reward_components=cls.reward_components_with(*args, **kwargs),
     )

@@ -23,7 +23,7 @@ import torch
 from nemo_rl.data.interfaces import LLMMessageLogType
 from nemo_rl.distributed.ray_actors import kill_actors
 from nemo_rl.distributed.worker_groups import passthrough_env
-from nemo_rl.environments.common import final_step_return
+from nemo_rl.environments.common import final_step_return, split_rewards
 from nemo_rl.environments.config import EnvConfigs
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.message_wire import pack_message_logs
@@ -86,13 +86,17 @@ def failed_step_return(size: int) -> EnvironmentReturn:
 
 
 def _check_return(result: Any, size: int) -> EnvironmentReturn:
-    """Raise ValueError unless ``result`` is an EnvironmentReturn with ``size`` samples."""
+    """Raise ValueError unless ``result`` is an EnvironmentReturn with ``size`` samples (its
+    rewards one ``[size]`` tensor or a dict of ``reward/<name>`` ones)."""
     if not isinstance(result, EnvironmentReturn):
         raise ValueError(f"step returned {type(result).__name__}, not EnvironmentReturn")
-    lengths = {name: len(value) for name, value in result._asdict().items()}
+    lengths = {
+        name: len(value) for name, value in result._asdict().items() if name != "rewards"
+    }
     wrong = {name: n for name, n in lengths.items() if n != size}
     if wrong:
         raise ValueError(f"step returned fields of the wrong length for {size} samples: {wrong}")
+    split_rewards(result.rewards, size)
     return result
 
 

@@ -101,11 +101,11 @@ def run_async_multi_turn_rollout(
             )
             env_batch = BatchedDataDict(message_log=[sample.log], task_name=[sample.task])
             with clocks["env"]:
-                env_return, errors = await loop.run_in_executor(
+                env_return, components, errors = await loop.run_in_executor(
                     pool, calculate_rewards, env_batch, task_to_env, [sample.metadata]
                 )
             if not sample.take_env_answer(
-                env_return, 0, errors[0], at_limit, max_seq_len, tokenizer
+                env_return, components[0], 0, errors[0], at_limit, max_seq_len, tokenizer
             ):
                 return
 

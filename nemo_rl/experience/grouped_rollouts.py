@@ -18,7 +18,7 @@ import torch
 
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface
+from nemo_rl.environments.interfaces import REWARD_COMPONENT_PREFIX, EnvironmentInterface
 from nemo_rl.experience.async_engine_rollouts import multi_turn_rollout_for
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
@@ -69,6 +69,9 @@ class RolloutCarry:
             rows); None when none failed.
         sampling_step: the generation's ``sampling_step`` after the rollout (a driver whose
             generation facade is a copy of the roller's must continue from it).
+        reward_components: ``{"reward/<name>": [B] float32}``, the named rewards of
+            environments that return several (summed over turns; 0 for a sample that never got
+            one); empty when every environment returned one reward.
     """
 
     group_ids: torch.Tensor
@@ -80,6 +83,7 @@ class RolloutCarry:
     metrics: dict[str, float]
     sampling_step: int
     first_env_error: str | None = None
+    reward_components: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def from_rollout(
@@ -106,6 +110,11 @@ class RolloutCarry:
             metrics=metrics,
             sampling_step=sampling_step,
             first_env_error=next((e for e in rollout["env_error"] if e is not None), None),
+            reward_components={
+                key: rollout[key].float()
+                for key in rollout.keys()
+                if key.startswith(REWARD_COMPONENT_PREFIX)
+            },
         )
 
     @property
@@ -117,15 +126,19 @@ class RolloutCarry:
         """Rows ``rows`` in that order (metrics and sampling step kept)."""
         index = torch.as_tensor(rows, dtype=torch.long)
         return dataclasses.replace(
-            self, **{name: getattr(self, name)[index] for name in _CARRY_TENSORS}
+            self,
+            **{name: getattr(self, name)[index] for name in _CARRY_TENSORS},
+            reward_components={k: v[index] for k, v in self.reward_components.items()},
         )
 
     @staticmethod
     def concat(carries: Sequence[RolloutCarry], metrics: Mapping[str, float]) -> RolloutCarry:
         """Rows of ``carries`` one after the other, with ``metrics``; the last sampling step
-        and the first environment error."""
+        and the first environment error. A reward component some carries lack is 0 in their
+        rows."""
         if not carries:
             raise ValueError("RolloutCarry.concat needs at least one carry")
+        names = sorted({name for c in carries for name in c.reward_components})
         return RolloutCarry(
             **{name: torch.cat([getattr(c, name) for c in carries]) for name in _CARRY_TENSORS},
             metrics=dict(metrics),
@@ -133,6 +146,12 @@ class RolloutCarry:
             first_env_error=next(
                 (c.first_env_error for c in carries if c.first_env_error is not None), None
             ),
+            reward_components={
+                name: torch.cat(
+                    [c.reward_components.get(name, torch.zeros(c.size)) for c in carries]
+                )
+                for name in names
+            },
         )
 
 

@@ -14,7 +14,7 @@ messages, and the environment's stop strings apply to the sample's next turn.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -23,6 +23,7 @@ from nemo_rl.data.interfaces import LLMMessageLogType, Message
 from nemo_rl.data.llm_message_utils import message_logs_to_flat
 from nemo_rl.data.processors import message_log_length
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.common import split_rewards
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl.environments.utils import safe_env_step
 from nemo_rl.models.generation.interfaces import GenerationInterface
@@ -129,7 +130,7 @@ def calculate_rewards(
     batch: BatchedDataDict,
     task_to_env: dict[str, EnvironmentInterface],
     metadata: Optional[list[dict[str, Any]]] = None,
-) -> tuple[EnvironmentReturn, list[Optional[str]]]:
+) -> tuple[EnvironmentReturn, list[dict[str, float]], list[Optional[str]]]:
     """Ask each row's environment about its last assistant turn.
 
     Rows are grouped by ``task_name`` and each group goes to its environment in one call; an
@@ -141,7 +142,10 @@ def calculate_rewards(
         metadata: per-row environment state from the previous turn; None: ``extra_env_info``.
 
     Returns:
-        ``(env_return, errors)`` with the rows in ``batch`` order; ``errors[r]`` is None, or
+        ``(env_return, components, errors)`` with the rows in ``batch`` order:
+        ``env_return.rewards`` is ``[B]`` float32 (for an environment returning several
+        rewards, their sum); ``components[r]`` is ``{"reward/<name>": reward}`` of row ``r``
+        (empty when its environment returned one reward); ``errors[r]`` is None, or
         ``"environment '<task>': <what went wrong>"`` when row ``r``'s environment failed.
 
     Raises:
@@ -159,6 +163,7 @@ def calculate_rewards(
     stop_strings: list[Any] = [None] * size
     answers: list[Any] = [None] * size
     rewards = torch.zeros(size, dtype=torch.float32)
+    components: list[dict[str, float]] = [{} for _ in range(size)]
     terminateds = torch.zeros(size, dtype=torch.bool)
     errors: list[Optional[str]] = [None] * size
     for task, rows in rows_by_task.items():
@@ -168,16 +173,19 @@ def calculate_rewards(
             [metadata[r] for r in rows],
             ENV_STEP_TIMEOUT_S,
         )
+        total, named = split_rewards(result.rewards, len(rows))
         for i, row in enumerate(rows):
             errors[row] = None if error is None else f"environment {task!r}: {error}"
+            components[row] = {key: float(value[i]) for key, value in named.items()}
             observations[row] = result.observations[i]
             new_metadata[row] = result.metadata[i]
             stop_strings[row] = result.next_stop_strings[i]
             answers[row] = result.answers[i]
-        rewards[rows] = result.rewards.float()
+        rewards[rows] = total
         terminateds[rows] = result.terminateds.bool()
     return (
         EnvironmentReturn(observations, new_metadata, stop_strings, rewards, terminateds, answers),
+        components,
         errors,
     )
 
@@ -219,9 +227,11 @@ def run_multi_turn_rollout(
         (the last response stopped at a token limit, ``max_new_tokens`` or ``max_seq_len``,
         instead of a stop token), ``terminated`` ``[B]`` bool (the environment ended the
         episode), ``num_turns`` ``[B]`` int64, ``answers`` (B strings or None: the answer
-        the environment extracted from each sample's last judged response) and ``env_error``
+        the environment extracted from each sample's last judged response), ``env_error``
         (B strings or None: ``"environment '<task>': <error>"`` where the sample's environment
-        failed, which scores it 0 and ends it). Metrics: ``mean_turns_per_sample``,
+        failed, which scores it 0 and ends it) and, when an environment returned several
+        rewards, each of them as ``reward/<name>`` ``[B]`` float32 (sum over turns; 0 for a
+        sample that never got it). Metrics: ``mean_turns_per_sample``,
         ``total_generated_tokens``, ``mean_generated_tokens_per_sample``, ``truncation_rate``,
         ``max_new_tokens_hit_rate`` (turns that stopped at the per-turn token limit),
         ``natural_termination_rate``, ``env_time_s``, ``generation_time_s``, ``env_errors``
@@ -256,7 +266,7 @@ def run_multi_turn_rollout(
         ]
         env_batch = BatchedDataDict(message_log=logs, task_name=[s.task for s in current])
         start = time.perf_counter()
-        env_return, errors = calculate_rewards(
+        env_return, components, errors = calculate_rewards(
             env_batch, task_to_env, [sample.metadata for sample in current]
         )
         env_time += time.perf_counter() - start
@@ -264,7 +274,7 @@ def run_multi_turn_rollout(
             row
             for i, (row, sample) in enumerate(zip(active, current))
             if sample.take_env_answer(
-                env_return, i, errors[i], at_limit[i], max_seq_len, tokenizer
+                env_return, components[i], i, errors[i], at_limit[i], max_seq_len, tokenizer
             )
         ]
     return finish_samples(batch, samples, env_time=env_time, gen_time=gen_time)
@@ -295,6 +305,7 @@ class SampleRollout:
     terminated: bool = False
     answer: Optional[str] = None
     env_error: Optional[str] = None
+    reward_components: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     turns_at_token_limit: int = 0
 
@@ -322,18 +333,22 @@ class SampleRollout:
     def take_env_answer(
         self,
         env_return: EnvironmentReturn,
+        components: dict[str, float],
         i: int,
         error: Optional[str],
         at_limit: bool,
         max_seq_len: int,
         tokenizer: Any,
     ) -> bool:
-        """Apply row ``i`` of the environment's answer to the last turn (``error``: its
-        failure, if any; ``at_limit``: :meth:`take_response`'s result); True when the sample
-        goes on to another turn (the observation, if any, appended to :attr:`log`)."""
+        """Apply row ``i`` of the environment's answer to the last turn (``components``: the
+        row's named rewards, :func:`calculate_rewards`; ``error``: its failure, if any;
+        ``at_limit``: :meth:`take_response`'s result); True when the sample goes on to another
+        turn (the observation, if any, appended to :attr:`log`)."""
         if error is not None and self.env_error is None:
             self.env_error = error
         self.total_reward += float(env_return.rewards[i])
+        for key, value in components.items():
+            self.reward_components[key] = self.reward_components.get(key, 0.0) + value
         self.answer = env_return.answers[i]
         self.metadata = env_return.metadata[i] or {}
         if env_return.terminateds[i]:
@@ -412,6 +427,10 @@ def finish_samples(
     batch["num_turns"] = num_turns
     batch["answers"] = [s.answer for s in samples]
     batch["env_error"] = [s.env_error for s in samples]
+    for key in sorted({key for s in samples for key in s.reward_components}):
+        batch[key] = torch.tensor(
+            [s.reward_components.get(key, 0.0) for s in samples], dtype=torch.float32
+        )
     generated_tokens = sum(s.generated_tokens for s in samples)
     env_errors = sum(s.env_error is not None for s in samples)
     metrics = {

@@ -187,7 +187,8 @@ def test_plugin_environment_added_by_override(capsys: pytest.CaptureFixture[str]
     printed = yaml.safe_load(capsys.readouterr().out)
     assert code == 0
     assert printed["env"]["mine"] == {"num_cpus": 0.5, "processor": None, "cls": None,
-                                      "reward_fn": "os.path:join", "answer_fn": None}
+                                      "reward_fn": "os.path:join", "reward_fns": None,
+                                      "answer_fn": None}
     code = cli.main(["grpo", "--config", TINY, "+env.mine.reward_fn=os.path:nope"])
     err = capsys.readouterr().err
     assert code == 2 and "env.mine.reward_fn='os.path:nope': 'os.path' has no attribute" in err

@@ -10,12 +10,19 @@ from typing import Any
 import torch
 
 from nemo_rl.algorithms.advantage_estimators import (
+    gdpo_advantages,
     grpo_advantages,
     group_reward_std,
     reinforce_plus_plus_advantages,
 )
 from nemo_rl.algorithms.grpo_config import GRPOConfig, GRPOMasterConfig
 from nemo_rl.experience.grouped_rollouts import RolloutCarry
+from nemo_rl.utils.errors import InputError
+
+
+class RewardComponentsError(InputError, ValueError):
+    """GDPO's rewards do not fit it: too few components, a sample without them, or
+    ``reward_weights`` of another length."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,12 @@ def advantage_fields(
     0 outside ``reward_kl.token_mask`` and on masked-out samples.
 
     Returns:
-        ``(fields, metrics)``; metrics: ``fraction_of_zero_std_groups`` and, with overlong
-        filtering, ``overlong_filtered_fraction``.
+        ``(fields, metrics)``; metrics: ``fraction_of_zero_std_groups`` (of the total
+        reward), ``reward/<name>`` (mean of each named reward, when environments return
+        several) and, with overlong filtering, ``overlong_filtered_fraction``.
+
+    Raises:
+        RewardComponentsError: gdpo on rewards that do not fit it (:func:`gdpo_step_advantages`).
     """
     rewards, group_ids = carry.rewards, carry.group_ids
     sample_mask, metrics = loss_sample_mask(
@@ -87,6 +98,8 @@ def advantage_fields(
             kl_type=reward_kl.kl_type,
             group_ids=baseline_groups,
         ).float()
+    elif est.name == "gdpo":
+        advantages = gdpo_step_advantages(carry, grpo_cfg)
     elif est.name == "reinforce_plus_plus":
         # whitened over the loss's tokens: each sample weighs its response tokens
         tokens = carry.response_tokens * (sample_mask > 0)
@@ -103,7 +116,55 @@ def advantage_fields(
             normalize_rewards=bool(est.normalize_rewards),
         )[:, 0]
     metrics["fraction_of_zero_std_groups"] = zero_std_group_fraction(rewards, group_ids)
+    for name, values in carry.reward_components.items():
+        metrics[name] = float(values.mean())
     return {"advantages": advantages, "sample_mask": sample_mask}, metrics
+
+
+def gdpo_step_advantages(carry: RolloutCarry, grpo_cfg: GRPOConfig) -> torch.Tensor:
+    """``[B]`` float32 GDPO advantages of the carry's named rewards
+    (:func:`~nemo_rl.algorithms.advantage_estimators.gdpo_advantages`).
+
+    Raises:
+        RewardComponentsError: fewer than two named rewards, a sample whose total reward is not
+            the sum of its named rewards (its environment returned one reward), or
+            ``reward_weights`` of another length than the rewards.
+    """
+    est = grpo_cfg.adv_estimator
+    components = carry.reward_components
+    names = sorted(components)
+    if len(names) < 2:
+        raise RewardComponentsError(
+            f"grpo.adv_estimator.name=gdpo needs two or more rewards per sample, but this "
+            f"step's environments returned {names or 'one reward'}; return "
+            "{'reward/<name>': tensor, ...} from the environment's step (or give a reward_fn "
+            "task several reward_fns), or use grpo.adv_estimator.name=grpo"
+        )
+    summed = torch.stack([components[name] for name in names]).sum(0)
+    unsplit = torch.nonzero(~torch.isclose(summed, carry.rewards, atol=1e-5)).flatten()
+    if unsplit.numel():
+        row = int(unsplit[0])
+        raise RewardComponentsError(
+            f"grpo.adv_estimator.name=gdpo: {unsplit.numel()} of this step's samples have a "
+            f"total reward that is not the sum of their named rewards {names} (sample {row}: "
+            f"{float(carry.rewards[row]):g} vs {float(summed[row]):g}): their environment "
+            "returned a single reward; every training task's environment must return the same "
+            "named rewards"
+        )
+    if est.reward_weights is not None and len(est.reward_weights) != len(names):
+        raise RewardComponentsError(
+            f"grpo.adv_estimator.reward_weights has {len(est.reward_weights)} weights but the "
+            f"environments return {len(names)} rewards {names}; give one weight per reward, in "
+            "that (sorted) order"
+        )
+    return gdpo_advantages(
+        components,
+        carry.group_ids,
+        torch.ones(carry.size, 1),
+        use_leave_one_out_baseline=bool(est.use_leave_one_out_baseline),
+        normalize_rewards=bool(est.normalize_rewards),
+        reward_weights=est.reward_weights,
+    )[:, 0]
 
 
 def loss_sample_mask(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.advantage_estimators import (
+    gdpo_advantages,
     grpo_advantages,
     reinforce_plus_plus_advantages,
     rloo_advantages,
@@ -104,3 +105,88 @@ def test_bad_inputs() -> None:
         grpo_advantages(GROUPS, GROUPS, MASK)
     with pytest.raises(ValueError, match="reference_logprobs"):
         reinforce_plus_plus_advantages(REWARDS, MASK, kl_coef=0.1)
+
+
+# GDPO: 2 groups x 4 samples x 2 rewards. Group 0: correctness [1, 0, 1, 0], format [0, 1, 0, 0]
+# (samples 0 and 1 score (1, 0) and (0, 1): the same total). Group 1: correctness [1, 1, 1, 1]
+# (zero std), format [1, 0, 0, 0].
+GDPO_GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+GDPO_REWARDS = {
+    "reward/format": torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64),
+    "reward/correctness": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64),
+}
+GDPO_MASK = torch.ones(8, 2, dtype=torch.long)
+
+
+def whiten(values: list[float]) -> list[float]:
+    """``(v - mean) / sample std`` over the batch: GDPO's last step."""
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    return [(v - mean) / std for v in values]
+
+
+def test_gdpo_hand_computed() -> None:
+    # Group 0 correctness: mean 1/2, sample std sqrt(1/3) -> +-sqrt(3)/2; format: mean 1/4,
+    # sample std 1/2 -> [-1/2, 3/2, -1/2, -1/2]. Group 1 correctness has no spread -> 0;
+    # format [1, 0, 0, 0] -> [3/2, -1/2, -1/2, -1/2].
+    h = math.sqrt(3) / 2
+    correctness = [h, -h, h, -h, 0.0, 0.0, 0.0, 0.0]
+    fmt = [-0.5, 1.5, -0.5, -0.5, 1.5, -0.5, -0.5, -0.5]
+    adv = gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK, epsilon=0.0)
+    summed = [c + f for c, f in zip(correctness, fmt)]  # [0.366, 0.634, 0.366, -1.366, 1.5, -.5, -.5, -.5]
+    assert adv[:, 0].tolist() == pytest.approx(whiten(summed), rel=1e-12)
+    assert adv[:, 0].tolist() == pytest.approx(
+        [0.41159, 0.71290, 0.41159, -1.53607, 1.68673, -0.56224, -0.56224, -0.56224], abs=1e-5
+    )
+    # (1, 0) vs (0, 1): GRPO on the total reward (1 and 1) cannot tell them apart, GDPO can.
+    totals = GDPO_REWARDS["reward/correctness"] + GDPO_REWARDS["reward/format"]
+    grpo = grpo_advantages(totals, GDPO_GROUPS, GDPO_MASK)
+    assert grpo[0, 0] == grpo[1, 0]
+    assert adv[1, 0] - adv[0, 0] == pytest.approx((0.634 - 0.366) / 0.889294, abs=1e-4)
+    # weights follow the sorted names: correctness x2, format x1
+    weighted = gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK, reward_weights=[2.0, 1.0], epsilon=0.0)
+    assert weighted[:, 0].tolist() == pytest.approx(whiten([2 * c + f for c, f in zip(correctness, fmt)]), rel=1e-12)
+    # the default epsilon (1e-6) is added to each component's std
+    eps = gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK)
+    expected = whiten([c * (1 / math.sqrt(3)) / (1 / math.sqrt(3) + 1e-6) + f * 0.5 / (0.5 + 1e-6) for c, f in zip(correctness, fmt)])
+    assert eps[:, 0].tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_gdpo_leave_one_out_and_no_normalisation() -> None:
+    adv = gdpo_advantages(
+        GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK, use_leave_one_out_baseline=True, epsilon=0.0
+    )
+    # Leave-one-out: baseline and sample std over the other three members. Group 0 correctness
+    # [1, 0, 1, 0]: sample 0 vs [0, 1, 0] -> (1 - 1/3) / sqrt(1/3); sample 1 vs [1, 1, 0] ->
+    # (0 - 2/3) / sqrt(1/3). Format [0, 1, 0, 0]: sample 1 vs [0, 0, 0] has no spread -> 1 - 0
+    # unscaled; the others vs e.g. [1, 0, 0] -> (0 - 1/3) / sqrt(1/3).
+    s = math.sqrt(1 / 3)
+    correctness = [(2 / 3) / s, (-2 / 3) / s, (2 / 3) / s, (-2 / 3) / s, 0, 0, 0, 0]
+    fmt = [(-1 / 3) / s, 1.0, (-1 / 3) / s, (-1 / 3) / s, 1.0, (-1 / 3) / s, (-1 / 3) / s, (-1 / 3) / s]
+    assert adv[:, 0].tolist() == pytest.approx(whiten([c + f for c, f in zip(correctness, fmt)]), rel=1e-12)
+    raw = gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK, normalize_rewards=False)
+    centred = [0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0]
+    fmt_centred = [-0.25, 0.75, -0.25, -0.25, 0.75, -0.25, -0.25, -0.25]
+    # the batch whitening runs without normalize_rewards too
+    assert raw[:, 0].tolist() == pytest.approx(whiten([c + f for c, f in zip(centred, fmt_centred)]), rel=1e-12)
+
+
+def test_gdpo_edge_cases_and_errors() -> None:
+    # every group without spread: all advantages exactly 0 (no NaN); a group of one gets 0
+    flat = {"reward/a": torch.tensor([1.0, 1.0, 2.0]), "reward/b": torch.tensor([0.0, 0.0, 5.0])}
+    adv = gdpo_advantages(flat, torch.tensor([0, 0, 1]), torch.ones(3, 1))
+    assert adv.tolist() == [[0.0], [0.0], [0.0]]
+    assert adv.dtype == torch.float32
+    # complementary components (format = 1 - correctness) cancel: exactly 0, not whitened noise
+    complementary = {"reward/a": torch.tensor([1.0, 0.0, 0.0, 0.0]), "reward/b": torch.tensor([0.0, 1.0, 1.0, 1.0])}
+    assert gdpo_advantages(complementary, torch.zeros(4, dtype=torch.long), torch.ones(4, 1)).tolist() == [[0.0]] * 4
+    # masked-out tokens get 0
+    adv = gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, torch.tensor([[1, 0]] * 8))
+    assert torch.all(adv[:, 1] == 0) and torch.all(adv[:, 0] != 0)
+    with pytest.raises(ValueError, match="two or more reward components"):
+        gdpo_advantages({"reward/a": torch.ones(2)}, torch.tensor([0, 0]), torch.ones(2, 1))
+    with pytest.raises(ValueError, match=r"3 weights but the rewards have 2 components \['reward/correctness', 'reward/format'\]"):
+        gdpo_advantages(GDPO_REWARDS, GDPO_GROUPS, GDPO_MASK, reward_weights=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="reward/format"):
+        gdpo_advantages(
+            {"reward/correctness": torch.ones(8), "reward/format": torch.ones(7)}, GDPO_GROUPS, GDPO_MASK
+        )

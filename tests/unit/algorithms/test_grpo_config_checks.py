@@ -245,3 +245,42 @@ def test_async_grpo_defaults_and_bound_zero_needs_no_mismatch_weight() -> None:
     )
     assert not cfg.loss_fn.use_importance_sampling_correction
     assert not load().grpo.async_grpo.enabled
+
+
+# ------------------------------------------------------------------ GDPO
+
+GDPO = TINY.parent / "grpo_gdpo_tiny_cpu.yaml"
+REWARDS = "nemo_rl.environments.arithmetic_rewards"
+
+
+def test_gdpo_recipe_validates_with_its_two_rewards() -> None:
+    cfg = load_typed_config(GDPO, [], GRPOMasterConfig)
+    est = cfg.grpo.adv_estimator
+    assert (est.name, est.reward_weights, est.use_leave_one_out_baseline) == ("gdpo", [1.0, 0.5], False)
+    spec = cfg.env.specs()["arithmetic"]
+    assert spec.reward_components == ("reward/correctness", "reward/format")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "needles"),
+    [
+        # the synthetic task's default environment, math, gives one reward
+        (TINY, ["grpo.adv_estimator.name=gdpo"],
+         ["gdpo needs two or more rewards", "env.math (data.task_name) gives one reward", "reward_fns"]),
+        # a reward_fns task with a single function
+        (GDPO, ["~env.arithmetic.reward_fns.format"],
+         ["env.arithmetic (data.task_name) gives rewards ['reward/correctness']"]),
+        (GDPO, ["grpo.adv_estimator.reward_weights=[1.0, 1.0, 1.0]"],
+         ["reward_weights has 3 weights but env.arithmetic gives 2 rewards "
+          "['reward/correctness', 'reward/format']"]),
+        (GDPO, ["grpo.adv_estimator.name=grpo"], ["reward_weights weigh GDPO's rewards, but name is 'grpo'"]),
+        (GDPO, [f"+env.arithmetic.reward_fn={REWARDS}:correctness"], ["exactly one of cls", "reward_fns"]),
+        (GDPO, [f"env.arithmetic.reward_fns.format={REWARDS}:nope"], ["env.arithmetic.reward_fns.format="]),
+        (GDPO, [f"+env.arithmetic.reward_fns.bad/name={REWARDS}:correctness"], ["reward name 'bad/name'"]),
+    ],
+)
+def test_gdpo_refusals_name_the_field(recipe: Path, overrides: list[str], needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_typed_config(recipe, overrides, GRPOMasterConfig)
+    for needle in needles:
+        assert needle in str(info.value)

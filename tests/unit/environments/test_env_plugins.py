@@ -71,6 +71,10 @@ def a_number(prompt, response, answer, metadata):
     return 7
 
 
+def starts_with_a(prompt, response, answer, metadata):
+    return float(response.startswith("a"))
+
+
 def my_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
     raise NotImplementedError
 '''
@@ -140,6 +144,30 @@ def test_reward_function_is_batched_in_the_builtin_environment(plugins: str) -> 
     assert not spec.returns_answers and out.answers == [None, None]  # maj@k has nothing to vote
 
 
+def test_reward_functions_give_named_rewards(plugins: str) -> None:
+    """``reward_fns`` calls each function like ``reward_fn`` and returns the scores as
+    ``reward/<name>`` rewards (sorted), declared at config time for GDPO's checks."""
+    section = {
+        "reward_fns": {"len": f"{plugins}:length_reward", "a": f"{plugins}:starts_with_a"},
+        "answer_fn": f"{plugins}:first_word",
+    }
+    spec = env({"two": section}).specs()["two"]
+    assert spec.cls is RewardFnEnvironment and spec.processor is reward_fn_processor
+    assert spec.reward_components == ("reward/a", "reward/len") and spec.returns_answers
+    instance = spec.cls(*spec.args, **spec.kwargs)
+    meta = [{"prompt": "p", "answer": None, "metadata": {}}] * 2
+    out = instance.step([message("abcde"), message("bcdefghijk")], meta)
+    assert list(out.rewards) == ["reward/a", "reward/len"]
+    assert out.rewards["reward/a"].tolist() == [1.0, 0.0]
+    assert out.rewards["reward/len"].tolist() == [0.5, 1.0]
+    assert out.answers == ["abcde", "bcdefghijk"] and out.terminateds.tolist() == [True, True]
+    assert env({"one": {"reward_fn": f"{plugins}:length_reward"}}).specs()["one"].reward_components == ()
+    assert MathEnvironment.reward_components == ()
+    bad = RewardFnEnvironment(reward_fns={"n": f"{plugins}:not_a_number"})
+    with pytest.raises(ValueError, match=f"'{plugins}:not_a_number' returned 'high' for sample 0"):
+        bad.step([message("x")], meta[:1])
+
+
 def test_answer_function_gives_the_answers_of_a_reward_function_task(plugins: str) -> None:
     """``answer_fn`` is called like the reward function; its strings (or None) are the
     environment's answers, which maj@k votes over."""
@@ -178,6 +206,12 @@ def test_processor_named_by_import_path(plugins: str) -> None:
         ]),
         ({"reward_fn": "missing_mod_q:f"}, ["cannot import module 'missing_mod_q'", "PYTHONPATH"]),
         ({"reward_fn": "{m}:length_reward", "scale": 2}, ["reward_fn takes no other keys"]),
+        ({"reward_fns": {"a": "{m}:length_reward"}, "scale": 2}, ["reward_fns takes no other keys"]),
+        ({"reward_fns": {}}, ["env.mine.reward_fns is empty"]),
+        ({"reward_fns": {"a": "{m}:wrong_arity"}}, ["env.mine.reward_fns.a='{m}:wrong_arity'"]),
+        ({"reward_fns": {"a": "{m}:length_reward"}, "answer_fn": "{m}:wrong_arity"}, [
+            "env.mine.answer_fn='{m}:wrong_arity'"
+        ]),
         ({"num_cpus": 0.1}, ["needs exactly one of cls", "and reward_fn"]),
         ({"cls": "{m}:EchoEnv", "reward_fn": "{m}:length_reward"}, ["exactly one of cls"]),
         ({"reward_fn": "{m}:length_reward", "answer_fn": "{m}:wrong_arity"}, [
@@ -195,7 +229,12 @@ def test_processor_named_by_import_path(plugins: str) -> None:
 def test_bad_plugin_sections_are_refused_at_config_time(
     plugins: str, section: dict[str, Any], needles: list[str]
 ) -> None:
-    filled = {k: v.format(m=plugins) if isinstance(v, str) else v for k, v in section.items()}
+    def fill(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        return value.format(m=plugins) if isinstance(value, str) else value
+
+    filled = fill(section)
     text = refusal({"mine": filled})
     for needle in needles:
         assert needle.format(m=plugins) in text, text

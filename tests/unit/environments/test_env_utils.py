@@ -56,6 +56,14 @@ class ShortEnvironment(MathEnvironment):
         return super().step(message_log_batch[1:], metadata[1:])
 
 
+class UnprefixedRewardsEnvironment(MathEnvironment):
+    """Returns named rewards without the ``reward/`` prefix."""
+
+    def step(self, message_log_batch, metadata):
+        out = super().step(message_log_batch, metadata)
+        return out._replace(rewards={"correctness": out.rewards})
+
+
 def assert_failed(out: EnvironmentReturn, size: int) -> None:
     assert out.rewards.tolist() == [0.0] * size
     assert out.terminateds.tolist() == [True] * size
@@ -73,6 +81,9 @@ def test_in_process_environment_failures_score_zero():
     assert_failed(out, 2)
     out, error = safe_env_step(ShortEnvironment(), logs, meta, timeout_s=5)
     assert error is not None and "wrong length for 2 samples" in error
+    assert_failed(out, 2)
+    out, error = safe_env_step(UnprefixedRewardsEnvironment(), logs, meta, timeout_s=5)
+    assert error is not None and "rewards key 'correctness' lacks the 'reward/' prefix" in error
     assert_failed(out, 2)
 
 

@@ -50,6 +50,17 @@ class ScriptedEnvironment(EnvironmentInterface):
         return batch, {}
 
 
+class TwoRewardEnvironment(ScriptedEnvironment):
+    """ScriptedEnvironment's turns with two named rewards per turn: reward/a 0.25 and
+    reward/b 0.5 on row 0 of a step, 0.75 on the others."""
+
+    def step(self, message_log_batch, metadata) -> EnvironmentReturn:
+        out = super().step(message_log_batch, metadata)
+        b = torch.full((len(metadata),), 0.75)
+        b[0] = 0.5
+        return out._replace(rewards={"reward/a": torch.full((len(metadata),), 0.25), "reward/b": b})
+
+
 class FailingEnvironment(ScriptedEnvironment):
     def step(self, message_log_batch, metadata) -> EnvironmentReturn:
         raise RuntimeError("scripted failure")
@@ -96,6 +107,7 @@ def setup(rollout_engine: dict[str, Any]) -> Iterator[dict[str, Any]]:
     envs = {
         "scripted": ray.remote(ScriptedEnvironment).remote(),
         "failing": ray.remote(FailingEnvironment).remote(),
+        "two_rewards": ray.remote(TwoRewardEnvironment).remote(),
     }
     rollout_engine["generation"].prepare_for_generation()  # other modules may leave it asleep
     try:
@@ -168,6 +180,26 @@ def test_failing_environment_scores_zero_and_counts_error(setup):
     assert out["total_reward"][1] == 0.0
     assert out["env_error"] == [None, "environment 'failing': RuntimeError('scripted failure')"]
     assert metrics["env_errors"] == 1 and metrics["env_error_rate"] == 0.5
+
+
+def test_named_rewards_are_summed_over_turns_and_carried(setup):
+    """An environment's named rewards (reward/<name>) are kept per sample, each summed over the
+    turns like the total; rows of other tasks get 0 in them (a failed one 0 everywhere). The
+    grouped rollout carries them to the driver (GDPO's input)."""
+    _, out, _, _ = rollout(setup, ["two_rewards", "two_rewards", "scripted", "failing"])
+    # two turns each: a 0.25 + 0.25; b 0.5 + 0.5 on the first row of both steps, else 0.75 + 0.75
+    assert out["reward/a"].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert out["reward/b"].tolist() == [1.0, 1.5, 0.0, 0.0]
+    assert out["total_reward"].tolist() == [1.5, 2.0, 0.25 * TURNS, 0.0]
+    runner = RolloutRunner(
+        generation=setup["generation"], tokenizer=setup["tokenizer"], task_to_env=setup["envs"],
+        max_seq_len=128, max_rollout_turns=TURNS, pad_token_id=0,
+    )
+    _, carry = runner.run(prompts(setup["tokenizer"], ["two_rewards", "scripted"]), 2)
+    assert sorted(carry.reward_components) == ["reward/a", "reward/b"]
+    assert carry.reward_components["reward/a"].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert carry.reward_components["reward/b"].tolist() == [1.0, 1.5, 0.0, 0.0]
+    assert carry.rewards.tolist() == [1.5, 2.0, 0.5, 0.5]
 
 
 def test_grpo_stops_when_an_environment_fails_step_after_step(setup):

@@ -11,14 +11,19 @@ import math
 import pytest
 import torch
 
-from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
-from nemo_rl.algorithms.grpo_step.train_fields import train_fields
+from nemo_rl.algorithms.grpo_config import GRPOConfig, GRPOMasterConfig
+from nemo_rl.algorithms.grpo_step.train_fields import (
+    RewardComponentsError,
+    advantage_fields,
+    train_fields,
+)
 from nemo_rl.algorithms.loss import ClippedPGLossFn
 from nemo_rl.data_plane import InProcessDataPlane
 from nemo_rl.data_plane.columns import write_columns
 from nemo_rl.experience.sync_rollout_actor import store_training_fields
 from nemo_rl.experience.grouped_rollouts import RolloutCarry, training_fields
 from nemo_rl.models.policy.workers.megatron.data_plane_io import fetch_batch
+from nemo_rl.utils.errors import InputError
 
 from .test_batch_stores import PAD, in_memory_store, rollout_batch
 
@@ -110,3 +115,54 @@ def test_vapo_rewards_reach_the_loss_through_both_stores() -> None:
     without, _ = ClippedPGLossFn(config(reference_policy_kl_penalty=0.0).loss_fn)(data, seqs, toks, next_token_logprobs=lp)
     assert metrics["positive_nll_loss"] == pytest.approx((0.5 + 0.7) / 2)
     assert with_nll.item() - without.item() == pytest.approx(0.1 * (0.5 + 0.7) / 2, rel=1e-6)  # float32 logprobs
+
+
+def gdpo_carry(correctness: list[float], fmt: list[float], total: list[float] | None = None) -> RolloutCarry:
+    """A carry of len(correctness) samples in groups of two whose rollout holds the named
+    rewards ``reward/correctness`` and ``reward/format`` (total: their sum unless given)."""
+    total = total or [c + f for c, f in zip(correctness, fmt)]
+    rollout, group_ids = rollout_batch([(2, 1, t) for t in total])
+    rollout["reward/correctness"] = torch.tensor(correctness)
+    rollout["reward/format"] = torch.tensor(fmt)
+    return RolloutCarry.from_rollout(rollout, group_ids, {}, sampling_step=0)
+
+
+def gdpo_config(**estimator) -> GRPOConfig:
+    """The ``grpo`` section with GDPO (a whole recipe would refuse gdpo on the default math
+    task at config time)."""
+    return GRPOConfig.model_validate({"adv_estimator": {"name": "gdpo", **estimator}})
+
+
+def test_gdpo_advantages_of_the_carry_and_named_reward_metrics() -> None:
+    # groups (0, 1) and (2, 3): (1, 0) vs (0, 1) has one total, so GRPO gives both 0; and
+    # (1, 1) vs (0, 0). With the group mean, every component is +-1/2 over the group's std
+    # 1/sqrt(2) (+ 1e-6): +-h; weights 1 and 2 (sorted names: correctness, format).
+    carry = gdpo_carry([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0])
+    cfg = gdpo_config(reward_weights=[1.0, 2.0], use_leave_one_out_baseline=False)
+    fields, metrics = advantage_fields(carry, cfg)
+    h = 0.5 / (1 / math.sqrt(2) + 1e-6)
+    combined = [h - 2 * h, -h + 2 * h, h + 2 * h, -h - 2 * h]  # mean 0
+    std = math.sqrt(sum(c**2 for c in combined) / 3)
+    assert fields["advantages"].tolist() == pytest.approx([c / std for c in combined], rel=1e-6)
+    assert fields["advantages"][0] != fields["advantages"][1]
+    assert metrics["reward/correctness"] == 0.5 and metrics["reward/format"] == 0.5
+    # the named rewards follow the carry's rows through select and concat (0 where absent)
+    two = RolloutCarry.concat([carry.select([3, 0]), gdpo_carry([1.0, 1.0], [0.0, 0.0])], {})
+    assert two.reward_components["reward/format"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert two.reward_components["reward/correctness"].tolist() == [0.0, 1.0, 1.0, 1.0]
+    single = RolloutCarry.from_rollout(rollout_batch([(2, 1, 1.0)] * 2)[0], torch.zeros(2), {}, 0)
+    mixed = RolloutCarry.concat([carry.select([0, 1]), single], {})
+    assert mixed.reward_components["reward/format"].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_gdpo_refuses_rewards_that_do_not_fit_it() -> None:
+    assert issubclass(RewardComponentsError, InputError)  # one line, exit 2
+    single = RolloutCarry.from_rollout(*rollout_batch([(2, 1, 1.0), (2, 1, 0.0)]), {}, 0)
+    with pytest.raises(RewardComponentsError, match="returned one reward; return"):
+        advantage_fields(single, gdpo_config())
+    # a sample whose environment returned a single reward (total 1, no named rewards)
+    unsplit = gdpo_carry([1.0, 0.0], [0.0, 0.0], total=[1.0, 1.0])
+    with pytest.raises(RewardComponentsError, match=r"1 of this step's samples .* \(sample 1: 1 vs 0\)"):
+        advantage_fields(unsplit, gdpo_config())
+    with pytest.raises(RewardComponentsError, match="has 3 weights but the environments return 2"):
+        advantage_fields(gdpo_carry([1.0, 0.0], [0.0, 1.0]), gdpo_config(reward_weights=[1.0, 1.0, 1.0]))
