@@ -6,7 +6,7 @@ Each estimator returns advantages [B, S] that are 0 outside the mask.
 
 The semantics are NeMo RL's (``grpo.adv_estimator``), so a recipe gives the same advantages
 in both. GRPO's group standard deviations are sample standard deviations (Bessel's correction,
-n - 1); groups with a single member or zero spread get advantage 0 (never NaN). GDPO takes
+n - 1; with a leave-one-out baseline, of the other members, one per sample); groups with a single member or zero spread get advantage 0 (never NaN). GDPO takes
 several named rewards per sample (``reward/<name>`` components), normalises each within its
 group, sums them with weights and whitens the sum over the batch. REINFORCE++ whitens over the
 batch's tokens with the population variance. GAE (``ppo.adv_estimator``) bootstraps from a
@@ -59,68 +59,15 @@ def group_reward_std(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Te
     return _group_statistics(rewards, group_ids)[2]
 
 
-def _scale_by_std(centered: torch.Tensor, std: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """``centered / (std + epsilon)``, and 0 where ``std`` is 0."""
-    return torch.where(std > 0, centered / (std + epsilon), torch.zeros_like(centered))
-
-
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    use_leave_one_out_baseline: bool = False,
-    normalize_rewards: bool = True,
-    epsilon: float = 1e-6,
-) -> torch.Tensor:
-    """GRPO advantages: reward minus the group baseline, optionally divided by the group std.
-
-    Args:
-        rewards: [B] float, one reward per response.
-        group_ids: [B] int, responses to the same prompt share an id.
-        mask: [B, S], 1 on the tokens that receive the advantage.
-        use_leave_one_out_baseline: baseline = mean of the *other* members of the group
-            (a single-member group gets advantage 0); otherwise the group mean.
-        normalize_rewards: divide by the group's sample std + ``epsilon``; zero-std groups get 0.
-        epsilon: added to the std in the division.
-
-    Returns:
-        [B, S] advantages, the sample's value on its masked tokens and 0 elsewhere.
-    """
-    token_mask = _check_inputs(rewards, mask, group_ids)
-    sizes, sums, stds = _group_statistics(rewards, group_ids)
-    if use_leave_one_out_baseline:
-        others = (sizes - 1).clamp_min(1)
-        baseline = torch.where(sizes > 1, (sums - rewards) / others, rewards)
-    else:
-        baseline = sums / sizes
-    advantages = rewards - baseline
-    if normalize_rewards:
-        advantages = _scale_by_std(advantages, stds, epsilon)
-    return advantages[:, None] * token_mask
-
-
-def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """RLOO advantages: reward minus the mean reward of the other responses to the same prompt.
-
-    Same inputs and output as :func:`grpo_advantages`; no std normalisation. Unbiased because
-    the baseline does not depend on the sample's own reward.
-    """
-    return grpo_advantages(rewards, group_ids, mask, use_leave_one_out_baseline=True, normalize_rewards=False)
-
-
-# Relative size below which GDPO's combined advantages are rounding noise of cancelling terms.
-_CANCELLATION_TOLERANCE = 1e-12
-
-
-def _gdpo_component(
+def _group_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     use_leave_one_out_baseline: bool,
     normalize_rewards: bool,
     epsilon: float,
 ) -> torch.Tensor:
-    """``[B]`` float64 advantage of one reward component, group by group (NeMo RL's GDPO).
+    """``[B]`` float64 advantage of one reward (or reward component), group by group, as NeMo RL
+    computes it for GRPO and for each GDPO component.
 
     Baseline: the group mean, or with ``use_leave_one_out_baseline`` the mean of the other
     members. Scale (``normalize_rewards``): the sample std (n - 1) of the same values the
@@ -151,10 +98,55 @@ def _gdpo_component(
             low = torch.where(others, members, torch.inf).amin(1)
             spread = (high > low) & (count > 1)
             centred = torch.where(spread, centred / (std + epsilon), centred)
-        if not use_leave_one_out_baseline and not bool((x.amax() > x.amin())):
+        if not bool(x.amax() > x.amin()):
             centred = torch.zeros_like(centred)  # all equal: exactly 0, not rounding noise
         advantages[rows] = centred
     return advantages
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    use_leave_one_out_baseline: bool = False,
+    normalize_rewards: bool = True,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages: reward minus the group baseline, optionally divided by the group std.
+
+    Args:
+        rewards: [B] float, one reward per response.
+        group_ids: [B] int, responses to the same prompt share an id.
+        mask: [B, S], 1 on the tokens that receive the advantage.
+        use_leave_one_out_baseline: baseline = mean of the *other* members of the group
+            (a single-member group gets advantage 0); otherwise the group mean.
+        normalize_rewards: divide by the sample std (n - 1) of the values the baseline
+            averages, + ``epsilon``: the group's std, or with ``use_leave_one_out_baseline`` the
+            std of the other members (one per sample, NeMo RL's rule). Where those values have
+            no spread the centred reward is kept unscaled (a group whose rewards are all equal
+            gets 0 either way).
+        epsilon: added to the std in the division.
+
+    Returns:
+        [B, S] advantages, the sample's value on its masked tokens and 0 elsewhere.
+    """
+    token_mask = _check_inputs(rewards, mask, group_ids)
+    advantages = _group_advantages(rewards, group_ids, use_leave_one_out_baseline, normalize_rewards, epsilon)
+    return advantages.to(rewards.dtype)[:, None] * token_mask
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO advantages: reward minus the mean reward of the other responses to the same prompt.
+
+    Same inputs and output as :func:`grpo_advantages`; no std normalisation. Unbiased because
+    the baseline does not depend on the sample's own reward.
+    """
+    return grpo_advantages(rewards, group_ids, mask, use_leave_one_out_baseline=True, normalize_rewards=False)
+
+
+# Relative size below which GDPO's combined advantages are rounding noise of cancelling terms.
+_CANCELLATION_TOLERANCE = 1e-12
 
 
 def gdpo_advantages(
@@ -218,7 +210,7 @@ def gdpo_advantages(
         )
     terms = [
         weight
-        * _gdpo_component(
+        * _group_advantages(
             reward_components[name], group_ids, use_leave_one_out_baseline, normalize_rewards, epsilon
         )
         for weight, name in zip(weights, names)

@@ -55,8 +55,23 @@ def test_grpo_leave_one_out() -> None:
     assert per_sample(adv) == pytest.approx(expected, rel=1e-12)
     assert per_sample(rloo_advantages(REWARDS, GROUPS, MASK)) == pytest.approx(expected, rel=1e-12)
     adv = grpo_advantages(REWARDS, GROUPS, MASK, use_leave_one_out_baseline=True, normalize_rewards=True, epsilon=0.0)
-    std = statistics.stdev([1, 0, 0, 1])
+    std = statistics.stdev([0, 0, 1])  # the other members of sample 0 (and of 1: [1, 0, 1])
     assert per_sample(adv) == pytest.approx([x / std for x in expected], rel=1e-12)
+
+
+def test_grpo_leave_one_out_std_is_the_other_members() -> None:
+    """NeMo RL's rule: with a leave-one-out baseline each sample is divided by the sample std of
+    the other members, and kept unscaled where they have no spread. Group (1, 0, 0, 0): sample
+    0's others [0, 0, 0] have no spread -> 1 - 0 = 1; each 0's others [1, 0, 0] have mean 1/3
+    and std sqrt(1/3) -> -(1/3) / sqrt(1/3) = -0.57735. A pair (1, 0): one other each -> +-1.
+    A group whose rewards are all equal gets exactly 0."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.1, 0.1, 0.1])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    mask = torch.ones(9, 2)
+    adv = grpo_advantages(rewards, groups, mask, use_leave_one_out_baseline=True, epsilon=0.0)
+    third = -(1 / 3) / statistics.stdev([1, 0, 0])
+    assert adv[:, 0].tolist() == pytest.approx([1.0, third, third, third, 1.0, -1.0, 0.0, 0.0, 0.0], rel=1e-6)
+    assert adv[6:].abs().sum() == 0
 
 
 def test_reinforce_plus_plus_hand_computed() -> None:
