@@ -72,6 +72,8 @@ class PolicyModel:
         layout: parallel sizes of this run.
         dtype: parameter dtype.
         lora: the model's LoRA adapters (``megatron_cfg.peft``); None when it has none.
+        logprob_chunk_size: ``policy.logprob_chunk_size``: tokens per chunk of the LM head
+            fused with the logprobs; None: the output layer's full logits.
     """
 
     model: Any
@@ -81,6 +83,7 @@ class PolicyModel:
     layout: ParallelLayout
     dtype: torch.dtype
     lora: LoraSpec | None = None
+    logprob_chunk_size: int | None = None
 
 
 class FrozenStage(torch.nn.Module):
@@ -436,9 +439,13 @@ def setup_policy_model(
         bridge = attach_score_head(model, bridge, model_path, seed)
     lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:
-        return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype, lora)
+        return PolicyModel(
+            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size
+        )
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
-    return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype, lora)
+    return PolicyModel(
+        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size
+    )
