@@ -129,13 +129,14 @@ LENGTHS = (13, 6, 9, 3)
 LAYOUTS = {"dp2": ("qwen2", 1, False), "tp2": ("llama", 2, False), "tp2sp": ("qwen2", 2, True)}
 
 
-def _batch() -> Any:
+def _batch(width: int = SEQ) -> Any:
+    """The ``LENGTHS`` rows, right-padded to ``width`` columns."""
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor(LENGTHS)
-    positions = torch.arange(SEQ)[None, :]
-    ids = torch.randint(3, 1000, (GBS, SEQ), generator=gen)
+    positions = torch.arange(width)[None, :]
+    ids = torch.randint(3, 1000, (GBS, width), generator=gen)
     ids[positions >= lengths[:, None]] = 0
     return BatchedDataDict(
         input_ids=ids,
@@ -161,39 +162,51 @@ def _worker(rank: int, paths: str, out_dir: str, port: int) -> dict[Any, Any]:
     from nemo_rl.algorithms.loss import NLLLoss
     from nemo_rl.models.policy.config import PolicyConfig
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
-    from nemo_rl.models.policy.workers.megatron.train_step import compute_logprobs, iterate_steps
+    from nemo_rl.models.policy.workers.megatron.train_step import (
+        compute_logprobs,
+        iterate_steps,
+        micro_batches,
+    )
 
     model_paths = dict(item.split("=", 1) for item in paths.split(","))
     results = {}
-    for name, (model, tp, sp) in LAYOUTS.items():
-        for chunk in (None, 5):
-            for packed in (False, True):
-                os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
-                config = PolicyConfig(
-                    model_name=model_paths[model],
-                    train_global_batch_size=GBS,
-                    train_micro_batch_size=1,
-                    max_total_sequence_length=SEQ,
-                    precision="float32",
-                    logprob_chunk_size=chunk,
-                    sequence_packing={"enabled": packed},
-                    megatron_cfg={
-                        "tensor_model_parallel_size": tp,
-                        "sequence_parallel": sp,
-                        "optimizer": {"lr": 1e-3, "min_lr": 1e-3, "clip_grad": 0.0},
-                    },
-                )
-                policy = setup_policy_model(config, model_paths[model], seed=3)
-                shard = _shard(_batch(), policy.layout.dp, rank // tp, packed)
-                logprobs = compute_logprobs(policy, shard, 2, packed)
-                (step,) = iterate_steps(policy, shard, NLLLoss(), GBS, 2, packed, False)
-                grads = {
-                    n: p.main_grad.detach().clone()
-                    for n, p in policy.model.module.named_parameters()
-                }
-                results[name, chunk, packed] = dict(logprobs=logprobs, loss=step["loss"], grads=grads)
-                port = next_layout_port()
-                destroy_megatron_parallel()
+    # (layout, chunk, packed, batch width): every layout fused and not, padded and packed;
+    # and the padded batch widened by 6 all-padding columns (trimmed away: same results)
+    cases = [
+        (name, chunk, packed, SEQ)
+        for name in LAYOUTS for chunk in (None, 5) for packed in (False, True)
+    ] + [("dp2", 5, False, SEQ + 6)]
+    for name, chunk, packed, width in cases:
+        model, tp, sp = LAYOUTS[name]
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
+        config = PolicyConfig(
+            model_name=model_paths[model],
+            train_global_batch_size=GBS,
+            train_micro_batch_size=1,
+            max_total_sequence_length=width,
+            precision="float32",
+            logprob_chunk_size=chunk,
+            sequence_packing={"enabled": packed},
+            megatron_cfg={
+                "tensor_model_parallel_size": tp,
+                "sequence_parallel": sp,
+                "optimizer": {"lr": 1e-3, "min_lr": 1e-3, "clip_grad": 0.0},
+            },
+        )
+        policy = setup_policy_model(config, model_paths[model], seed=3)
+        shard = _shard(_batch(width), policy.layout.dp, rank // tp, packed)
+        widths = [mb["input_ids"].shape[1] for mb in micro_batches(shard, 2, packed)[0]]
+        logprobs = compute_logprobs(policy, shard, 2, packed)
+        (step,) = iterate_steps(policy, shard, NLLLoss(), GBS, 2, packed, False)
+        grads = {
+            n: p.main_grad.detach().clone()
+            for n, p in policy.model.module.named_parameters()
+        }
+        results[name, chunk, packed, width] = dict(
+            logprobs=logprobs, loss=step["loss"], grads=grads, widths=widths
+        )
+        port = next_layout_port()
+        destroy_megatron_parallel()
     return results
 
 
@@ -210,10 +223,25 @@ def worker_results(
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_worker_fused_equals_unfused(worker_results: list[dict], name: str, packed: bool) -> None:
     for rank, results in enumerate(worker_results):
-        fused, full = results[name, 5, packed], results[name, None, packed]
+        fused, full = results[name, 5, packed, SEQ], results[name, None, packed, SEQ]
         torch.testing.assert_close(fused["logprobs"], full["logprobs"], **TOL)
         assert fused["loss"] == pytest.approx(full["loss"], rel=1e-6, abs=1e-6)
         assert fused["grads"].keys() == full["grads"].keys()
         for param, grad in full["grads"].items():
             assert grad.abs().sum() > 0, f"rank {rank}: {param} got no gradient"
             torch.testing.assert_close(fused["grads"][param], grad, **TOL, msg=lambda m: f"rank {rank}: {param}: {m}")
+
+
+@pytest.mark.slow
+def test_worker_trims_padding_to_each_micro_batchs_longest_row(worker_results: list[dict]) -> None:
+    """DP=2, micro-batches of 2 rows: rank 0 holds lengths (13, 6), rank 1 (9, 3); a batch
+    padded to 19 columns is cut to them and scores, trains and back-propagates as the 13-column
+    batch does (logprobs padded back to 19 columns with zeros)."""
+    for rank, longest in enumerate((13, 9)):
+        wide, narrow = worker_results[rank]["dp2", 5, False, SEQ + 6], worker_results[rank]["dp2", 5, False, SEQ]
+        assert wide["widths"] == [longest] and narrow["widths"] == [longest]
+        assert wide["logprobs"].shape == (2, SEQ + 6) and not wide["logprobs"][:, SEQ:].any()
+        torch.testing.assert_close(wide["logprobs"][:, :SEQ], narrow["logprobs"], rtol=0, atol=0)
+        assert wide["loss"] == narrow["loss"]
+        for param, grad in narrow["grads"].items():
+            torch.testing.assert_close(wide["grads"][param], grad, rtol=0, atol=0)

@@ -47,7 +47,8 @@ def micro_batches(
     """The micro-batches of ``batch`` and whether they are to be packed.
 
     A batch carrying a micro-batch plan is cut by the plan (dynamic: padded micro-batches of
-    their planned length; packed: bins); otherwise into ``mbs`` rows each.
+    their planned length; packed: bins); otherwise into ``mbs`` rows each, every micro-batch
+    cut to its longest row (:func:`trim_to_longest_row`).
 
     Raises:
         ValueError: a packing plan while ``sequence_packing.enabled`` is false (the model was
@@ -55,7 +56,7 @@ def micro_batches(
     """
     plan = batch.micro_batch_plan
     if plan is None:
-        return list(batch.make_microbatch_iterator(mbs)), False
+        return [trim_to_longest_row(mb) for mb in batch.make_microbatch_iterator(mbs)], False
     if plan.kind == "dynamic":
         return list(batch.make_microbatch_iterator_with_dynamic_shapes()), False
     if not packing_enabled:
@@ -64,6 +65,15 @@ def micro_batches(
             "false; enable it in the policy config (the model needs packed-sequence attention)"
         )
     return list(batch.make_microbatch_iterator_for_packable_sequences()), True
+
+
+def trim_to_longest_row(mb: BatchedDataDict) -> BatchedDataDict:
+    """``mb`` with every per-token tensor (``[b, S, ...]``, ``S`` = ``input_ids``' length) cut
+    to ``max(input_lengths)`` positions: the model and the loss see no column that is padding
+    in every row. Causal attention makes the kept positions' outputs the same; results are
+    padded back to ``S`` where rows are returned (:func:`_score`)."""
+    mb.cut_sequences(mb["input_ids"].shape[1], max(int(mb["input_lengths"].max()), 1))
+    return mb
 
 
 def sequence_parallel_size(policy: PolicyModel) -> int:
