@@ -167,6 +167,13 @@ class MegatronConfig(ConfigModel):
     scheduler: MegatronSchedulerConfig = Field(
         default_factory=MegatronSchedulerConfig, description="Learning-rate schedule."
     )
+    compile_transformer_layers: bool = Field(
+        default=False,
+        description="torch.compile each transformer layer on its own (regional compilation, "
+        "as torchtitan does): fuses RoPE, SwiGLU, residual adds and casts between the "
+        "matmuls. Costs a compile at the first step and at each new micro-batch shape. Off "
+        "until a GPU run measures it (docs/performance.md).",
+    )
     activation_checkpointing: bool = Field(
         default=False,
         description="Recompute each layer's activations in the backward pass: less memory, "

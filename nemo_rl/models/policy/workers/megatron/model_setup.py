@@ -28,6 +28,7 @@ from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
+from nemo_rl.models.megatron.compiled_layers import compile_transformer_layers
 from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_stage_spec
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
@@ -200,6 +201,8 @@ def build_gpt_stage(
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
+    if mcfg.compile_transformer_layers:
+        compile_transformer_layers(model)
     if mcfg.freeze_moe_router:
         freeze_routers(model)
     return model, bridge, tconfig
