@@ -54,12 +54,8 @@ def _chunk_stats(
 
 
 def _forward(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    vocab_start: int,
-    group: ProcessGroup | None,
-    chunk_size: int | None,
+    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int,
+    group: ProcessGroup | None, chunk_size: int | None,
 ) -> tuple[Tensor, Tensor]:
     """``(logprobs, lse)``, float32 ``[n]`` each, of ``n`` tokens.
 
