@@ -488,7 +488,7 @@ def phase_ipc(mode: Mode) -> list[CheckResult]:
     )]
 
 
-def phase_vs(mode: Mode, side: str, steps: int) -> list[CheckResult]:
+def phase_vs(mode: Mode, side: str, steps: int, compile_layers: bool) -> list[CheckResult]:
     """One side of ``vs_transformers`` (``ours`` also measures the matmul peak): its numbers
     in a row named ``vs_transformers:<side>`` for :func:`compare_vs_transformers`."""
     from benchmarks import gpu_check_vs_transformers as vs
@@ -496,21 +496,26 @@ def phase_vs(mode: Mode, side: str, steps: int) -> list[CheckResult]:
 
     require_device(mode)
     path = vs.model_path(mode.vs_shapes)
-    run = vs.run_ours if side == "ours" else vs.run_transformers
-    numbers = run(path, mode.vs_shapes, steps)
+    if side == "ours":
+        numbers = vs.run_ours(path, mode.vs_shapes, steps, compile_layers)
+    else:
+        numbers = vs.run_transformers(path, mode.vs_shapes, steps)
     if side == "ours":
         numbers["peak_flops"] = matmul_peak_flops(mode.peak_n, 10, mode.device, "bfloat16")
     return [CheckResult(f"vs_transformers:{side}", "PASS", "", numbers)]
 
 
-def compare_vs_transformers(mode: Mode, env: dict[str, str], deadline: float, steps: int) -> CheckResult:
+def compare_vs_transformers(
+    mode: Mode, env: dict[str, str], deadline: float, steps: int, compile_layers: bool
+) -> CheckResult:
     """``vs_transformers``: both sides one after the other (each alone on the GPU)."""
     from benchmarks.gpu_check_vs_transformers import compare
 
     sides = {}
     for side in ("ours", "transformers"):
-        rows, error = run_phase(phase_args("vs_" + side, mode) + ["--steps", str(steps)], env,
-                                timeout_s(mode, deadline))
+        extra = ["--compile-layers"] if compile_layers and side == "ours" else []
+        rows, error = run_phase(phase_args("vs_" + side, mode) + ["--steps", str(steps)] + extra,
+                                env, timeout_s(mode, deadline))
         if error:
             return CheckResult("vs_transformers", "FAIL", f"the {side} side failed: {error}")
         sides[side] = rows[0]["numbers"]
@@ -606,7 +611,8 @@ def environment_line(mode: Mode) -> str:
 
 
 def run_checks(
-    mode: Mode, only: set[str], steps: int, profile: Path | None = None
+    mode: Mode, only: set[str], steps: int, profile: Path | None = None,
+    compile_layers: bool = False,
 ) -> list[CheckResult]:
     deadline = time.monotonic() + TOTAL_BUDGET_S
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -630,7 +636,8 @@ def run_checks(
         results["logprobs"] = compare_logprobs(mode, env, deadline)
         report(results["logprobs"])
     if "vs_transformers" in only:
-        results["vs_transformers"] = compare_vs_transformers(mode, env, deadline, steps)
+        results["vs_transformers"] = compare_vs_transformers(
+            mode, env, deadline, steps, compile_layers)
         report(results["vs_transformers"])
     return [results.get(name) or CheckResult(name, "SKIP", "not selected (--only)")
             for name in CHECKS if name in DEFAULT_CHECKS or name in only]
@@ -655,6 +662,9 @@ def main() -> None:
                         "GPU, 2 in a dry run)")
     parser.add_argument("--profile", type=Path,
                         help="also profile one training step: its op tables go to this file")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="vs_transformers: our worker with "
+                        "megatron_cfg.compile_transformer_layers (regional torch.compile)")
     parser.add_argument("--phase", choices=["train", "ipc", "logprobs", "vs_ours", "vs_transformers"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -670,8 +680,9 @@ def main() -> None:
         rows = {"train": lambda: phase_train(mode, args.steps, args.profile),
                 "ipc": lambda: phase_ipc(mode),
                 "logprobs": lambda: phase_logprobs(mode, args.logprobs_out),
-                "vs_ours": lambda: phase_vs(mode, "ours", args.steps),
-                "vs_transformers": lambda: phase_vs(mode, "transformers", args.steps)}[args.phase]()
+                "vs_ours": lambda: phase_vs(mode, "ours", args.steps, args.compile_layers),
+                "vs_transformers": lambda: phase_vs(mode, "transformers", args.steps, False),
+                }[args.phase]()
         args.result.write_text(json.dumps([asdict(r) for r in rows]))
         return
 
@@ -685,7 +696,7 @@ def main() -> None:
         )
     print(environment_line(mode), flush=True)
     started = time.perf_counter()
-    results = run_checks(mode, set(args.only), args.steps, args.profile)
+    results = run_checks(mode, set(args.only), args.steps, args.profile, args.compile_layers)
     for r in results:
         if r.status == "SKIP":
             report(r)

@@ -97,8 +97,10 @@ def model_path(shapes: Shapes) -> str:
     return str(build_tiny_model("qwen2", vocab=shapes.vocab, **shapes.sizes))
 
 
-def run_ours(path: str, shapes: Shapes, steps: int) -> dict[str, Any]:
-    """Seconds of each case (and the peak bytes) of ``MegatronPolicyWorker`` in this process."""
+def run_ours(path: str, shapes: Shapes, steps: int, compile_layers: bool = False) -> dict[str, Any]:
+    """Seconds of each case (and the peak bytes) of ``MegatronPolicyWorker`` in this process;
+    ``compile_layers``: with ``megatron_cfg.compile_transformer_layers`` (the warm-up step of
+    each case then includes the compilation)."""
     import os
 
     import torch
@@ -116,7 +118,8 @@ def run_ours(path: str, shapes: Shapes, steps: int) -> dict[str, Any]:
         model_name=path, precision=shapes.precision, train_global_batch_size=rows,
         train_micro_batch_size=shapes.mbs, logprob_batch_size=shapes.mbs,
         max_total_sequence_length=shapes.long, sequence_packing={"enabled": True},
-        megatron_cfg={"optimizer": {"lr": 1e-5, "min_lr": 1e-5, "clip_grad": 1.0}},
+        megatron_cfg={"optimizer": {"lr": 1e-5, "min_lr": 1e-5, "clip_grad": 1.0},
+                      "compile_transformer_layers": compile_layers},
     )
     torch.manual_seed(0)
     worker = MegatronPolicyWorker(config, path, init_reference_model=False)
