@@ -130,13 +130,15 @@ LAYOUTS = {"dp2": ("qwen2", 1, False), "tp2": ("llama", 2, False), "tp2sp": ("qw
 
 
 def _batch(width: int = SEQ) -> Any:
-    """The ``LENGTHS`` rows, right-padded to ``width`` columns."""
+    """The ``LENGTHS`` rows (the same tokens whatever ``width``), right-padded to ``width``
+    columns."""
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor(LENGTHS)
     positions = torch.arange(width)[None, :]
-    ids = torch.randint(3, 1000, (GBS, width), generator=gen)
+    ids = torch.zeros(GBS, width, dtype=torch.long)
+    ids[:, :SEQ] = torch.randint(3, 1000, (GBS, SEQ), generator=gen)
     ids[positions >= lengths[:, None]] = 0
     return BatchedDataDict(
         input_ids=ids,
