@@ -21,11 +21,11 @@ from megatron_bridge.parallel_state import collective_device
 
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.megatron.lm_head import output_layer_returns_hidden, output_weight
 from nemo_rl.models.policy.workers.megatron.distillation import (
     distillation_loss_inputs,
     teacher_topk,
 )
-from nemo_rl.models.megatron.lm_head import output_layer_returns_hidden, output_weight
 from nemo_rl.models.policy.workers.megatron.forward import (
     ModelInputs,
     build_model_inputs,
@@ -210,7 +210,8 @@ def train_global_batch(
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
         if fused:  # the output layer handed back its input: the LM head runs fused here
-            scored = {"next_token_logprobs": scored_logprobs(policy, logits, inputs[index], eval_mode)}
+            logprobs = scored_logprobs(policy, logits, inputs[index], eval_mode)
+            scored = {"next_token_logprobs": logprobs}
         else:
             scored = loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode)
         loss, metrics = loss_fn(mbs_data[index], valid_seqs, valid_toks, **scored)
