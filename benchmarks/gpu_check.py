@@ -28,6 +28,11 @@ Checks (each phase runs in its own subprocess, so a crash in one still reports t
 * ``logprobs``: ``get_logprobs`` of the tiny Llama (fp32, TF32 off) in a CPU process
   (``CUDA_VISIBLE_DEVICES=``) and in a CUDA process on the same batch; PASS when
   max |CPU - CUDA| <= 1e-4.
+* ``vs_transformers`` (only with ``--only vs_transformers``): the Qwen2.5-1.5B shape with the
+  real Qwen vocabulary, ``MegatronPolicyWorker`` against plain transformers (TRL's bf16 setup)
+  in two processes on the same GPU: uniform, long, skewed (ours packed) training steps, a
+  logprob pass and the peak memory, each as ours / transformers, and MFU
+  (:mod:`benchmarks.gpu_check_vs_transformers`). PASS when the issue-46 targets are met.
 * ``ipc_refit``: ``measure_transport`` of ``bench_ipc_refit_transport``: the colocated refit
   transport (a ring of two bucket-sized slots in a CUDA IPC buffer, writer and reader
   processes on the same GPU, the reader loading each bucket as it arrives) against a
@@ -60,8 +65,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check_vs_transformers import DRY_RUN_SHAPES, GPU_SHAPES, Shapes
+
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("train_step", "offload", "resume", "logprobs", "ipc_refit")
+CHECKS = ("train_step", "offload", "resume", "logprobs", "ipc_refit", "vs_transformers")
+DEFAULT_CHECKS = CHECKS[:-1]  # vs_transformers (~5 minutes of an H200) only when named
 MFU_TARGET = 0.45
 IPC_TARGET = 0.5
 LOGPROB_ATOL = 1e-4
@@ -112,6 +120,7 @@ class Mode:
         ipc: keyword arguments of ``measure_transport``.
         phase_timeout_s: a phase's subprocess is stopped after this, or when the whole check
             has run ``TOTAL_BUDGET_S``, whichever comes first.
+        vs_shapes: model and batches of the ``vs_transformers`` check.
     """
 
     device: str
@@ -124,12 +133,13 @@ class Mode:
     peak_n: int
     ipc: dict[str, int]
     phase_timeout_s: int
+    vs_shapes: Shapes
 
 
 GPU = Mode("cuda", False, LLAMA_1B, "bfloat16", 8, 2048, 8, 8192,
-           dict(layers=16, hidden=2048, bucket_mb=256, repeats=5, vocab=32768), 420)
+           dict(layers=16, hidden=2048, bucket_mb=256, repeats=5, vocab=32768), 420, GPU_SHAPES)
 DRY_RUN = Mode("cpu", True, TINY, "float32", 4, 64, 2, 256,
-               dict(layers=1, hidden=128, bucket_mb=1, repeats=1, vocab=1024), 240)
+               dict(layers=1, hidden=128, bucket_mb=1, repeats=1, vocab=1024), 240, DRY_RUN_SHAPES)
 
 
 @dataclass
@@ -478,6 +488,43 @@ def phase_ipc(mode: Mode) -> list[CheckResult]:
     )]
 
 
+def phase_vs(mode: Mode, side: str, steps: int, compile_layers: bool) -> list[CheckResult]:
+    """One side of ``vs_transformers`` (``ours`` also measures the matmul peak): its numbers
+    in a row named ``vs_transformers:<side>`` for :func:`compare_vs_transformers`."""
+    from benchmarks import gpu_check_vs_transformers as vs
+    from benchmarks.bench_megatron_worker_train import matmul_peak_flops
+
+    require_device(mode)
+    path = vs.model_path(mode.vs_shapes)
+    if side == "ours":
+        numbers = vs.run_ours(path, mode.vs_shapes, steps, compile_layers)
+    else:
+        numbers = vs.run_transformers(path, mode.vs_shapes, steps)
+    if side == "ours":
+        numbers["peak_flops"] = matmul_peak_flops(mode.peak_n, 10, mode.device, "bfloat16")
+    return [CheckResult(f"vs_transformers:{side}", "PASS", "", numbers)]
+
+
+def compare_vs_transformers(
+    mode: Mode, env: dict[str, str], deadline: float, steps: int, compile_layers: bool
+) -> CheckResult:
+    """``vs_transformers``: both sides one after the other (each alone on the GPU)."""
+    from benchmarks.gpu_check_vs_transformers import compare
+
+    sides = {}
+    for side in ("ours", "transformers"):
+        extra = ["--compile-layers"] if compile_layers and side == "ours" else []
+        rows, error = run_phase(phase_args("vs_" + side, mode) + ["--steps", str(steps)] + extra,
+                                env, timeout_s(mode, deadline))
+        if error:
+            return CheckResult("vs_transformers", "FAIL", f"the {side} side failed: {error}")
+        sides[side] = rows[0]["numbers"]
+    peak = sides["ours"].pop("peak_flops")
+    ok, summary, numbers = compare(sides["ours"], sides["transformers"], mode.vs_shapes, peak,
+                                   mode.dry_run)
+    return CheckResult("vs_transformers", judged(True, ok, mode), summary, numbers)
+
+
 def require_device(mode: Mode) -> None:
     import torch
 
@@ -564,7 +611,8 @@ def environment_line(mode: Mode) -> str:
 
 
 def run_checks(
-    mode: Mode, only: set[str], steps: int, profile: Path | None = None
+    mode: Mode, only: set[str], steps: int, profile: Path | None = None,
+    compile_layers: bool = False,
 ) -> list[CheckResult]:
     deadline = time.monotonic() + TOTAL_BUDGET_S
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -587,8 +635,12 @@ def run_checks(
     if "logprobs" in only:
         results["logprobs"] = compare_logprobs(mode, env, deadline)
         report(results["logprobs"])
+    if "vs_transformers" in only:
+        results["vs_transformers"] = compare_vs_transformers(
+            mode, env, deadline, steps, compile_layers)
+        report(results["vs_transformers"])
     return [results.get(name) or CheckResult(name, "SKIP", "not selected (--only)")
-            for name in CHECKS]
+            for name in CHECKS if name in DEFAULT_CHECKS or name in only]
 
 
 def report(result: CheckResult) -> None:
@@ -601,7 +653,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes, targets not judged (what CI runs)")
-    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(DEFAULT_CHECKS),
+                        help="checks to run (default: all but vs_transformers)")
     parser.add_argument("--steps", type=int, default=3, help="timed training steps")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--micro-batch", type=int,
@@ -609,7 +662,11 @@ def main() -> None:
                         "GPU, 2 in a dry run)")
     parser.add_argument("--profile", type=Path,
                         help="also profile one training step: its op tables go to this file")
-    parser.add_argument("--phase", choices=["train", "ipc", "logprobs"], help=argparse.SUPPRESS)
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="vs_transformers: our worker with "
+                        "megatron_cfg.compile_transformer_layers (regional torch.compile)")
+    parser.add_argument("--phase", choices=["train", "ipc", "logprobs", "vs_ours", "vs_transformers"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--logprobs-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -622,7 +679,10 @@ def main() -> None:
             hide_modules(ABSENT_ON_GPU_MACHINE)
         rows = {"train": lambda: phase_train(mode, args.steps, args.profile),
                 "ipc": lambda: phase_ipc(mode),
-                "logprobs": lambda: phase_logprobs(mode, args.logprobs_out)}[args.phase]()
+                "logprobs": lambda: phase_logprobs(mode, args.logprobs_out),
+                "vs_ours": lambda: phase_vs(mode, "ours", args.steps, args.compile_layers),
+                "vs_transformers": lambda: phase_vs(mode, "transformers", args.steps, False),
+                }[args.phase]()
         args.result.write_text(json.dumps([asdict(r) for r in rows]))
         return
 
@@ -636,7 +696,7 @@ def main() -> None:
         )
     print(environment_line(mode), flush=True)
     started = time.perf_counter()
-    results = run_checks(mode, set(args.only), args.steps, args.profile)
+    results = run_checks(mode, set(args.only), args.steps, args.profile, args.compile_layers)
     for r in results:
         if r.status == "SKIP":
             report(r)

@@ -15,6 +15,14 @@ The q/k norms of attention (Qwen3's ``q_layernorm`` / ``k_layernorm``) are the s
 they normalise each head's vector, their TP ranks see different heads (whatever the sequence
 split), and megatron-core sums their gradients over TP by name whenever ``qk_layernorm`` is on,
 so the tag adds no second reduction (the finaliser takes each parameter once).
+
+Compute dtype: torch builds the norm's parameters in float32, and a bf16 activation with a
+float32 weight cannot use torch's fused norm kernel (torch warns "cannot dispatch to fused
+implementation" and runs several unfused float32 kernels). The norms here cast their weight
+(and bias) to the input's dtype in the forward, so the fused kernel runs in the compute dtype;
+the parameters, their gradients (through the cast) and checkpoints stay float32. With float32
+activations nothing changes. In bf16 the output differs from the float32-weight norm by the
+weight's rounding to bf16 (at most one bf16 ulp of each output, relative 2**-8).
 """
 
 from __future__ import annotations
@@ -22,11 +30,35 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+
+def _in_dtype(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return param if param is None or param.dtype == dtype else param.to(dtype)
+
+
+class ComputeDtypeRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose weight is cast to the input's dtype in the forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, _in_dtype(self.weight, x.dtype), self.eps)
+
+
+class ComputeDtypeLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose weight and bias are cast to the input's dtype in the
+    forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(
+            x, self.normalized_shape, _in_dtype(self.weight, x.dtype),
+            _in_dtype(self.bias, x.dtype), self.eps,
+        )
 
 
 class LocalNorm:
-    """Builds torch's ``RMSNorm`` or ``LayerNorm`` (per ``config.normalization``) over the last
-    ``hidden_size`` features, its parameters tagged with ``sequence_parallel``.
+    """Builds torch's ``RMSNorm`` or ``LayerNorm`` (per ``config.normalization``; in the
+    input's dtype, :class:`ComputeDtypeRMSNorm`) over the last ``hidden_size`` features, its
+    parameters tagged with ``sequence_parallel``.
 
     A spec entry like megatron's norms: ``build_module`` calls it with the transformer config,
     the normalised size (``hidden_size``, or the head size for q/k norms) and epsilon.
@@ -37,7 +69,7 @@ class LocalNorm:
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
         kind = config.normalization
-        norm_classes = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        norm_classes = {"RMSNorm": ComputeDtypeRMSNorm, "LayerNorm": ComputeDtypeLayerNorm}
         if kind not in norm_classes:
             raise ValueError(
                 f"the local layer spec supports normalization RMSNorm or LayerNorm, not "

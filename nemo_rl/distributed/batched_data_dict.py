@@ -272,11 +272,16 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
         seq_len = self[plan.input_key].shape[1]
         for (start, end), length in zip(plan.ranges, plan.lengths):
             micro_batch = self._rows(start, end)
-            for key, value in micro_batch.items():
-                is_tensor = isinstance(value, torch.Tensor)
-                if is_tensor and value.ndim >= 2 and value.shape[1] == seq_len:
-                    micro_batch[key] = value[:, :length]
+            micro_batch.cut_sequences(seq_len, length)
             yield micro_batch
+
+    def cut_sequences(self, seq_len: int, length: int) -> None:
+        """In place: every tensor ``[batch, seq_len, ...]`` keeps its first ``length``
+        positions (a ``length`` beyond ``seq_len`` keeps them all)."""
+        for key, value in self.items():
+            is_tensor = isinstance(value, torch.Tensor)
+            if is_tensor and value.ndim >= 2 and value.shape[1] == seq_len:
+                self[key] = value[:, :length]
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
         """Number of micro-batches :meth:`make_microbatch_iterator_with_dynamic_shapes` yields."""

@@ -47,7 +47,9 @@ PP)):
   backward. With PP the first stage holds PP micro-batches in flight (1F1B).
 * logits: [tokens / CP, V' / TP] in fp32 (the output layer's 16-bit logits and their gradient,
   about as large, or the loss's fp32 statistics), counted on the same GPU as the activations
-  (conservative with PP > 1, where the head sits on the last stage).
+  (conservative with PP > 1, where the head sits on the last stage); with the LM head fused
+  with the logprobs (``policy.logprob_chunk_size``, when smaller than the micro-batch's local
+  tokens) twice one chunk's [chunk, V' / TP] in fp32.
 * refit ring: :func:`refit_staging_bytes` of the bucket size and the largest record of the
   stream (the embedding, or a MoE layer's stacked experts [E, 2f_e, h]) in the engines' dtype.
 * vLLM weights: P_total x its dtype / its TP; KV cache: the rest of its budget
@@ -202,6 +204,8 @@ class TrainingSetup:
         logprob_micro_batch_tokens: tokens of one logprob micro-batch; None: no logprob pass
             (a supervised run).
         padded_vocab_size: embedding rows Megatron allocates for this TP.
+        logprob_chunk_size: ``policy.logprob_chunk_size``: the LM head is fused with the
+            logprobs and only this many tokens' logits exist at once; None: the full logits.
     """
 
     world_size: int
@@ -217,6 +221,7 @@ class TrainingSetup:
     micro_batch_tokens: int
     logprob_micro_batch_tokens: int | None
     padded_vocab_size: int
+    logprob_chunk_size: int | None = None
 
     @property
     def dp(self) -> int:
@@ -521,11 +526,22 @@ def _forward_activation_term(model: ModelShape, t: TrainingSetup, tokens: int) -
 
 
 def _logits_term(t: TrainingSetup, tokens: int, key: str) -> Term:
-    nbytes = tokens // t.cp * (t.padded_vocab_size // t.tp) * FP32_BYTES
     split = f" / CP {t.cp}" if t.cp > 1 else ""
+    local = tokens // t.cp
+    if t.logprob_chunk_size is not None and t.logprob_chunk_size < local:
+        # fused LM head: one chunk's fp32 logits, and as much again for the matmul's output
+        # and the chunk's gradient in the backward
+        chunk = t.logprob_chunk_size
+        return Term(
+            LOGITS,
+            2 * chunk * (t.padded_vocab_size // t.tp) * FP32_BYTES,
+            f"2 x [{chunk} tokens (policy.logprob_chunk_size), {t.padded_vocab_size} vocab / "
+            f"TP {t.tp}] x 4 B",
+            "a smaller policy.logprob_chunk_size",
+        )
     return Term(
         LOGITS,
-        nbytes,
+        local * (t.padded_vocab_size // t.tp) * FP32_BYTES,
         f"[{tokens} tokens{split}, {t.padded_vocab_size} vocab / TP {t.tp}] x 4 B",
         f"fewer tokens per micro-batch ({key}) or a larger {_MCFG}.tensor_model_parallel_size",
     )

@@ -167,6 +167,13 @@ class MegatronConfig(ConfigModel):
     scheduler: MegatronSchedulerConfig = Field(
         default_factory=MegatronSchedulerConfig, description="Learning-rate schedule."
     )
+    compile_transformer_layers: bool = Field(
+        default=False,
+        description="torch.compile each transformer layer on its own (regional compilation, "
+        "as torchtitan does): fuses RoPE, SwiGLU, residual adds and casts between the "
+        "matmuls. Costs a compile at the first step and at each new micro-batch shape. Off "
+        "until a GPU run measures it (docs/performance.md).",
+    )
     activation_checkpointing: bool = Field(
         default=False,
         description="Recompute each layer's activations in the backward pass: less memory, "
@@ -377,6 +384,16 @@ class PolicyConfig(ConfigModel):
     )
     max_total_sequence_length: int = Field(
         default=256, ge=2, description="Longest prompt + response, in tokens."
+    )
+    logprob_chunk_size: int | None = Field(
+        default=1024,
+        ge=1,
+        description="Tokens whose logits exist at once when the Megatron worker scores tokens "
+        "(logprob passes and the training step of logprob losses: NLL, GRPO, DPO): the LM "
+        "head is fused with the log-softmax and run chunk by chunk, forward and backward, so "
+        "the [tokens, vocab] logits and their float32 copy and gradient never exist in full. "
+        "None: the output layer's full logits, then the logprobs (the un-fused path; "
+        "distillation, reward models and top-k scoring always take it).",
     )
     precision: Precision = Field(
         default="float32",

@@ -106,6 +106,7 @@ def plan_policy_memory(
         micro_batch_tokens=train_tokens,
         logprob_micro_batch_tokens=logprob_tokens if with_generation else None,
         padded_vocab_size=bridge.padded_vocab(tp),
+        logprob_chunk_size=policy.logprob_chunk_size,
     )
     generation = None
     if with_generation:

@@ -125,3 +125,39 @@ def test_hidden_modules_look_uninstalled():
     )
     proc = run([sys.executable, "-c", code], 60)
     assert proc.stdout.strip() == "hidden", proc.stderr
+
+
+def test_vs_transformers_prints_each_ratio_and_the_missed_targets():
+    from benchmarks.gpu_check_vs_transformers import GPU_SHAPES, compare
+
+    gib = 2**30
+    ours = dict(uniform_train=0.4, uniform_logprobs=0.1, long_train=0.5, skewed_train=0.2,
+                peak_memory=50 * gib)
+    theirs = dict(uniform_train=0.5, uniform_logprobs=0.1, long_train=0.5, skewed_train=0.5,
+                  peak_memory=40 * gib)
+    ok, summary, numbers = compare(ours, theirs, GPU_SHAPES, 700e12, dry_run=False)
+    assert not ok and numbers["missed"] == ["uniform_logprobs", "peak_memory"]
+    assert "uniform_train 0.400 / 0.500 s = 0.80" in summary
+    assert "peak_memory 50.000 / 40.000 GiB = 1.25" in summary
+    assert numbers["ratios"]["skewed_train"] == pytest.approx(0.4)
+    # the Qwen2.5-1.5B shape's 160 TFLOP for 8 x 2048 tokens in 0.4 s of a 700 TFLOP/s peak
+    assert numbers["mfu"]["ours"] == pytest.approx(0.573, abs=0.005)
+    assert summary.endswith("(missed: uniform_logprobs, peak_memory)")
+
+
+@pytest.mark.slow
+def test_vs_transformers_dry_run_measures_both_sides(tmp_path):
+    out = tmp_path / "vs.json"
+    proc = run(["bash", str(SCRIPT), "--dry-run", "--only", "vs_transformers", "--steps", "1",
+                "--json", str(out)], 600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = {r["name"]: r for r in json.loads(out.read_text())}
+    result = results.pop("vs_transformers")
+    assert result["status"] == "PASS", result
+    assert {r["status"] for r in results.values()} == {"SKIP"}  # the others, not named
+    numbers = result["numbers"]
+    for case in ("uniform_train", "uniform_logprobs", "long_train", "skewed_train"):
+        assert numbers["ratios"][case] > 0, case
+    assert numbers["ratios"]["peak_memory"] is None  # no CUDA in a dry run
+    assert "[PASS] vs_transformers: ours / transformers: uniform_train " in proc.stdout
+    assert "1 passed, 0 failed, 5 skipped" in proc.stdout

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nemo_rl.distributed.fused_lm_head import token_logprobs
 from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
 from nemo_rl.models.megatron.context_parallel_attention import context_parallel_positions
 
@@ -171,6 +172,16 @@ class _GatherContextParallel(torch.autograd.Function):
         return grad.index_select(1, local_pos), None, None, None
 
 
+def _tp_vocab_range(width: int) -> tuple[Any, int]:
+    """``(tp_group, first token id)`` of this TP rank's ``width`` vocabulary rows."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_rank() * width,
+    )
+
+
 def logprobs_from_logits(
     logits: Tensor, inputs: ModelInputs, inference_only: bool
 ) -> Tensor:
@@ -181,31 +192,81 @@ def logprobs_from_logits(
         inputs: what :func:`build_model_inputs` made for the same micro-batch.
         inference_only: build no autograd graph.
     """
-    from megatron.core import parallel_state
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     width = logits.shape[-1]
-    vocab = (tp_rank * width, (tp_rank + 1) * width)
+    tp_group, start = _tp_vocab_range(width)
+    vocab = (start, start + width)
     logits = logits.float() if logits.dtype != torch.float32 else logits
     if inputs.next_targets is None:
         row = from_parallel_logits_to_logprobs(
             logits, inputs.input_ids, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
         )
-    else:
-        # Score the next token of every local position: put a dummy position in front so the
-        # function's "target t from logits t-1" rule pairs logits[i] with next_targets[i].
-        b = logits.shape[0]
-        padded_logits = torch.cat([logits, logits.new_zeros(b, 1, width)], dim=1)
-        targets = torch.cat([inputs.next_targets.new_zeros(b, 1), inputs.next_targets], dim=1)
-        next_local = from_parallel_logits_to_logprobs(
-            padded_logits, targets, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
-        )[:, 1:]
-        cp_group = parallel_state.get_context_parallel_group()
-        next_full = _GatherContextParallel.apply(
-            next_local, inputs.local_positions, inputs.all_positions, cp_group
-        )
-        row = torch.cat([next_full.new_zeros(b, 1), next_full[:, :-1]], dim=1)
+        return _to_batch_layout(row, inputs)
+    # Score the next token of every local position: put a dummy position in front so the
+    # function's "target t from logits t-1" rule pairs logits[i] with next_targets[i].
+    b = logits.shape[0]
+    padded_logits = torch.cat([logits, logits.new_zeros(b, 1, width)], dim=1)
+    targets = torch.cat([inputs.next_targets.new_zeros(b, 1), inputs.next_targets], dim=1)
+    next_local = from_parallel_logits_to_logprobs(
+        padded_logits, targets, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
+    )[:, 1:]
+    return _from_next_token_scores(next_local, inputs)
+
+
+def logprobs_from_hidden(
+    hidden: Tensor, weight: Tensor, inputs: ModelInputs, inference_only: bool, chunk_size: int
+) -> Tensor:
+    """:func:`logprobs_from_logits` with the LM head fused in
+    (:func:`~nemo_rl.distributed.fused_lm_head.token_logprobs`): the same ``[B, S]`` float32
+    logprobs, the logits formed ``chunk_size`` tokens at a time. Without CP only the scored
+    tokens (``1 <= t < input_lengths``) go through the LM head.
+
+    Args:
+        hidden: ``[b, t_local, h]`` the output layer's input on this rank
+            (:func:`~nemo_rl.models.megatron.lm_head.output_layer_returns_hidden`).
+        weight: ``[V / TP, h]`` this rank's LM-head rows.
+        inputs: what :func:`build_model_inputs` made for the same micro-batch.
+        inference_only: build no autograd graph.
+        chunk_size: tokens whose logits exist at once.
+    """
+    tp_group, start = _tp_vocab_range(weight.shape[0])
+    h = hidden.shape[-1]
+    if inputs.next_targets is not None:
+        b, t_local = inputs.next_targets.shape
+        next_local = token_logprobs(
+            hidden.reshape(-1, h), weight, inputs.next_targets.reshape(-1), start, tp_group,
+            chunk_size, inference_only,
+        ).view(b, t_local)
+        return _from_next_token_scores(next_local, inputs)
+    rows, cols, model_rows, model_cols = _scored_tokens(inputs, hidden.device)
+    values = token_logprobs(
+        hidden[model_rows, model_cols - 1], weight, inputs.input_ids[model_rows, model_cols],
+        start, tp_group, chunk_size, inference_only,
+    )
+    out = values.new_zeros(inputs.lengths.numel(), inputs.seq_len)
+    return out.index_put((rows, cols), values)
+
+
+def _scored_tokens(inputs: ModelInputs, device: torch.device) -> tuple[Tensor, ...]:
+    """``(rows, cols)`` in ``[B, S]`` of every scored token (``1 <= t < input_lengths``) and
+    ``(model_rows, model_cols)``: where that token sits in the model's (non-CP) layout."""
+    t = torch.arange(inputs.seq_len, device=device)
+    lengths = inputs.lengths.to(device)
+    rows, cols = ((t[None, :] >= 1) & (t[None, :] < lengths[:, None])).nonzero(as_tuple=True)
+    if inputs.sample_offsets is None:
+        return rows, cols, rows, cols
+    return rows, cols, torch.zeros_like(rows), inputs.sample_offsets.to(device)[rows] + cols
+
+
+def _from_next_token_scores(next_local: Tensor, inputs: ModelInputs) -> Tensor:
+    """CP > 1: ``[b, t_local]`` scores of each local token's next token -> ``[B, S]``."""
+    from megatron.core import parallel_state
+
+    b = next_local.shape[0]
+    cp_group = parallel_state.get_context_parallel_group()
+    next_full = _GatherContextParallel.apply(
+        next_local, inputs.local_positions, inputs.all_positions, cp_group
+    )
+    row = torch.cat([next_full.new_zeros(b, 1), next_full[:, :-1]], dim=1)
     return _to_batch_layout(row, inputs)
 
 

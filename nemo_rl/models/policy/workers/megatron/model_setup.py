@@ -28,6 +28,7 @@ from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
 from nemo_rl.models.megatron import torch_fused
+from nemo_rl.models.megatron.compiled_layers import compile_transformer_layers
 from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_stage_spec
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
 from nemo_rl.models.policy.workers.megatron.moe import freeze_routers, moe_overrides
@@ -72,6 +73,8 @@ class PolicyModel:
         layout: parallel sizes of this run.
         dtype: parameter dtype.
         lora: the model's LoRA adapters (``megatron_cfg.peft``); None when it has none.
+        logprob_chunk_size: ``policy.logprob_chunk_size``: tokens per chunk of the LM head
+            fused with the logprobs; None: the output layer's full logits.
     """
 
     model: Any
@@ -81,6 +84,7 @@ class PolicyModel:
     layout: ParallelLayout
     dtype: torch.dtype
     lora: LoraSpec | None = None
+    logprob_chunk_size: int | None = None
 
 
 class FrozenStage(torch.nn.Module):
@@ -197,6 +201,8 @@ def build_gpt_stage(
         model.cuda(torch.cuda.current_device())
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
+    if mcfg.compile_transformer_layers:
+        compile_transformer_layers(model)
     if mcfg.freeze_moe_router:
         freeze_routers(model)
     return model, bridge, tconfig
@@ -436,9 +442,13 @@ def setup_policy_model(
         bridge = attach_score_head(model, bridge, model_path, seed)
     lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:
-        return PolicyModel(FrozenStage(model), None, None, bridge, layout, dtype, lora)
+        return PolicyModel(
+            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size
+        )
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
-    return PolicyModel(ddp, optimizer, scheduler, bridge, layout, dtype, lora)
+    return PolicyModel(
+        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size
+    )

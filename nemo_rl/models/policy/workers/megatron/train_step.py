@@ -10,6 +10,7 @@ losses sum to the global loss however the batch is split.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from megatron_bridge.parallel_state import collective_device
 
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.megatron.lm_head import output_layer_returns_hidden, output_weight
 from nemo_rl.models.policy.workers.megatron.distillation import (
     distillation_loss_inputs,
     teacher_topk,
@@ -27,6 +29,7 @@ from nemo_rl.models.policy.workers.megatron.distillation import (
 from nemo_rl.models.policy.workers.megatron.forward import (
     ModelInputs,
     build_model_inputs,
+    logprobs_from_hidden,
     logprobs_from_logits,
     rewards_from_outputs,
     run_micro_batches,
@@ -45,7 +48,8 @@ def micro_batches(
     """The micro-batches of ``batch`` and whether they are to be packed.
 
     A batch carrying a micro-batch plan is cut by the plan (dynamic: padded micro-batches of
-    their planned length; packed: bins); otherwise into ``mbs`` rows each.
+    their planned length; packed: bins); otherwise into ``mbs`` rows each, every micro-batch
+    cut to its longest row (:func:`trim_to_longest_row`).
 
     Raises:
         ValueError: a packing plan while ``sequence_packing.enabled`` is false (the model was
@@ -53,7 +57,7 @@ def micro_batches(
     """
     plan = batch.micro_batch_plan
     if plan is None:
-        return list(batch.make_microbatch_iterator(mbs)), False
+        return [trim_to_longest_row(mb) for mb in batch.make_microbatch_iterator(mbs)], False
     if plan.kind == "dynamic":
         return list(batch.make_microbatch_iterator_with_dynamic_shapes()), False
     if not packing_enabled:
@@ -62,6 +66,15 @@ def micro_batches(
             "false; enable it in the policy config (the model needs packed-sequence attention)"
         )
     return list(batch.make_microbatch_iterator_for_packable_sequences()), True
+
+
+def trim_to_longest_row(mb: BatchedDataDict) -> BatchedDataDict:
+    """``mb`` with every per-token tensor (``[b, S, ...]``, ``S`` = ``input_ids``' length) cut
+    to ``max(input_lengths)`` positions: the model and the loss see no column that is padding
+    in every row. Causal attention makes the kept positions' outputs the same; results are
+    padded back to ``S`` where rows are returned (:func:`_score`)."""
+    mb.cut_sequences(mb["input_ids"].shape[1], max(int(mb["input_lengths"].max()), 1))
+    return mb
 
 
 def sequence_parallel_size(policy: PolicyModel) -> int:
@@ -196,13 +209,15 @@ def train_global_batch(
     mbs_data = [mb.to(device) for mb in mbs_data]
     inputs = model_inputs(policy, mbs_data, packed)
 
+    fused = fused_lm_head(policy, loss_fn.input_type)
+
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        loss, metrics = loss_fn(
-            mbs_data[index],
-            valid_seqs,
-            valid_toks,
-            **loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode),
-        )
+        if fused:  # the output layer handed back its input: the LM head runs fused here
+            logprobs = scored_logprobs(policy, logits, inputs[index], eval_mode)
+            scored = {"next_token_logprobs": logprobs}
+        else:
+            scored = loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode)
+        loss, metrics = loss_fn(mbs_data[index], valid_seqs, valid_toks, **scored)
         return loss, {"loss": float(loss.detach()), "metrics": metrics}
 
     model = policy.model
@@ -216,7 +231,7 @@ def train_global_batch(
     router_tokens = [mb.input_ids.numel() // sp_size for mb in inputs]
     with torch.set_grad_enabled(not eval_mode), per_token_coefficients(
         tconfig, router_tokens, router_group
-    ):
+    ), lm_head_mode(policy, fused):
         outputs = run_micro_batches(model, inputs, eval_mode, on_logits)
     grad_norm, router_losses = None, {}
     if not eval_mode:
@@ -238,6 +253,29 @@ def train_global_batch(
         "metrics": {k.removeprefix("metrics/"): v for k, v in summed.items()} | router_losses,
         "num_micro_batches": len(inputs),
     }
+
+
+def fused_lm_head(policy: PolicyModel, input_type: LossInputType) -> bool:
+    """Whether the LM head runs fused with the logprobs (``policy.logprob_chunk_size`` set)
+    for outputs of ``input_type``: logprobs only (distillation's top-k and a reward head need
+    the model's own outputs)."""
+    return policy.logprob_chunk_size is not None and input_type == LossInputType.LOGPROB
+
+
+def lm_head_mode(policy: PolicyModel, fused: bool) -> Any:
+    """The context the micro-batches run in: the output layer hands back its input when
+    ``fused``; otherwise nothing changes."""
+    return output_layer_returns_hidden(policy.model.module) if fused else nullcontext()
+
+
+def scored_logprobs(
+    policy: PolicyModel, hidden: Tensor, inputs: ModelInputs, inference_only: bool
+) -> Tensor:
+    """``[B, S]`` float32 logprobs from the output layer's input ``hidden`` (fused LM head)."""
+    return logprobs_from_hidden(
+        hidden, output_weight(policy.model.module), inputs, inference_only,
+        policy.logprob_chunk_size,
+    )
 
 
 def loss_inputs(
@@ -266,10 +304,12 @@ def _score(
     mbs: int,
     packing_enabled: bool,
     score: Callable[[Tensor, ModelInputs], dict[str, Tensor]],
+    fused: bool = False,
 ) -> dict[str, Tensor] | None:
     """Per-row tensors ``score(logits, inputs)`` of every micro-batch of ``data`` (no grad),
     each ``[b]`` or ``[b, S, ...]`` (cut or zero-padded to ``data``'s ``S``), concatenated in
-    row order on the CPU; None off the last pipeline stage."""
+    row order on the CPU; None off the last pipeline stage. ``fused``: ``score`` gets the
+    output layer's input instead of logits (:func:`lm_head_mode`)."""
     from megatron.core import parallel_state
 
     mbs_data, packed = micro_batches(data, mbs, packing_enabled)
@@ -279,7 +319,7 @@ def _score(
         return logits.new_zeros(()), score(logits, inputs[index])
 
     policy.model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), lm_head_mode(policy, fused):
         outputs = run_micro_batches(policy.model, inputs, True, on_logits)
     if not parallel_state.is_pipeline_last_stage():
         return None
@@ -302,10 +342,11 @@ def _score_rows(
     mbs: int,
     packing_enabled: bool,
     score: Callable[[Tensor, ModelInputs], Tensor],
+    fused: bool = False,
 ) -> Tensor | None:
     """:func:`_score` of one per-row tensor ``score(outputs, inputs)``; None off the last
     pipeline stage."""
-    out = _score(policy, data, mbs, packing_enabled, lambda o, i: {"rows": score(o, i)})
+    out = _score(policy, data, mbs, packing_enabled, lambda o, i: {"rows": score(o, i)}, fused)
     return None if out is None else out["rows"]
 
 
@@ -318,10 +359,14 @@ def compute_logprobs(
         The logprobs on the last pipeline stage, None on the others.
     """
 
-    def score(logits: Tensor, inputs: ModelInputs) -> Tensor:
-        return logprobs_from_logits(logits, inputs, inference_only=True).float()
+    fused = fused_lm_head(policy, LossInputType.LOGPROB)
 
-    return _score_rows(policy, data, mbs, packing_enabled, score)
+    def score(outputs: Tensor, inputs: ModelInputs) -> Tensor:
+        if fused:
+            return scored_logprobs(policy, outputs, inputs, inference_only=True)
+        return logprobs_from_logits(outputs, inputs, inference_only=True).float()
+
+    return _score_rows(policy, data, mbs, packing_enabled, score, fused)
 
 
 def compute_topk_logits(

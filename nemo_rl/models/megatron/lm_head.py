@@ -1,0 +1,71 @@
+"""The GPTModel's output layer made to hand back its input, so the LM head can be fused with the
+log-probabilities (:mod:`nemo_rl.distributed.fused_lm_head`) instead of materialising logits.
+
+Inside :func:`output_layer_returns_hidden` the last stage's ``output_layer`` returns what its
+matmul would have multiplied: the final norm's output after the output layer's own input
+mapping (all-gathered over the sequence under sequence parallelism, else entering the TP
+region whose backward sums the input gradient over the TP ranks), so the stage's forward
+returns ``[b, s, hidden]`` instead of ``[b, s, vocab / TP]``. :func:`output_weight` is the
+matrix the output layer would have used (the embedding when tied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient reaching the
+    output layer's input comes back through the stage's ``[b, s] -> [s, b]`` transpose, and the
+    TP mapping all-reduces it (gloo mishandles non-contiguous buffers; the output layer's own
+    matmul gradient is contiguous)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def output_weight(stage: Any) -> Tensor:
+    """``[vocab / TP, hidden]`` rows of the LM head on this rank of the last stage (the
+    word-embedding parameter when input and output embeddings are tied)."""
+    if stage.share_embeddings_and_output_weights:
+        return stage.shared_embedding_or_output_weight()
+    return stage.output_layer.weight
+
+
+@contextmanager
+def output_layer_returns_hidden(stage: Any) -> Iterator[None]:
+    """Within the block, ``stage``'s output layer returns its (TP-mapped) input ``[s, b, h]``
+    instead of logits; a stage without an output layer (not the last pipeline stage) is left
+    alone."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    layer = getattr(stage, "output_layer", None) if stage.post_process else None
+    if layer is None:
+        yield
+        return
+
+    def passthrough(input_: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
+        if layer.sequence_parallel:
+            mapped = gather_from_sequence_parallel_region(input_, group=layer.tp_group)
+        else:
+            mapped = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+        return _ContiguousGrad.apply(mapped), None
+
+    layer.forward = passthrough
+    try:
+        yield
+    finally:
+        del layer.forward  # back to the class's forward
