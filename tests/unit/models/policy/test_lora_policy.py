@@ -147,7 +147,7 @@ def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path
         expected = w.train(second, NLLLoss())
         after = _adapters(w)
     assert (tmp_path / "ckpt" / "lora.json").is_file()
-    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", merged=True)
     reader = SafetensorsReader(str(tmp_path / "hf"))
     assert sorted(reader.names()) == sorted(merged)
     assert all(torch.equal(reader.read(n), merged[n]) for n in merged), "export is not merged"
