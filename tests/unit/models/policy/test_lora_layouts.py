@@ -224,27 +224,21 @@ def test_a_tp2_checkpoint_loads_at_tp1(results: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_exports_merged(results: list[dict]) -> None:
+@pytest.mark.parametrize("stream", ["merged", "adapters"])
+def test_a_tp2_checkpoint_exports_the_trained_policy(results: list[dict], stream: str) -> None:
+    """Without a model: the merged HF weights (``nemo-rl export --merged``) and the PEFT-layout
+    adapters (``nemo-rl export``) of the trained TP=2 policy."""
     from megatron_bridge import checkpoint_hf_weights
-    from megatron_bridge.checkpoint import checkpoint_bridge
-
-    ckpt = results[0]["saved_dir"]
-    exported = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
-    live = results[0][SAVED]["merged_after"]
-    assert sorted(exported) == sorted(live)
-    for key, tensor in live.items():
-        torch.testing.assert_close(exported[key], tensor, rtol=0, atol=1e-6, msg=key)
-    assert any(not torch.equal(live[k], results[0][SAVED]["merged"][k]) for k in live)  # trained
-
-
-@pytest.mark.slow
-def test_a_tp2_checkpoint_exports_its_adapters_in_peft_layout(results: list[dict]) -> None:
     from megatron_bridge.checkpoint import checkpoint_bridge
     from megatron_bridge.dist_ckpt_reader import checkpoint_lora_weights
 
     ckpt = results[0]["saved_dir"]
-    exported = dict(checkpoint_lora_weights(ckpt, checkpoint_bridge(ckpt)))
-    live = results[0][SAVED]["after"]
+    read = checkpoint_hf_weights if stream == "merged" else checkpoint_lora_weights
+    exported = dict(read(ckpt, checkpoint_bridge(ckpt)))
+    live = results[0][SAVED]["merged_after" if stream == "merged" else "after"]
     assert sorted(exported) == sorted(live)
     for key, tensor in live.items():
-        assert torch.equal(exported[key], tensor), key
+        torch.testing.assert_close(exported[key], tensor, rtol=0, atol=1e-6, msg=key)
+    before = results[0][SAVED]["merged"]
+    if stream == "merged":
+        assert any(not torch.equal(live[k], before[k]) for k in live)  # trained
