@@ -24,6 +24,7 @@ import torch
 from nemo_rl.algorithms import dpo, sft
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
+from nemo_rl.models.model_path import resolve_model_path
 from nemo_rl.models.policy import export
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
@@ -61,7 +62,7 @@ def test_sft_lora_recipe_trains_and_exports_a_peft_adapter(tmp_path: Path) -> No
     assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "adapter")]) == 0
     assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merged"]) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    base_path = cfg.policy.model_name
+    base_path = resolve_model_path(cfg.policy.model_name)  # tiny-llama: its local folder
     assert (config["r"], config["lora_alpha"]) == (8, 16)
     assert config["base_model_name_or_path"] == base_path
     assert not (tmp_path / "adapter" / "config.json").exists()  # adapters only

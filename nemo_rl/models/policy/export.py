@@ -95,13 +95,17 @@ def _describe_with_model(policy_dir: Path, model: str, staging: Path) -> Path:
 
 def _trained_model_name(policy_dir: Path) -> str | None:
     """``policy.model_name`` of the run that saved ``policy_dir`` (its ``step_<n>`` folder's
-    recorded recipe); None when not recorded."""
+    recorded recipe), a tiny model's name as its local folder (what transformers loads); None
+    when not recorded."""
     import yaml
+
+    from nemo_rl.models.model_path import TINY_MODEL_NAMES, resolve_model_path
 
     recipe = policy_dir.parent / RUN_CONFIG_FILE
     if not recipe.is_file():
         return None
-    return (yaml.safe_load(recipe.read_text()) or {}).get("policy", {}).get("model_name")
+    name = (yaml.safe_load(recipe.read_text()) or {}).get("policy", {}).get("model_name")
+    return resolve_model_path(name) if name in TINY_MODEL_NAMES else name
 
 
 def export_checkpoint(
