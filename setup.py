@@ -55,6 +55,8 @@ EXTRAS = {
         "pytest>=8.0",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # the LoRA export's check: PEFT loads our adapter folder onto the base model
+        "peft>=0.21",
     ],
 }
 

@@ -2,6 +2,7 @@
 
     megatron-bridge convert --from hf --to megatron --tp 2 --pp 1 SRC DST
     megatron-bridge convert --from megatron --to hf --dtype bfloat16 SRC DST
+    megatron-bridge convert --from megatron --to peft [--base-model NAME] SRC DST
     megatron-bridge verify HF_DIR [MEGATRON_DIR] --tp 2 --pp 1 [--ep 2]
     megatron-bridge info PATH
 
@@ -18,6 +19,10 @@ save it, the same at every ``--ep``; it loads at any layout). ``verify`` builds 
 (gloo on CPU, nccl with one GPU per rank); a single rank runs in the command's own process.
 Every argument is checked before any work starts; the output is written to a temporary
 sibling folder and renamed into place only on success.
+
+``--to hf`` of a checkpoint with LoRA adapters (``lora.json``) writes the merged model
+(``W + scale * B A``); ``--to peft`` writes its adapters alone as a PEFT adapter folder
+(:mod:`megatron_bridge.peft_adapter`), which the ``peft`` package loads onto the base model.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import torch
 from megatron_bridge.checkpoint import (
     BRIDGE_FILE,
     HF_ASSETS_DIR,
+    LORA_FILE,
     checkpoint_bridge,
     export_dtype,
     read_bridge_metadata,
+    read_lora_spec,
     save_hf_checkpoint,
 )
 from megatron_bridge.config import BridgeConfig, dtype_from_name, dtype_name
@@ -47,6 +54,7 @@ from megatron_bridge.fallback_warnings import quiet_fallback_warnings
 from megatron_bridge.folders import make_unique_dir
 from megatron_bridge.hub import resolve_hf_checkpoint
 from megatron_bridge.load import SafetensorsReader
+from megatron_bridge.peft_adapter import save_peft_adapter
 from megatron_bridge.tensor_check import check_hf_tensors
 
 DEFAULT_PROMPTS = (
@@ -162,10 +170,19 @@ def _convert(opts: dict[str, Any]) -> None:
             sync_files=opts["fsync"],
         )
         return
-    from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights
+    from megatron_bridge.dist_ckpt_reader import checkpoint_hf_weights, checkpoint_lora_weights
 
     dtype = dtype_from_name(opts["dtype"]) if opts["dtype"] else export_dtype(opts["src"])
     bridge = checkpoint_bridge(opts["src"])
+    if opts["to"] == "peft":
+        lora = read_lora_spec(opts["src"])
+        assert lora is not None  # checked before the conversion started
+        # the adapters' own dtype (policy.megatron_cfg.peft.lora_dtype) unless --dtype
+        own = dtype_from_name(opts["dtype"]) if opts["dtype"] else None
+        adapters = checkpoint_lora_weights(opts["src"], bridge, own)
+        save_peft_adapter(adapters, lora.settings, bridge.num_layers, opts["tmp"],
+                          opts["base_model"])
+        return
     count = sum(len(m.hf_names) for m in bridge.plan())
     weights = _progress(checkpoint_hf_weights(opts["src"], bridge, dtype), count, "exporting")
     assets = Path(opts["src"]) / HF_ASSETS_DIR
@@ -245,6 +262,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             dtype_from_name(args.dtype)
         except ValueError as err:
             raise CliError(f"--dtype: {err}") from err
+    if args.to == "peft" and args.from_ != "megatron":
+        raise CliError("--to peft writes the LoRA adapters of a Megatron checkpoint: use --from "
+                       "megatron")
+    if args.base_model and args.to != "peft":
+        raise CliError("--base-model is recorded in a PEFT adapter folder only (--to peft)")
     if args.from_ == "megatron" and (args.tp or args.pp or args.ep):
         raise CliError(
             "--tp/--pp/--ep set the layout of a Megatron checkpoint being written (--to "
@@ -253,6 +275,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     args.tp, args.pp, args.ep = args.tp or 1, args.pp or 1, args.ep or 1
     bridge = _check_source(src, args.from_)
+    if args.to == "peft" and read_lora_spec(src) is None:
+        raise CliError(f"{src} holds no LoRA adapters (no {LORA_FILE}): convert it --to hf")
     if args.ep > 1 and not bridge.is_moe:
         raise CliError(
             f"--ep {args.ep}: expert parallelism needs a mixture-of-experts model; "
@@ -262,6 +286,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     tmp = _prepare_output(dst, args.overwrite)
     opts = {
         "from": args.from_,
+        "to": args.to,
+        "base_model": args.base_model,
         "src": str(src),
         "tmp": str(tmp),
         "tp": args.tp,
@@ -270,7 +296,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         "max_shard_bytes": int(args.max_shard_gb * 1024**3),
         "fsync": args.fsync,
     }
-    if args.from_ == "hf":
+    if args.to == "peft":
+        layout = "LoRA adapters"
+    elif args.from_ == "hf":
         experts = f" ep={args.ep}" if bridge.is_moe else ""
         layout = f"laid out for tp={args.tp} pp={args.pp}{experts}, {args.dtype or 'float32'}"
     else:
@@ -462,7 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser("convert", help="convert between HF and Megatron checkpoints")
     convert.add_argument("--from", dest="from_", choices=("hf", "megatron"), required=True)
-    convert.add_argument("--to", choices=("hf", "megatron"), required=True)
+    convert.add_argument("--to", choices=("hf", "megatron", "peft"), required=True,
+                         help="peft: the LoRA adapters of a Megatron checkpoint as a PEFT "
+                              "adapter folder (hf writes the model with them merged)")
+    convert.add_argument("--base-model", default=None,
+                         help="--to peft: the base model (hub name or folder) recorded as "
+                              "base_model_name_or_path")
     convert.add_argument("--tp", type=int, default=None,
                          help="--to megatron: tensor-parallel size the checkpoint is laid out "
                               "for (sets the vocabulary padding; it loads at any TP/PP); "

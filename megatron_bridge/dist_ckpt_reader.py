@@ -32,7 +32,7 @@ from megatron_bridge.checkpoint import read_lora_spec
 from megatron_bridge.config import BridgeConfig
 from megatron_bridge.dist_ckpt_layout import TensorChunk, tensor_chunks
 from megatron_bridge.lora import LoraSpec
-from megatron_bridge.lora_targets import ADAPTER_SUFFIX
+from megatron_bridge.lora_targets import ADAPTER_PARAMS, ADAPTER_SUFFIX, LoraTarget
 
 # Prefix of the keys megatron-core's optimizers give their sharded state (Adam moments, fp32
 # master copies) in a dist checkpoint saved with the model.
@@ -268,14 +268,65 @@ def _merged_parts(
     target = next((t for t in lora.targets if f"{t.module_name()}.weight" == megatron_name), None)
     if target is None:
         return parts
-    index, _ = lora.stack_index(target)
-
-    def adapter(tensor: str) -> torch.Tensor:
-        key = _adapter_key(chunks[0].key, tensor)
-        shape = reader.shape(key)
-        return reader.read(key, (index, 0, 0), (1, *shape[1:]))[0].float()
-
-    a, b = adapter("lora_A"), adapter("lora_B")
+    a, b = (_read_adapter(reader, lora, target, chunks[0].key, ab).float() for ab in ADAPTER_PARAMS)
     b_parts = b.chunk(len(parts))  # a gated fc1's B: gate rows, then up rows, as its weight
     scale = lora.settings.scale
     return [(w.float() + scale * bp @ a).to(w.dtype) for w, bp in zip(parts, b_parts)]
+
+
+def _read_adapter(
+    reader: DistCheckpointReader, lora: LoraSpec, target: LoraTarget, weight_key: str, tensor: str
+) -> torch.Tensor:
+    """The whole (TP=1) ``lora_A`` ``[r, in]`` or ``lora_B`` ``[out, r]`` of ``target``, whose
+    linear's weight is stored under ``weight_key``: one layer of the stacked adapter tensor."""
+    key = _adapter_key(weight_key, tensor)
+    shape = reader.shape(key)
+    index, _ = lora.stack_index(target)
+    return reader.read(key, (index, 0, 0), (1, *shape[1:]))[0]
+
+
+@torch.no_grad()
+def checkpoint_lora_weights(
+    ckpt_dir: str | Path, bridge: BridgeConfig, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(peft_name, tensor)`` for every LoRA adapter of a Megatron dist checkpoint, in
+    PEFT's layout: the names and values :func:`~megatron_bridge.lora_weights.
+    export_lora_weights` yields on the loaded model (``<hf module>.lora_A.weight`` ``[r, in]``
+    and ``.lora_B.weight`` ``[out, r]`` per HF projection; a fused q/k/v or gate/up adapter's
+    ``A`` repeated per projection, its ``B`` split by rows as the fused weight splits).
+
+    Args:
+        ckpt_dir: a checkpoint with ``lora.json``.
+        bridge: its :class:`BridgeConfig` (:func:`~megatron_bridge.checkpoint.
+            checkpoint_bridge`).
+        dtype: cast to this dtype; None keeps the stored one.
+
+    Raises:
+        ValueError: the checkpoint holds no adapters.
+        KeyError: an adapter tensor missing from the checkpoint.
+    """
+    lora = read_lora_spec(ckpt_dir)
+    if lora is None:
+        raise ValueError(f"{ckpt_dir} holds no LoRA adapters (no lora.json)")
+    reader = DistCheckpointReader(ckpt_dir)
+    plan = {m.megatron_name: m for m in bridge.plan()}
+    dims = bridge.dims(1)
+    try:
+        for target in sorted(lora.targets):
+            mapping = plan[f"{target.module_name()}.weight"]
+            key = tensor_chunks(mapping, bridge, 1, 0)[0].key
+            a, b = (_read_adapter(reader, lora, target, key, ab) for ab in ADAPTER_PARAMS)
+            if dtype is not None:
+                a, b = a.to(dtype), b.to(dtype)
+            # A column-parallel linear's B has its weight's rows (q/k/v, gate/up fused); a
+            # row-parallel linear's A has its weight's columns (one projection).
+            if target.parallel == "column":
+                pairs = [(a, part) for part in mapping.unshard([b], dims)]
+            else:
+                pairs = [(mapping.unshard([a], dims)[0], b)]
+            for name, (a_part, b_part) in zip(mapping.hf_names, pairs, strict=True):
+                module = name.removesuffix(".weight")
+                yield f"{module}.lora_A.weight", a_part.contiguous()
+                yield f"{module}.lora_B.weight", b_part.contiguous()
+    finally:
+        reader.close()

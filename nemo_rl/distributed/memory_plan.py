@@ -34,6 +34,10 @@ PP)):
 * optimizer: Adam's two fp32 moments (SGD's one momentum) and, for 16-bit parameters, an fp32
   master copy: 12 B per parameter in bf16; with ``use_distributed_optimizer`` the dense
   parameters' share is divided by DP and the experts' by DP_e.
+* LoRA (``policy.megatron_cfg.peft``): the base parameters are frozen, so the gradient buffer
+  and the optimizer state cover the adapters only (A_n, the adapter parameters on the most
+  loaded GPU: :meth:`ModelShape.adapter_params` per adapted linear, r (in + out) with the
+  TP-split side divided by TP), and the parameters are P + A_n.
 * activations (16-bit: 2 B per element), per token of a micro-batch on this rank (tokens / CP),
   per layer, as Megatron's activation-memory estimate (Korthikanti et al. 2022) counts them
   for a SwiGLU, grouped-query model with a fused attention kernel (no [s, s] scores kept):
@@ -175,6 +179,27 @@ class ModelShape:
         vocab = vocab_matrices * self.vocab_size * self.hidden_size
         return self.dense_layer_params + self.expert_params + vocab
 
+    def adapter_params(self, linear: str, dim: int, tp: int) -> int:
+        """Elements of one rank-``dim`` LoRA adapter ``A [dim, in]``, ``B [out, dim]`` on one
+        TP rank: a column-parallel linear (``linear_qkv``, ``linear_fc1``) splits ``B``'s rows
+        over the TP ranks, a row-parallel one (``linear_proj``, ``linear_fc2``) ``A``'s
+        columns; the other matrix is replicated.
+
+        Args:
+            linear: the Megatron linear name of a dense layer.
+            dim: the adapters' rank.
+            tp: tensor-parallel size.
+        """
+        h, d = self.hidden_size, self.head_dim
+        q, kv, f = self.num_attention_heads * d, self.num_kv_heads * d, self.ffn_hidden_size
+        replicated, split = {
+            "linear_qkv": (h, q + 2 * kv),
+            "linear_proj": (h, q),
+            "linear_fc1": (h, 2 * f),
+            "linear_fc2": (h, f),
+        }[linear]
+        return dim * (replicated + split // tp)
+
     def largest_stream_elements(self) -> int:
         """Elements of the largest record of the refit stream: the embedding / LM head, a
         projection, or a MoE layer's stacked gate and up experts [E, 2f_e, h]."""
@@ -206,6 +231,8 @@ class TrainingSetup:
         padded_vocab_size: embedding rows Megatron allocates for this TP.
         logprob_chunk_size: ``policy.logprob_chunk_size``: the LM head is fused with the
             logprobs and only this many tokens' logits exist at once; None: the full logits.
+        adapter_params: LoRA adapter parameters on the most loaded GPU (split by TP and PP),
+            the only ones with gradients and optimizer state; None: every parameter trains.
     """
 
     world_size: int
@@ -222,6 +249,7 @@ class TrainingSetup:
     logprob_micro_batch_tokens: int | None
     padded_vocab_size: int
     logprob_chunk_size: int | None = None
+    adapter_params: int | None = None
 
     @property
     def dp(self) -> int:
@@ -548,7 +576,8 @@ def _logits_term(t: TrainingSetup, tokens: int, key: str) -> Term:
 
 
 def _static_terms(model: ModelShape, t: TrainingSetup) -> tuple[Term, ...]:
-    """Parameters, gradients and optimizer state of the policy on one GPU."""
+    """Parameters, gradients and optimizer state of the policy on one GPU (with LoRA, the
+    gradients and optimizer state of the adapters only)."""
     dense, experts = _params_per_gpu(model, t)
     params = dense + experts
     split = f"(TP {t.tp} x PP {t.pp})" + (f", experts / (TP x EP {t.ep} x PP)" if experts else "")
@@ -559,29 +588,38 @@ def _static_terms(model: ModelShape, t: TrainingSetup) -> tuple[Term, ...]:
     master = FP32_BYTES if t.param_bytes < FP32_BYTES else 0
     state = master + t.optimizer_moments * FP32_BYTES
     dp, edp = (t.dp, t.expert_dp) if t.distributed_optimizer else (1, 1)
-    optimizer = dense * state // dp + experts * state // edp
-    shards = f"dense / DP {dp}" + (f", experts / DP_e {edp}" if experts else "")
     opt_fix = (
         f"keep {_MCFG}.optimizer.use_distributed_optimizer=true and give the policy more GPUs "
         f"(a larger data-parallel size), or {layout_fix.removeprefix('raise ')}"
         if t.distributed_optimizer
         else f"set {_MCFG}.optimizer.use_distributed_optimizer=true"
     )
+    state_detail = f"{state} B per parameter (fp32 {'master + ' if master else ''}"
+    state_detail += f"{t.optimizer_moments} moment(s))"
+    if t.adapter_params is None:
+        trained = params
+        optimizer = dense * state // dp + experts * state // edp
+        shards = f"dense / DP {dp}" + (f", experts / DP_e {edp}" if experts else "")
+        params_detail = f"{_count(params)} per GPU = model / {split}, {t.param_bytes} B each"
+        trained_detail = f"{_count(params)} x 4 B (fp32)"
+    else:
+        trained = t.adapter_params
+        optimizer = trained * state // dp
+        shards = f"LoRA adapters only / DP {dp}"
+        params_detail = (
+            f"{_count(params)} frozen per GPU = model / {split} + {_count(trained)} LoRA "
+            f"adapter, {t.param_bytes} B each"
+        )
+        trained_detail = f"{_count(trained)} LoRA adapter x 4 B (fp32; the base is frozen)"
     return (
         Term(
             PARAMETERS,
-            params * t.param_bytes,
-            f"{_count(params)} per GPU = model / {split}, {t.param_bytes} B each",
+            (params + (t.adapter_params or 0)) * t.param_bytes,
+            params_detail,
             layout_fix,
         ),
-        Term(GRADIENTS, params * FP32_BYTES, f"{_count(params)} x 4 B (fp32)", layout_fix),
-        Term(
-            OPTIMIZER,
-            optimizer,
-            f"{state} B per parameter (fp32 {'master + ' if master else ''}"
-            f"{t.optimizer_moments} moment(s)), {shards}",
-            opt_fix,
-        ),
+        Term(GRADIENTS, trained * FP32_BYTES, trained_detail, layout_fix),
+        Term(OPTIMIZER, optimizer, f"{state_detail}, {shards}", opt_fix),
     )
 
 

@@ -29,6 +29,7 @@ MULTI_NODE = {
     "grpo_llama3.1_8b_4n8g_noncolocated.yaml": 4,
     "grpo_qwen3_30b_a3b_2n8g.yaml": 2,
     "grpo_llama3.1_70b_16n8g.yaml": 16,
+    "grpo_lora_llama3.1_70b_2n8g.yaml": 2,
 }
 GPU_RECIPES = sorted(p.name for p in RECIPES if "_cpu" not in p.name)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
@@ -98,3 +99,20 @@ def test_gpu_recipe_memory_plan_fits_an_h100_and_is_in_the_docs(name: str) -> No
     plan.check()
     section = DOCS.read_text().split("## Memory plan", 1)[1]
     assert f"### `{name}`\n\n{plan.markdown()}\n" in section, plan.markdown()
+
+
+def test_lora_70b_recipe_fits_two_nodes_only_because_the_base_is_frozen() -> None:
+    """The plan counts gradients and optimizer state of the adapters only: the LoRA recipe fits
+    2 nodes, the same recipe training every weight does not (gradients 32.9 GiB, Adam 49 GiB)."""
+    recipe = CONFIGS / "grpo_lora_llama3.1_70b_2n8g.yaml"
+    lora = memory_plan_of(load_typed_config(recipe, [], GRPOMasterConfig))
+    assert isinstance(lora, MemoryPlan)
+    assert lora.term("training", "gradient buffer").nbytes < GiB
+    full_cfg = load_typed_config(
+        recipe, ["policy.megatron_cfg.peft.enabled=false", "cluster.gpu_memory_gb=1000"],
+        GRPOMasterConfig,
+    )
+    full = memory_plan_of(full_cfg)
+    assert isinstance(full, MemoryPlan)
+    assert full.term("training", "gradient buffer").nbytes > 32 * GiB
+    assert full.phase("training").total > 80 * GiB >= lora.peak().total

@@ -8,6 +8,12 @@ folder is a megatron_bridge checkpoint (``bridge.json``, ``hf_assets/``; see
 whatever TP/PP wrote them, next to the HF config, tokenizer, chat template and generation
 config of the source model; the optimizer's tensors are skipped.
 
+A LoRA policy's checkpoint (``lora.json``) exports as a PEFT adapter folder
+(``adapter_config.json`` + ``adapter_model.safetensors``, ``megatron-bridge convert --to
+peft``; ``base_model_name_or_path`` is the run's ``policy.model_name``), which the ``peft``
+package loads onto the base model; ``--merged`` writes the HF model with the adapters merged
+(``W + scale * B A``) instead.
+
 A policy folder saved before checkpoints carried ``bridge.json`` is exported with the source
 model given by ``--model``: its HF config and tokenizer describe the saved tensors, which must
 match them.
@@ -21,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_bridge.checkpoint import BRIDGE_FILE
+from megatron_bridge.checkpoint import BRIDGE_FILE, read_lora_spec
 from megatron_bridge.cli import CliError
 from nemo_rl.utils.checkpoint import POLICY_DIR
+from nemo_rl.utils.run_config import RUN_CONFIG_FILE
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -86,6 +93,21 @@ def _describe_with_model(policy_dir: Path, model: str, staging: Path) -> Path:
     return staging
 
 
+def _trained_model_name(policy_dir: Path) -> str | None:
+    """``policy.model_name`` of the run that saved ``policy_dir`` (its ``step_<n>`` folder's
+    recorded recipe), a tiny model's name as its local folder (what transformers loads); None
+    when not recorded."""
+    import yaml
+
+    from nemo_rl.models.model_path import TINY_MODEL_NAMES, resolve_model_path
+
+    recipe = policy_dir.parent / RUN_CONFIG_FILE
+    if not recipe.is_file():
+        return None
+    name = (yaml.safe_load(recipe.read_text()) or {}).get("policy", {}).get("model_name")
+    return resolve_model_path(name) if name in TINY_MODEL_NAMES else name
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     hf_out: str | Path,
@@ -93,15 +115,19 @@ def export_checkpoint(
     dtype: str | None = None,
     model: str | None = None,
     overwrite: bool = False,
+    merged: bool = False,
 ) -> Path:
-    """Write the HF folder ``hf_out`` from a training checkpoint (see the module docstring).
+    """Write the HF folder ``hf_out`` from a training checkpoint (see the module docstring):
+    a LoRA policy's adapters as a PEFT adapter folder, or with ``merged`` (and for a policy
+    without adapters) the HF model.
 
     Args:
         checkpoint: checkpoint_dir, ``step_<n>`` or policy folder.
         hf_out: output folder (must not exist unless ``overwrite``).
         dtype: dtype of the written tensors (float32, bfloat16, float16); None: the policy's
             parameter dtype.
-        model: source model of a policy folder without ``bridge.json``.
+        model: source model of a policy folder without ``bridge.json``; for a PEFT folder,
+            the base model it records (default: the run's ``policy.model_name``).
 
     Returns:
         The policy folder exported.
@@ -114,6 +140,11 @@ def export_checkpoint(
     policy_dir = resolve_policy_dir(checkpoint)
     flags = ["--dtype", dtype] if dtype else []
     flags += ["--overwrite"] if overwrite else []
+    to = "hf"
+    if not merged and read_lora_spec(policy_dir) is not None:
+        to = "peft"
+        base_model = model or _trained_model_name(policy_dir)
+        flags += ["--base-model", base_model] if base_model else []
     with tempfile.TemporaryDirectory(prefix="nemo_rl_export_") as tmp:
         source = policy_dir
         if not (policy_dir / BRIDGE_FILE).is_file():
@@ -125,7 +156,7 @@ def export_checkpoint(
                 )
             source = _describe_with_model(policy_dir, model, Path(tmp))
         args = build_parser().parse_args(
-            ["convert", "--from", "megatron", "--to", "hf", *flags, str(source), str(hf_out)]
+            ["convert", "--from", "megatron", "--to", to, *flags, str(source), str(hf_out)]
         )
         cmd_convert(args)
     return policy_dir
@@ -138,12 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("checkpoint", help="checkpoint_dir (latest step), step_<n> folder, or "
                         "policy folder")
-    parser.add_argument("hf_out", help="HF folder to write")
+    parser.add_argument("hf_out", help="HF folder (or PEFT adapter folder) to write")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; default: "
                         "the policy's parameter dtype")
     parser.add_argument("--model", default=None, help="source model (policy.model_name) of a "
                         "checkpoint saved without bridge.json")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing HF_OUT")
+    parser.add_argument("--merged", action="store_true", help="a LoRA policy: write the HF "
+                        "model with the adapters merged instead of a PEFT adapter folder")
     return parser
 
 
@@ -154,7 +187,7 @@ def main(argv: list[str]) -> int:
     try:
         policy_dir = export_checkpoint(
             args.checkpoint, args.hf_out, dtype=args.dtype, model=args.model,
-            overwrite=args.overwrite,
+            overwrite=args.overwrite, merged=args.merged,
         )
     except CliError as err:
         print(f"nemo-rl export: error: {err}", file=sys.stderr)

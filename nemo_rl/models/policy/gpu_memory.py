@@ -20,6 +20,7 @@ from nemo_rl.distributed.memory_plan import (
     plan_memory,
 )
 from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.peft import lora_targets
 from nemo_rl.models.published_configs import PUBLISHED_CONFIGS
 from nemo_rl.models.model_path import local_model_path
 
@@ -59,6 +60,26 @@ def model_shape(bridge: BridgeConfig) -> ModelShape:
     )
 
 
+def adapter_params_per_gpu(
+    policy: PolicyConfig, bridge: BridgeConfig, shape: ModelShape, tp: int, pp: int
+) -> int | None:
+    """LoRA adapter parameters on the GPU of the pipeline stage with the most of them (the
+    stages hold consecutive equal runs of layers); None when ``policy`` trains every weight.
+
+    Raises:
+        ValueError: a selection the model cannot take (:func:`~nemo_rl.models.policy.peft.
+            lora_targets`).
+    """
+    peft = policy.megatron_cfg.peft
+    if not peft.enabled:
+        return None
+    per_stage = [0] * pp
+    for target in lora_targets(peft, bridge, policy.model_name):
+        stage = target.layer * pp // shape.num_layers
+        per_stage[stage] += shape.adapter_params(target.linear, peft.dim, tp)
+    return max(per_stage)
+
+
 def micro_batch_tokens(policy: PolicyConfig) -> tuple[int, int]:
     """Tokens of one (training, logprob) micro-batch: the token budgets of sequence packing or
     dynamic batching, else samples x ``max_total_sequence_length``."""
@@ -92,10 +113,12 @@ def plan_policy_memory(
     mcfg = policy.megatron_cfg
     tp = mcfg.tensor_model_parallel_size
     train_tokens, logprob_tokens = micro_batch_tokens(policy)
+    shape = model_shape(bridge)
+    pp = mcfg.pipeline_model_parallel_size
     training = TrainingSetup(
         world_size=world_size,
         tp=tp,
-        pp=mcfg.pipeline_model_parallel_size,
+        pp=pp,
         cp=mcfg.context_parallel_size,
         ep=mcfg.expert_model_parallel_size,
         sequence_parallel=mcfg.sequence_parallel,
@@ -107,6 +130,7 @@ def plan_policy_memory(
         logprob_micro_batch_tokens=logprob_tokens if with_generation else None,
         padded_vocab_size=bridge.padded_vocab(tp),
         logprob_chunk_size=policy.logprob_chunk_size,
+        adapter_params=adapter_params_per_gpu(policy, bridge, shape, tp, pp),
     )
     generation = None
     if with_generation:
@@ -120,7 +144,7 @@ def plan_policy_memory(
             max_model_len=vllm.max_model_len or policy.max_total_sequence_length,
         )
     return plan_memory(
-        model_shape(bridge),
+        shape,
         f"{policy.model_name} (shape from {source})",
         training,
         generation,

@@ -129,6 +129,27 @@ def test_pipeline_stage_holds_its_layers_and_one_vocabulary_matrix() -> None:
     assert terms(plan, TRAINING)[ACTIVATIONS] == 256 * 1 * 2 * 544 * 2
 
 
+def test_lora_adapter_shapes_split_over_tp_as_their_linears() -> None:
+    # rank 8; q 64, kv 32 each, f 128, h 64; TP 2 splits B's rows (column) or A's columns (row).
+    assert DENSE.adapter_params("linear_qkv", 8, 2) == 8 * 64 + 8 * 128 // 2
+    assert DENSE.adapter_params("linear_proj", 8, 2) == 8 * 64 // 2 + 8 * 64
+    assert DENSE.adapter_params("linear_fc1", 8, 2) == 8 * 64 + 8 * 256 // 2
+    assert DENSE.adapter_params("linear_fc2", 8, 2) == 8 * 128 // 2 + 8 * 64
+
+
+def test_lora_gradients_and_optimizer_cover_the_adapters_only() -> None:
+    adapters = 1000
+    setup = dataclasses.replace(TRAIN, adapter_params=adapters)
+    plan = plan_memory(DENSE, "small", setup, ENGINE, MiB, 8 * GiB)
+    base = 36864 + 65536  # as in the full plan: frozen, but resident
+    got = terms(plan, TRAINING)
+    assert got[PARAMETERS] == (base + adapters) * 2
+    assert got[GRADIENTS] == adapters * 4
+    assert got[OPTIMIZER] == adapters * 12 // 2  # fp32 master + 2 moments over DP 2
+    assert "LoRA adapters only / DP 2" in plan.term(TRAINING, OPTIMIZER).detail
+    assert terms(plan, REFIT)[PARAMETERS] == (base + adapters) * 2
+
+
 def test_experts_split_over_ep_and_their_optimizer_over_expert_dp() -> None:
     moe = dataclasses.replace(
         DENSE, num_experts=4, moe_ffn_hidden_size=32, moe_top_k=2, num_moe_layers=2

@@ -9,8 +9,15 @@ import pytest
 from safetensors import safe_open
 
 from megatron_bridge import BridgeConfig
-from nemo_rl.distributed.memory_plan import PARAMETERS, TRAINING, MemoryPlan, NoMemoryPlan
-from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.distributed.memory_plan import (
+    GRADIENTS,
+    OPTIMIZER,
+    PARAMETERS,
+    TRAINING,
+    MemoryPlan,
+    NoMemoryPlan,
+)
+from nemo_rl.models.policy.config import MegatronConfig, PeftConfig, PolicyConfig
 from nemo_rl.models.policy.gpu_memory import model_shape, plan_policy_memory
 from nemo_rl.models.published_configs import PUBLISHED_CONFIGS
 from nemo_rl.models.tiny import build_tiny_model
@@ -78,3 +85,33 @@ def test_an_unknown_hub_model_has_no_plan_and_says_why() -> None:
     assert "the shape of 'some-org/not-cached-here' is unknown here" in plan.reason
     assert "huggingface-cli download some-org/not-cached-here config.json" in plan.reason
     plan.check()  # nothing to refuse
+
+
+def test_lora_plan_counts_the_adapters_of_the_checkpoints_projections(tiny_llama_path: Path) -> None:
+    """Rank r on every projection of a TP=1 model: r x (in + out) per adapted linear, q/k/v
+    (and gate/up) fused into one adapter, so r x (h + q + k + v) for the attention's input."""
+    r = 4
+    peft = PeftConfig(enabled=True, dim=r)
+    policy = PolicyConfig(
+        model_name=str(tiny_llama_path), precision="bfloat16", megatron_cfg=MegatronConfig(peft=peft)
+    )
+    plan = plan_policy_memory(policy, world_size=1, gpu_memory_gb=80, with_generation=True)
+    assert isinstance(plan, MemoryPlan)
+    adapters = 0
+    for file in tiny_llama_path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    layers = {n.split(".")[2] for n in shapes if ".layers." in n}
+    for i in layers:
+        p = f"model.layers.{i}."
+        out = lambda m: shapes[p + m + ".weight"][0]  # noqa: E731
+        inp = lambda m: shapes[p + m + ".weight"][1]  # noqa: E731
+        qkv = out("self_attn.q_proj") + out("self_attn.k_proj") + out("self_attn.v_proj")
+        adapters += r * (inp("self_attn.q_proj") + qkv)
+        adapters += r * (inp("self_attn.o_proj") + out("self_attn.o_proj"))
+        adapters += r * (inp("mlp.gate_proj") + out("mlp.gate_proj") + out("mlp.up_proj"))
+        adapters += r * (inp("mlp.down_proj") + out("mlp.down_proj"))
+    shape = model_shape(BridgeConfig.from_hf(tiny_llama_path))
+    assert plan.term(TRAINING, PARAMETERS).nbytes == (shape.total_params + adapters) * 2
+    assert plan.term(TRAINING, GRADIENTS).nbytes == adapters * 4
+    assert plan.term(TRAINING, OPTIMIZER).nbytes == adapters * 12

