@@ -65,12 +65,12 @@ def test_print_config_prints_the_memory_plan_as_yaml_comments(
 def test_a_recipe_over_the_gpu_memory_is_refused_naming_the_largest_term(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The 8 B recipe on 32 GiB GPUs (training needs 35.7 GiB, most of it the fp32 gradient
+    """The 8 B recipe on 32 GiB GPUs (training needs 34.2 GiB, most of it the fp32 gradient
     buffer), and the 30B-A3B recipe with the gpu_memory_utilization 0.9 it shipped with (its
     refit needs 80.3 GiB, most of it the engine's whole-model weights in that budget)."""
     cases = [
         ("grpo_llama3.1_8b_2n8g.yaml", "cluster.gpu_memory_gb=32",
-         "the training phase needs 35.7 GiB per GPU (every GPU), more than "
+         "the training phase needs 34.2 GiB per GPU (every GPU), more than "
          "cluster.gpu_memory_gb = 32.0 GiB; its largest term is gradient buffer = 15.0 GiB "
          "(4.01e9 x 4 B (fp32)): raise policy.megatron_cfg.tensor_model_parallel_size or "
          "pipeline_model_parallel_size"),
