@@ -120,11 +120,12 @@ class CalculatorEnvConfig(EnvActorConfig):
 
 
 REWARD_FN_ENVIRONMENT = "nemo_rl.environments.reward_fn_environment:RewardFnEnvironment"
+AGENT_ENVIRONMENT = "nemo_rl.environments.agent_environment:AgentEnvironment"
 
 
 class PluginEnvConfig(EnvActorConfig):
-    """``env.<task>`` for a task without a built-in section: exactly one of ``cls`` and
-    ``reward_fn``. Every key beyond the declared ones is passed to ``cls`` as a keyword
+    """``env.<task>`` for a task without a built-in section: exactly one of ``cls``,
+    ``reward_fn`` and ``agent_fn`` (which also takes ``timeout_s``). Every key beyond the declared ones is passed to ``cls`` as a keyword
     argument (``env.my_task: {cls: my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}`` starts
     ``MyEnv(difficulty=3)``)."""
 
@@ -149,12 +150,23 @@ class PluginEnvConfig(EnvActorConfig):
         "samples.jsonl records). None: the task extracts no answers, so maj@k is refused.",
     )
 
+    agent_fn: Optional[str] = Field(
+        default=None,
+        description="Import path 'package.module:function' of an agent fn(base_url, row) -> "
+        "float that runs each episode against the engines' OpenAI-compatible endpoint (needs "
+        "policy.generation.vllm_cfg.expose_http_server; nemo_rl.environments.agent_environment"
+        "). Its section may also set timeout_s (seconds per episode, default 120, at most 240).",
+    )
+
     def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
-        """The class of ``cls`` with the section's extra keys, or the reward-function
-        environment with ``reward_fn`` (and ``answer_fn`` when set)."""
+        """The class of ``cls`` with the section's extra keys, the agent environment with
+        ``agent_fn`` (and its extra keys), or the reward-function environment with
+        ``reward_fn`` (and ``answer_fn`` when set)."""
         kwargs = dict(self.model_extra or {})
         if self.cls is not None:
             return self.cls, "cls", (), kwargs
+        if self.agent_fn is not None:
+            return AGENT_ENVIRONMENT, "agent_fn", (), {"agent_fn": self.agent_fn, **kwargs}
         functions = {"reward_fn": self.reward_fn}
         if self.answer_fn is not None:
             functions["answer_fn"] = self.answer_fn
@@ -162,10 +174,10 @@ class PluginEnvConfig(EnvActorConfig):
 
     @model_validator(mode="after")
     def _one_plugin(self) -> PluginEnvConfig:
-        if (self.cls is None) == (self.reward_fn is None):
+        if sum(x is not None for x in (self.cls, self.reward_fn, self.agent_fn)) != 1:
             raise ValueError(
                 "a plug-in environment section needs exactly one of cls "
-                "('package.module:Class') and reward_fn ('package.module:function')"
+                "('package.module:Class'), reward_fn and agent_fn ('package.module:function')"
             )
         if self.answer_fn is not None and self.reward_fn is None:
             raise ValueError(
