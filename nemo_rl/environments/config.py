@@ -220,6 +220,13 @@ class EnvConfigs(ConfigModel):
         :func:`~nemo_rl.environments.registry.resolve_environment`)."""
         return {name: resolve_environment(name, cfg) for name, cfg in self.sections().items()}
 
+    def agent_tasks(self) -> list[str]:
+        """Names of the sections run by an agent plug-in (``agent_fn``)."""
+        return [
+            name for name, cfg in self.sections().items()
+            if isinstance(cfg, PluginEnvConfig) and cfg.agent_fn is not None
+        ]
+
     @property
     def total_cpus(self) -> float:
         """Logical Ray CPUs all configured environment actors reserve together."""
