@@ -110,12 +110,8 @@ def _take_chain(sample: SampleRollout, calls: list[CallRecord], tokenizer: Any,
 
 
 def run_agent_rollout(
-    policy_generation: Any,
-    input_batch: BatchedDataDict,
-    tokenizer: Any,
-    task_to_env: dict[str, EnvironmentInterface],
-    max_seq_len: int,
-    max_rollout_turns: int,
+    policy_generation: Any, input_batch: BatchedDataDict, tokenizer: Any,
+    task_to_env: dict[str, EnvironmentInterface], max_seq_len: int, max_rollout_turns: int,
     greedy: bool = False,
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Roll every sample out through its agent (module docstring); arguments, result and
