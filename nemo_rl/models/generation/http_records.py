@@ -168,9 +168,3 @@ class RolloutRecorder:
     def take(self, rollout_ids: list[str]) -> dict[str, list[CallRecord]]:
         """The records of ``rollout_ids`` (an empty list for one with none), forgotten here."""
         return {rid: self._rollouts.pop(rid, _Rollout()).calls for rid in rollout_ids}
-
-    def forget_all(self) -> int:
-        """Drop every record (records nobody took: a rollout abandoned); how many rollouts."""
-        count = len(self._rollouts)
-        self._rollouts.clear()
-        return count

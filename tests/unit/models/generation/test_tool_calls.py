@@ -1,6 +1,6 @@
 """Tool calls in the Qwen/Hermes format: parsed into OpenAI ``tool_calls``; a malformed call
 becomes a call of the reserved ``invalid_tool_call`` tool that the calculator agent answers
-with an error observation (never an exception); the agent's reward reading."""
+with an error observation (never an exception)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nemo_rl.environments.calculator_agent import answer_tool_call, final_answer
+from nemo_rl.environments.calculator_agent import answer_tool_call
 from nemo_rl.models.generation.tool_calls import (
     INVALID_TOOL_CALL,
     parse_tool_calls,
@@ -53,16 +53,6 @@ def test_a_malformed_call_is_an_observation_for_the_model(block: str, why: str) 
     observation = answer_tool_call(call)
     assert observation.startswith("error: the tool call could not be parsed: ")
     assert why in observation
-
-
-def test_the_agent_answers_failed_calls_without_raising() -> None:
-    call = {"id": "c", "function": {"name": "search", "arguments": "{}"}}
-    assert answer_tool_call(call) == "error: unknown tool 'search'; the only tool is 'calc'"
-    call = {"id": "c", "function": {"name": "calc", "arguments": '{"expression": "2 +"}'}}
-    assert answer_tool_call(call).startswith("error: ")
-    assert final_answer("so <answer>42</answer>") == "42"
-    assert final_answer("it is 4 or 7") == "7"
-    assert final_answer("no idea") is None
 
 
 def test_render_gives_the_hermes_text_of_a_structured_message() -> None:
