@@ -177,7 +177,7 @@ class PluginEnvConfig(EnvActorConfig):
         if sum(x is not None for x in (self.cls, self.reward_fn, self.agent_fn)) != 1:
             raise ValueError(
                 "a plug-in environment section needs exactly one of cls "
-                "('package.module:Class'), reward_fn and agent_fn ('package.module:function')"
+                "('package.module:Class'), agent_fn and reward_fn ('package.module:function')"
             )
         if self.answer_fn is not None and self.reward_fn is None:
             raise ValueError(
