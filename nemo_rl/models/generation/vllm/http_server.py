@@ -218,7 +218,6 @@ class EngineHttpServer:
         max_tokens = self._max_tokens(body)
         await self._wait_until_ready(deadline)
         prompt, extends = self._prompt(kind, rid, body)
-        version = self._weight_version()
         seed = request_seed(self.seed, rid, self.recorder.calls(rid))
         try:
             ids, logprobs, finish = await asyncio.wait_for(
@@ -230,6 +229,10 @@ class EngineHttpServer:
             ) from None
         except ValueError as err:  # e.g. a prompt leaving no room under max_model_len
             raise RequestError(400, str(err)) from None
+        # read after generating: a refit waits for the requests in flight, so these weights
+        # generated the whole response (one that loaded before the request reached the engine
+        # included)
+        version = self._weight_version()
         text_ids = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
         text = self.tokenizer.decode(
             text_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
