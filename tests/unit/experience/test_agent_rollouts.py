@@ -11,8 +11,6 @@ itself (reward 0, an environment error naming the failure), not the rollout.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,53 +25,9 @@ from nemo_rl.experience.agent_rollouts import run_agent_rollout
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.vllm.async_generation import vllm_generation
 
+from agent_plugins import ANSWERS
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
-
-# What the good agent was answered, per rollout: [(text, completion_tokens), ...]
-ANSWERS: dict[str, list[tuple[str, int]]] = {}
-
-
-def _client(base_url: str) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=base_url, api_key="none", timeout=60, max_retries=0)
-
-
-def two_turn_agent(base_url: str, row: dict[str, Any]) -> float:
-    api = _client(base_url)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
-    answers = ANSWERS.setdefault(row["metadata"]["name"], [])
-    for turn in range(2):
-        reply = api.chat.completions.create(model="tiny", messages=messages)
-        message = reply.choices[0].message
-        answers.append((message.content, reply.usage.completion_tokens))
-        messages += [message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-    return 1.0
-
-
-def raising_agent(base_url: str, row: dict[str, Any]) -> float:
-    _client(base_url).completions.create(model="tiny", prompt="Hello", max_tokens=2)
-    raise RuntimeError("the agent's tool crashed")
-
-
-def hanging_agent(base_url: str, row: dict[str, Any]) -> float:
-    time.sleep(4.0)
-    return 1.0
-
-
-def string_reward_agent(base_url: str, row: dict[str, Any]) -> Any:
-    _client(base_url).completions.create(model="tiny", prompt="Hello", max_tokens=2)
-    return "1.0"
-
-
-def nan_reward_agent(base_url: str, row: dict[str, Any]) -> float:
-    _client(base_url).completions.create(model="tiny", prompt="Hello", max_tokens=2)
-    return math.nan
-
-
-def silent_agent(base_url: str, row: dict[str, Any]) -> float:
-    return 1.0
-
 
 AGENTS = ("two_turn", "raising", "hanging", "string_reward", "nan_reward", "silent")
 
@@ -123,7 +77,7 @@ def test_agents_drive_the_engine_and_failures_cost_their_sample(
     assert multi_turn_rollout_for(generation) is run_agent_rollout
     assert generation.http_base_urls[0].startswith("http://127.0.0.1:")
     envs = {
-        name: AgentEnvironment(f"test_agent_rollouts:{name}_agent", timeout_s=1.5)
+        name: AgentEnvironment(f"agent_plugins:{name}_agent", timeout_s=1.5)
         for name in AGENTS
     }
     batch, metrics = run_agent_rollout(
