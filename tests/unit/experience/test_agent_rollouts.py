@@ -76,16 +76,18 @@ def test_agents_drive_the_engine_and_failures_cost_their_sample(
     generation, tokenizer = http_engine
     assert multi_turn_rollout_for(generation) is run_agent_rollout
     assert generation.http_base_urls[0].startswith("http://127.0.0.1:")
-    envs = {
-        name: AgentEnvironment(f"agent_plugins:{name}_agent", timeout_s=1.5)
+    envs = {  # the hanging agent sleeps 4 s
+        name: AgentEnvironment(
+            f"agent_plugins:{name}_agent", timeout_s=1.5 if name == "hanging" else 60.0
+        )
         for name in AGENTS
     }
     batch, metrics = run_agent_rollout(
         generation, _prompt_batch(tokenizer), tokenizer, envs, max_seq_len=256,
         max_rollout_turns=1,
     )
-    assert batch["total_reward"].tolist() == [1.0, 0, 0, 0, 0, 0]
     errors = dict(zip(AGENTS, batch["env_error"]))
+    assert batch["total_reward"].tolist() == [1.0, 0, 0, 0, 0, 0], errors
     assert errors["two_turn"] is None
     assert "the agent's tool crashed" in errors["raising"]
     assert "did not return within timeout_s=1.5" in errors["hanging"]
