@@ -88,7 +88,8 @@ class RolloutRecorder:
         rollout = self._rollouts.get(rollout_id)
         return 0 if rollout is None else len(rollout.calls)
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """``ids`` as text, special tokens kept, spaces as they are."""
         return self.tokenizer.decode(
             ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
@@ -104,7 +105,7 @@ class RolloutRecorder:
         if rollout is not None and rollout.calls:
             last = rollout.calls[-1]
             chain = last.prompt_ids + last.generated_ids
-            chain_text = self._decode(chain)
+            chain_text = self.decode(chain)
             if text.startswith(chain_text):
                 return chain + self._encode(text[len(chain_text):], False), True
         return self._encode(text, add_special_tokens), False

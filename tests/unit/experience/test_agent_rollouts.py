@@ -99,11 +99,17 @@ def test_agents_drive_the_engine_and_failures_cost_their_sample(
     log = batch["message_log"][0]
     assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant"]
     eos = tokenizer.eos_token_id
-    for message, (text, count) in zip([log[1], log[3]], ANSWERS["two_turn"]):
+    for k, (text, count) in zip([1, 3], ANSWERS["two_turn"]):
+        message = log[k]
         ids = message["token_ids"].tolist()
         assert len(ids) == count == message["generation_logprobs"].numel()
         shown = ids[:-1] if ids[-1] == eos else ids
-        assert tokenizer.decode(shown, skip_special_tokens=False) == text
+        # the endpoint's text of a response is its ids decoded after the conversation's
+        before = [i for m in log[:k] for i in m["token_ids"].tolist()]
+        decoded_before = tokenizer.decode(before, skip_special_tokens=False)
+        assert tokenizer.decode(before + shown, skip_special_tokens=False) == (
+            decoded_before + text
+        )
         assert message["weight_version"] == 0
         assert all(lp <= 0.0 for lp in message["generation_logprobs"].tolist())
     assert batch["num_turns"].tolist()[0] == 2

@@ -212,6 +212,14 @@ class EngineHttpServer:
                 )
             await asyncio.sleep(0.02)
 
+    def _response_text(self, prompt: list[int], ids: list[int]) -> str:
+        """The text of ``ids`` as it reads after ``prompt``: decoded in context, so that the
+        conversation's text continues the text of the ids (a tokenizer may drop a leading
+        space when it decodes ``ids`` alone)."""
+        decode = self.recorder.decode
+        before, whole = decode(prompt), decode(prompt + ids)
+        return whole[len(before):] if whole.startswith(before) else decode(ids)
+
     async def _complete(self, kind: str, rid: str, body: dict[str, Any]) -> dict[str, Any]:
         """Generate one response for ``body``, record it under ``rid``; the response body."""
         deadline = time.monotonic() + self.request_timeout_s
@@ -233,9 +241,8 @@ class EngineHttpServer:
         # generated the whole response (one that loaded before the request reached the engine
         # included)
         version = self._weight_version()
-        text_ids = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
-        text = self.tokenizer.decode(
-            text_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        text = self._response_text(
+            prompt, ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
         )
         response_id = f"{rid}-{self.recorder.calls(rid)}"
         parsed = parse_tool_calls(text, f"call_{response_id}") if kind == "chat" else None
