@@ -25,15 +25,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "recipe, min_turns",
+    "recipe, min_turns, overrides",
     [
-        ("grpo_number_guess_tiny_cpu.yaml", 1.5),
-        ("grpo_calculator_tiny_cpu.yaml", 1.0),
-        ("grpo_agent_calculator_tiny_cpu.yaml", 1.0),
+        ("grpo_number_guess_tiny_cpu.yaml", 1.5, []),
+        ("grpo_calculator_tiny_cpu.yaml", 1.0, []),
+        # half the recipe's 16 prompts per step: CI time
+        ("grpo_agent_calculator_tiny_cpu.yaml", 1.0,
+         ["grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64"]),
     ],
 )
 def test_multi_turn_recipe_runs_from_the_cli(
-    recipe: str, min_turns: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    recipe: str, min_turns: float, overrides: list[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # `nemo-rl grpo` in this process (the held local Ray serves it); the recipes' relative paths
     # resolve from the checkout, as from the command line there
@@ -45,7 +48,7 @@ def test_multi_turn_recipe_runs_from_the_cli(
                 "grpo", "--config", f"configs/{recipe}",
                 "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=false",
                 "grpo.max_val_samples=8", "checkpointing.enabled=false", "sft_warmup.num_steps=5",
-                f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
+                f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false", *overrides,
             ]
         )
     assert code == 0
