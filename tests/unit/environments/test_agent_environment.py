@@ -5,6 +5,7 @@ its reading of the final answer."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,20 @@ def test_the_agent_answers_failed_calls_without_raising() -> None:
     assert final_answer("so <answer>42</answer>") == "42"
     assert final_answer("it is 4 or 7") == "7"
     assert final_answer("no idea") is None
+
+
+def test_agents_and_the_endpoint_go_together_at_config_time() -> None:
+    from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+    from nemo_rl.utils.config import ConfigError, load_typed_config
+
+    recipe = Path(__file__).resolve().parents[3] / "configs" / "grpo_agent_calculator_tiny_cpu.yaml"
+    cfg = load_typed_config(recipe, [], GRPOMasterConfig)
+    assert cfg.policy.generation.vllm_cfg.expose_http_server
+    for overrides, message in [
+        (["policy.generation.vllm_cfg.expose_http_server=false"],
+         "env.agent_calculator.agent_fn runs its episodes against the engines' HTTP endpoint: "
+         "set policy.generation.vllm_cfg.expose_http_server=true"),
+        (["env.math={}"], "but env.math is not one"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_typed_config(recipe, overrides, GRPOMasterConfig)
