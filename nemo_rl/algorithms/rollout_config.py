@@ -257,6 +257,7 @@ class RolloutMasterConfig(ConfigModel):
         )
         check_reward_head(self.policy, section, trains_reward_model=False)
         self._check_task()
+        self._check_agents()
         check_checkpoint_metric(
             self.checkpointing, loop.validates, section, (val_example, train_example)
         )
@@ -265,6 +266,25 @@ class RolloutMasterConfig(ConfigModel):
             self.policy, loop.max_num_steps * steps, f"{section}.max_num_steps"
         )
         return steps
+
+    def _check_agents(self) -> None:
+        """Agent plug-ins and the engines' HTTP endpoint go together: with the endpoint every
+        sample is rolled out by its task's agent (nemo_rl.experience.agent_rollouts)."""
+        agents = self.env.agent_tasks()
+        serving = self.policy.generation.vllm_cfg.expose_http_server
+        if agents and not serving:
+            raise ValueError(
+                f"env.{agents[0]}.agent_fn runs its episodes against the engines' HTTP endpoint: "
+                "set policy.generation.vllm_cfg.expose_http_server=true"
+            )
+        others = sorted(set(self.env.sections()) - set(agents))
+        if serving and others:
+            raise ValueError(
+                "policy.generation.vllm_cfg.expose_http_server=true rolls every sample out "
+                f"through an agent plug-in (env.<task>.agent_fn), but env.{others[0]} is not "
+                f"one (configured without an agent: {others}); set it to null, or give it an "
+                "agent_fn"
+            )
 
     def _check_task(self) -> None:
         """The rows' default task names a configured environment (whose processor resolved

@@ -175,13 +175,14 @@ class CodeEnvConfig(EnvActorConfig):
 
 
 REWARD_FN_ENVIRONMENT = "nemo_rl.environments.reward_fn_environment:RewardFnEnvironment"
+AGENT_ENVIRONMENT = "nemo_rl.environments.agent_environment:AgentEnvironment"
 
 
 class PluginEnvConfig(EnvActorConfig):
     """``env.<task>`` for a task without a built-in section: exactly one of ``cls``,
-    ``reward_fn`` and ``reward_fns``. Every key beyond the declared ones is passed to ``cls`` as
-    a keyword argument (``env.my_task: {cls: my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}``
-    starts ``MyEnv(difficulty=3)``)."""
+    ``reward_fn``, ``reward_fns`` and ``agent_fn`` (which also takes ``timeout_s``). Every key
+    beyond the declared ones is passed to ``cls`` as a keyword argument (``env.my_task: {cls:
+    my_pkg.envs:MyEnv, num_cpus: 0.2, difficulty: 3}`` starts ``MyEnv(difficulty=3)``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -211,12 +212,23 @@ class PluginEnvConfig(EnvActorConfig):
         "samples.jsonl records). None: the task extracts no answers, so maj@k is refused.",
     )
 
+    agent_fn: Optional[str] = Field(
+        default=None,
+        description="Import path 'package.module:function' of an agent fn(base_url, row) -> "
+        "float that runs each episode against the engines' OpenAI-compatible endpoint (needs "
+        "policy.generation.vllm_cfg.expose_http_server; nemo_rl.environments.agent_environment"
+        "). Its section may also set timeout_s (seconds per episode, default 120, at most 240).",
+    )
+
     def environment_call(self) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
-        """The class of ``cls`` with the section's extra keys, or the reward-function
-        environment with ``reward_fn`` or ``reward_fns`` (and ``answer_fn`` when set)."""
+        """The class of ``cls`` with the section's extra keys, the agent environment with
+        ``agent_fn`` (and its extra keys), or the reward-function environment with ``reward_fn``
+        or ``reward_fns`` (and ``answer_fn`` when set)."""
         kwargs = dict(self.model_extra or {})
         if self.cls is not None:
             return self.cls, "cls", (), kwargs
+        if self.agent_fn is not None:
+            return AGENT_ENVIRONMENT, "agent_fn", (), {"agent_fn": self.agent_fn, **kwargs}
         key = "reward_fn" if self.reward_fn is not None else "reward_fns"
         functions: dict[str, Any] = {key: getattr(self, key)}
         if self.answer_fn is not None:
@@ -225,18 +237,18 @@ class PluginEnvConfig(EnvActorConfig):
 
     @model_validator(mode="after")
     def _one_plugin(self) -> PluginEnvConfig:
-        if [self.cls, self.reward_fn, self.reward_fns].count(None) != 2:
+        if [self.cls, self.reward_fn, self.reward_fns, self.agent_fn].count(None) != 3:
             raise ValueError(
                 "a plug-in environment section needs exactly one of cls "
-                "('package.module:Class'), reward_fn ('package.module:function') and "
+                "('package.module:Class'), reward_fn, agent_fn ('package.module:function') and "
                 "reward_fns ({name: 'package.module:function', ...})"
             )
-        if self.answer_fn is not None and self.cls is not None:
+        if self.answer_fn is not None and self.reward_fn is None and self.reward_fns is None:
             raise ValueError(
                 "answer_fn goes with reward_fn or reward_fns; an environment class (cls) returns its answers "
                 "from step() and sets returns_answers = True"
             )
-        if self.cls is None and self.model_extra:
+        if (self.reward_fn is not None or self.reward_fns is not None) and self.model_extra:
             raise ValueError(
                 f"{self.environment_call()[1]} takes no other keys (got "
                 f"{sorted(self.model_extra)}); bind them in your function, or write an "
@@ -275,6 +287,13 @@ class EnvConfigs(ConfigModel):
         """``{task name: resolved environment}`` of every section (see
         :func:`~nemo_rl.environments.registry.resolve_environment`)."""
         return {name: resolve_environment(name, cfg) for name, cfg in self.sections().items()}
+
+    def agent_tasks(self) -> list[str]:
+        """Names of the sections run by an agent plug-in (``agent_fn``)."""
+        return [
+            name for name, cfg in self.sections().items()
+            if isinstance(cfg, PluginEnvConfig) and cfg.agent_fn is not None
+        ]
 
     @property
     def total_cpus(self) -> float:

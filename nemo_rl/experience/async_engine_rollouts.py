@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface
+from nemo_rl.experience.agent_rollouts import run_agent_rollout
 from nemo_rl.experience.rollouts import (
     SampleRollout,
     append_responses,
@@ -122,9 +123,13 @@ def run_async_multi_turn_rollout(
 def multi_turn_rollout_for(
     generation: GenerationInterface,
 ) -> Callable[..., tuple[BatchedDataDict, dict[str, float]]]:
-    """The rollout for ``generation``: :func:`run_async_multi_turn_rollout` for an engine that
+    """The rollout for ``generation``: the agent rollout
+    (:func:`~nemo_rl.experience.agent_rollouts.run_agent_rollout`) for engines serving HTTP
+    (``vllm_cfg.expose_http_server``), :func:`run_async_multi_turn_rollout` for an engine that
     generates per sample (``vllm_cfg.async_engine``), else the batched
     :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout` (same arguments)."""
+    if getattr(generation, "http_base_urls", None):
+        return run_agent_rollout
     if isinstance(generation, AsyncGenerationInterface):
         return run_async_multi_turn_rollout
     return run_multi_turn_rollout

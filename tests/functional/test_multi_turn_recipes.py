@@ -1,6 +1,9 @@
 """The shipped multi-turn recipes run from the CLI on their own data: number guessing (several
-guesses per sample) and the calculator tool (after a short warm start on the recipe's own
-demonstrations file), two GRPO steps each, every environment call answered without an error.
+guesses per sample), the calculator tool and the calculator agent (an agent plug-in driving
+the engine over its HTTP endpoint on 127.0.0.1; both after a short warm start on the recipe's
+own demonstrations file), two GRPO steps each, every environment call answered without an
+error, the first step on-policy (ratio 1, token_mult_prob_error 1: for the agent, the trained
+tokens and logprobs are the ones the engine generated).
 The command runs in the test's process (``nemo_rl.cli.main``, in the held local Ray); the
 process-level CLI (its own Ray, exit codes, signals) is tested in test_checkpoint_survival.py."""
 
@@ -22,11 +25,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "recipe, min_turns",
-    [("grpo_number_guess_tiny_cpu.yaml", 1.5), ("grpo_calculator_tiny_cpu.yaml", 1.0)],
+    "recipe, min_turns, overrides",
+    [
+        ("grpo_number_guess_tiny_cpu.yaml", 1.5, []),
+        ("grpo_calculator_tiny_cpu.yaml", 1.0, []),
+        # half the recipe's 16 prompts per step: CI time
+        ("grpo_agent_calculator_tiny_cpu.yaml", 1.0,
+         ["grpo.num_prompts_per_step=8", "policy.train_global_batch_size=64"]),
+    ],
 )
 def test_multi_turn_recipe_runs_from_the_cli(
-    recipe: str, min_turns: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    recipe: str, min_turns: float, overrides: list[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # `nemo-rl grpo` in this process (the held local Ray serves it); the recipes' relative paths
     # resolve from the checkout, as from the command line there
@@ -38,7 +48,7 @@ def test_multi_turn_recipe_runs_from_the_cli(
                 "grpo", "--config", f"configs/{recipe}",
                 "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=false",
                 "grpo.max_val_samples=8", "checkpointing.enabled=false", "sft_warmup.num_steps=5",
-                f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false",
+                f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false", *overrides,
             ]
         )
     assert code == 0
@@ -47,3 +57,6 @@ def test_multi_turn_recipe_runs_from_the_cli(
     for metrics in records.values():
         assert metrics["rollout/env_errors"] == 0
         assert metrics["rollout/mean_turns_per_sample"] >= min_turns, metrics
+        assert metrics.get("rollout/agent_unchained_calls", 0.0) == 0.0
+    assert abs(records[1]["token_mult_prob_error"] - 1.0) < 1e-3
+    assert abs(records[1]["probs_ratio"] - 1.0) < 1e-6

@@ -68,6 +68,28 @@ class VllmConfig(ConfigModel):
         "when environment answers or response lengths vary across samples; single-turn "
         "rollouts gain nothing.",
     )
+    expose_http_server: bool = Field(
+        default=False,
+        description="During rollouts, serve each engine over an OpenAI-compatible HTTP endpoint "
+        "(/v1/chat/completions, /v1/completions) so that an agent plug-in (env.<task>.agent_fn) "
+        "drives the episode; the server records every prompt and generated token id with its "
+        "logprob, and the rollout trains on those ids (docs/agents.md). Implies the "
+        "continuously batched engine of async_engine.",
+    )
+    http_server_host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address the engines' HTTP servers bind to. 127.0.0.1: reachable only from "
+        "the engine's own node (agents run in environment actors, which must then share it). "
+        "On a multi-node cluster set 0.0.0.0 (or a node's interface address): every server then "
+        "advertises its node's IP to the agents (docs/agents.md).",
+    )
+    http_request_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Seconds one HTTP request may wait for the engine (for a refit or sleep to "
+        "end, then for its generation) before it is answered with an error (503/504).",
+    )
 
 class ColocatedConfig(ConfigModel):
     """Placement of the generation engines relative to the policy workers."""

@@ -6,12 +6,20 @@
 replica ``seed_key[0] % replicas`` so a sample keeps its engine (and the engine's cached prefix
 of its conversation) from turn to turn. :func:`vllm_generation` picks the facade the config
 asks for.
+
+With ``vllm_cfg.expose_http_server`` every engine also serves its OpenAI-compatible endpoint
+(:mod:`.http_server`) from its start (a restarted engine serves anew, at a new port):
+:attr:`AsyncVllmGeneration.http_base_urls` lists them, and
+:meth:`~AsyncVllmGeneration.take_http_records` collects what they recorded for a rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
+
+import ray
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
@@ -34,6 +42,40 @@ class AsyncVllmGeneration(VllmGeneration, AsyncGenerationInterface):
     :class:`VllmGeneration`)."""
 
     worker_class = AsyncVllmGenerationWorker
+
+    # Base URL of each engine's HTTP endpoint (empty without vllm_cfg.expose_http_server).
+    http_base_urls: list[str]
+
+    def _start_engines(self, replicas: range | list[int], timeout_s: float) -> None:
+        """Build the engines of ``replicas``, then start their HTTP servers when configured."""
+        super()._start_engines(replicas, timeout_s)
+        vllm_cfg = self.config.vllm_cfg
+        if not vllm_cfg.expose_http_server:
+            self.http_base_urls = []
+            return
+        if not getattr(self, "http_base_urls", None):
+            self.http_base_urls = [""] * self.num_replicas
+        urls = ray.get(
+            [self.engines[r].start_http_server.remote(vllm_cfg.http_server_host) for r in replicas],
+            timeout=timeout_s,
+        )
+        for replica, url in zip(replicas, urls):
+            self.http_base_urls[replica] = url
+
+    def take_http_records(self, rollout_ids: Sequence[tuple[int, str]]) -> dict[str, list[Any]]:
+        """What the engines recorded for each ``(replica, rollout id)`` (per rollout id, its
+        :class:`~nemo_rl.models.generation.http_records.CallRecord` list), in one round trip
+        per engine."""
+        by_replica: dict[int, list[str]] = {}
+        for replica, rid in rollout_ids:
+            by_replica.setdefault(replica, []).append(rid)
+        futures = [
+            self.engines[r].take_http_records.remote(rids) for r, rids in by_replica.items()
+        ]
+        records: dict[str, list[Any]] = {}
+        for part in ray.get(futures, timeout=self.generate_timeout_s):
+            records.update(part)
+        return records
 
     async def generate_async(
         self,
@@ -76,6 +118,13 @@ def vllm_generation(
     cluster: RayVirtualCluster, config: GenerationConfig, model_path: str, **kwargs: Any
 ) -> VllmGeneration:
     """The facade ``config`` asks for: :class:`AsyncVllmGeneration` when
-    ``vllm_cfg.async_engine`` is set, else :class:`VllmGeneration` (``kwargs``: theirs)."""
-    facade = AsyncVllmGeneration if config.vllm_cfg.async_engine else VllmGeneration
+    ``vllm_cfg.async_engine`` or ``expose_http_server`` is set, else :class:`VllmGeneration`
+    (``kwargs``: theirs)."""
+    vllm_cfg = config.vllm_cfg
+    facade = (
+        AsyncVllmGeneration
+        if vllm_cfg.async_engine or vllm_cfg.expose_http_server
+        else VllmGeneration
+    )
     return facade(cluster, config, model_path, **kwargs)
+
