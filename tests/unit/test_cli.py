@@ -188,7 +188,7 @@ def test_plugin_environment_added_by_override(capsys: pytest.CaptureFixture[str]
     assert code == 0
     assert printed["env"]["mine"] == {"num_cpus": 0.5, "processor": None, "cls": None,
                                       "reward_fn": "os.path:join", "reward_fns": None,
-                                      "answer_fn": None}
+                                      "answer_fn": None, "agent_fn": None}
     code = cli.main(["grpo", "--config", TINY, "+env.mine.reward_fn=os.path:nope"])
     err = capsys.readouterr().err
     assert code == 2 and "env.mine.reward_fn='os.path:nope': 'os.path' has no attribute" in err
