@@ -1,8 +1,8 @@
 """PPO end to end on CPU (``nemo-rl ppo``'s run on configs/ppo_tiny_cpu.yaml, shrunk to 8
-prompts a step): a 2-step run, then the same run with ``ppo.max_num_steps=3`` resumes from
-its step-2 checkpoint, policy and critic. Checks: every step logs the critic's ``critic/*``
+prompts a step): a 1-step run, then the same run with ``ppo.max_num_steps=2`` resumes from
+its step-1 checkpoint, policy and critic. Checks: every step logs the critic's ``critic/*``
 figures and the policy's loss; the checkpoints hold the critic next to the policy; the
-critic's optimizer step count continues from the checkpoint (3 steps' worth after the resumed
+critic's optimizer step count continues from the checkpoint (2 steps' worth after the resumed
 step, not 1), as the policy's does."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CRITIC_KEYS = {"critic/loss", "critic/grad_norm", "critic/lr", "critic/vf_clipfr
 
 def run_to(root: Path, steps: int) -> None:
     """The recipe, 8 prompts a step (one optimizer step per epoch), ``steps`` steps, saving
-    every 2 under ``root``."""
+    each under ``root``."""
     cfg = load_typed_config(
         REPO / "configs" / "ppo_tiny_cpu.yaml",
         [
@@ -41,7 +41,7 @@ def run_to(root: Path, steps: int) -> None:
             f"policy.train_global_batch_size={PROMPTS}",
             f"policy.train_micro_batch_size={PROMPTS}",
             f"policy.logprob_batch_size={PROMPTS}",
-            "checkpointing.save_period=2",
+            "checkpointing.save_period=1",
             "checkpointing.keep_top_k=null",
             f"checkpointing.checkpoint_dir={root / 'ckpt'}",
             f"logger.log_dir={root / 'logs'}",
@@ -55,8 +55,8 @@ def run_to(root: Path, steps: int) -> None:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ppo")
+    run_to(root, 1)
     run_to(root, 2)
-    run_to(root, 3)
     return root
 
 
@@ -66,10 +66,10 @@ def optimizer_step(folder: Path) -> int:
 
 def test_resume_restores_the_critic(resumed: Path) -> None:
     ckpt = resumed / "ckpt"
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_2", "step_3"]
-    for step in (2, 3):
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_1", "step_2"]
+    for step in (1, 2):
         folder = ckpt / f"step_{step}"
-        # one optimizer step per epoch; the resumed run's critic continued from step 2's
+        # one optimizer step per epoch; the resumed run's critic continued from step 1's
         assert optimizer_step(folder / ppo.VALUE_DIR) == EPOCHS * step
         assert optimizer_step(folder / POLICY_DIR) == EPOCHS * step
 
@@ -77,7 +77,7 @@ def test_resume_restores_the_critic(resumed: Path) -> None:
 def test_every_step_logs_critic_and_policy(resumed: Path) -> None:
     records = read_metrics_jsonl(resumed / "logs" / "metrics.jsonl")
     train = {r["step"]: r["metrics"] for r in records if r["prefix"] == "train"}
-    assert sorted(train) == [1, 2, 3]
+    assert sorted(train) == [1, 2]
     for metrics in train.values():
         assert CRITIC_KEYS <= set(metrics), sorted(metrics)
         assert {"loss", "grad_norm", "reward", "token_mult_prob_error"} <= set(metrics)
