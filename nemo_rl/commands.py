@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
 from nemo_rl.algorithms.dpo_config import DPOMasterConfig
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
+from nemo_rl.algorithms.ppo_config import PPOMasterConfig
 from nemo_rl.algorithms.rm_config import RMMasterConfig
 from nemo_rl.algorithms.sft_config import SFTMasterConfig
 from nemo_rl.distributed.memory_plan import MemoryPlan, NoMemoryPlan
@@ -89,6 +90,12 @@ RECIPE_COMMANDS: dict[str, RecipeCommand] = {
     "distillation": RecipeCommand(
         DistillationMasterConfig,
         "nemo_rl.algorithms.distillation",
+        "run",
+        check_inputs="nemo_rl.algorithms.rollout_inputs:check_run_inputs",
+    ),
+    "ppo": RecipeCommand(
+        PPOMasterConfig,
+        "nemo_rl.algorithms.ppo",
         "run",
         check_inputs="nemo_rl.algorithms.rollout_inputs:check_run_inputs",
     ),
@@ -188,7 +195,7 @@ def load_recipe(args: argparse.Namespace) -> BaseModel:
 
 def memory_plan_of(cfg: BaseModel) -> MemoryPlan | NoMemoryPlan | None:
     """The per-GPU memory plan of a validated recipe (its config's ``memory_plan()``: GRPO and
-    the supervised algorithms); None for a command whose config has none (eval, distillation).
+    the supervised algorithms); None for a command whose config has none (eval, distillation, ppo).
     Validation has already refused a plan that does not fit."""
     memory_plan = getattr(cfg, "memory_plan", None)
     return None if memory_plan is None else memory_plan()

@@ -25,13 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.algorithms import rollout_run, training_loop
 from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.metrics import step_metrics
-from nemo_rl.algorithms.grpo_step.step import rollout_groups, validate
+from nemo_rl.algorithms.grpo_step.step import rollout_groups
 from nemo_rl.algorithms.loss import DistillationLossFn
-from nemo_rl.algorithms.rollout_inputs import load_run_inputs
+from nemo_rl.algorithms.rollout_command import run_in_memory, start_with_second_model
 from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -47,41 +46,16 @@ class DistillationComponents(RolloutComponents):
 
 
 def setup(cfg: DistillationMasterConfig) -> DistillationComponents:
-    """The student's run (:func:`~nemo_rl.algorithms.rollout_run.start_rollout_run`, no reference
-    policy) and the teacher's workers on the student's bundles, started with the student
-    (before engines colocated on GPUs, which size their KV cache from the memory left).
+    """The student's run and the frozen teacher's workers on the student's bundles
+    (:func:`~nemo_rl.algorithms.rollout_command.start_with_second_model`).
 
     Raises:
         ConfigError: before anything starts, when the latest checkpoint was trained on another
             model or data than ``cfg`` names.
     """
-    from nemo_rl.models.policy.lm_policy import Policy
-    from nemo_rl.utils.timer import Timer
-
-    checkpointer = training_loop.open_checkpointer(cfg)
-    inputs = load_run_inputs(cfg)
-    parts, (teacher,) = rollout_run.start_rollout_run(
-        cfg,
-        inputs,
-        init_reference_model=False,
-        extra_train_workers=[
-            lambda cluster: Policy(
-                cluster,
-                cfg.teacher,
-                init_reference_model=False,
-                seed=cfg.distillation.seed,
-                init_optimizer=False,
-                name="teacher",
-            )
-        ],
-    )
+    parts, teacher = start_with_second_model(cfg, cfg.teacher, "teacher", trained=False)
     return DistillationComponents(
-        cfg=cfg,
-        loss_fn=DistillationLossFn(cfg.loss_fn),
-        checkpointer=checkpointer,
-        timer=Timer(),
-        teacher=teacher,
-        **parts,
+        cfg=cfg, loss_fn=DistillationLossFn(cfg.loss_fn), teacher=teacher, **parts
     )
 
 
@@ -128,42 +102,18 @@ def distillation_step(
     return step_metrics(carry.metrics, train_results, {})
 
 
-def distillation_train(components: DistillationComponents) -> dict[str, float]:
-    """Run distillation from the resumed checkpoint (or step 0) to
-    ``distillation.max_num_steps`` in the shared
-    :func:`~nemo_rl.algorithms.training_loop.train_loop`; the returned metrics are the last
-    step's plus the last validation's (``val_`` prefixed)."""
-    parts = rollout_run.loop_parts(components)
-    with training_loop.stop_guard(parts) as guard:
-        step = rollout_run.restore_rollout_checkpoint(components)
-        store = InMemoryBatchStore(components.rollout_runner(), components.policy)
-        return training_loop.train_loop(
-            parts,
-            guard,
-            step,
-            step_fn=lambda batches: distillation_step(components, store, batches),
-            validate_fn=(lambda: validate(components, store)) if components.val_batches else None,
-            extra_info=lambda metrics: rollout_run.checkpoint_info(components, metrics),
-        )
-
-
-def shutdown(components: DistillationComponents) -> None:
-    """Stop the teacher's workers, then everything :func:`~nemo_rl.algorithms.rollout_run.shutdown`
-    stops."""
-    components.teacher.shutdown()
-    rollout_run.shutdown(components)
-
-
 def run(cfg: DistillationMasterConfig) -> int | None:
-    """``nemo-rl distillation``: set up, train, print where logs and checkpoints are, shut down.
+    """``nemo-rl distillation``: set up, train in the shared loop
+    (:func:`~nemo_rl.algorithms.rollout_command.run_in_memory`), print where logs and
+    checkpoints are, stop the teacher and the rest.
 
     Returns:
         None when the run finished; 75 when it saved and stopped early.
     """
     components = setup(cfg)
-    return rollout_run.run_rollout_command(
+    return run_in_memory(
         components,
-        lambda: distillation_train(components),
-        lambda: shutdown(components),
+        lambda store, batches: distillation_step(components, store, batches),
+        [components.teacher],
         (("train", "forward_kl"), ("validation", "accuracy")),
     )

@@ -54,6 +54,11 @@ class RolloutComponents:
     clusters: list[Any]
     generation_stale: bool = False
 
+    def checkpointed_models(self) -> dict[str, Any]:
+        """Trained models other than the policy, saved and restored with it, by checkpoint
+        subfolder (none here; PPO's critic)."""
+        return {}
+
     def rollout_runner(self) -> RolloutRunner:
         """The run's rollout (its engines, tokenizer, environments and limits)."""
         return RolloutRunner(
@@ -235,9 +240,12 @@ def start_train_and_generation(
 
 
 def loop_parts(components: RolloutComponents) -> LoopParts:
-    """What the shared training loop reads of a run trained on rollouts (its loop section)."""
+    """What the shared training loop reads of a run trained on rollouts (its loop section,
+    the models it checkpoints besides the policy)."""
     loop = components.cfg.loop
-    return training_loop.loop_parts(components, loop, loop.max_num_steps)
+    return training_loop.loop_parts(
+        components, loop, loop.max_num_steps, components.checkpointed_models()
+    )
 
 
 def checkpoint_info(components: RolloutComponents, metrics: dict[str, float]) -> dict[str, Any]:

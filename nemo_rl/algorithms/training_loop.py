@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,6 +56,9 @@ class LoopParts:
         max_num_steps: the last step of the run.
         val_period: validate every this many steps; 0 never.
         val_at_start: validate once before the first step of a fresh run.
+        other_models: further trained models saved and restored with the policy, each in the
+            checkpoint's subfolder of its name (PPO's critic: ``{"value": critic}``); each
+            has the policy's ``save_checkpoint(path)`` / ``load_checkpoint(path)``.
     """
 
     cfg: BaseModel
@@ -67,12 +70,16 @@ class LoopParts:
     max_num_steps: int
     val_period: int
     val_at_start: bool
+    other_models: dict[str, Any] = field(default_factory=dict)
 
 
-def loop_parts(run: Any, loop: Any, max_num_steps: int) -> LoopParts:
+def loop_parts(
+    run: Any, loop: Any, max_num_steps: int, other_models: dict[str, Any] | None = None
+) -> LoopParts:
     """The :class:`LoopParts` of ``run`` (anything with ``cfg``, ``policy``, ``train_loader``,
     ``logger``, ``timer`` and ``checkpointer``), validating by ``loop``'s ``val_period`` and
-    ``val_at_start`` (the algorithm's loop section)."""
+    ``val_at_start`` (the algorithm's loop section), checkpointing ``other_models`` with the
+    policy."""
     return LoopParts(
         cfg=run.cfg,
         policy=run.policy,
@@ -83,6 +90,7 @@ def loop_parts(run: Any, loop: Any, max_num_steps: int) -> LoopParts:
         max_num_steps=max_num_steps,
         val_period=loop.val_period,
         val_at_start=loop.val_at_start,
+        other_models=dict(other_models or {}),
     )
 
 
@@ -124,8 +132,9 @@ def save_checkpoint(
     train_metrics: Metrics,
     extra_info: CheckpointInfoFn | None = None,
 ) -> Path:
-    """Policy (model, optimizer, scheduler, RNG), data loader position, driver RNG and the
-    resolved recipe (``config.yaml``) of ``step`` into a new checkpoint folder.
+    """Policy (model, optimizer, scheduler, RNG), the other models (``parts.other_models``),
+    data loader position, driver RNG and the resolved recipe (``config.yaml``) of ``step``
+    into a new checkpoint folder.
 
     The manager keeps the top-k and the latest, ranked by ``checkpointing.metric_name`` among the
     last validation's metrics (``val_`` prefixed) and the step's train metrics (``train_``
@@ -147,6 +156,8 @@ def save_checkpoint(
     path = manager.init_tmp_checkpoint(step, info)
     save_run_config(path, parts.cfg)
     parts.policy.save_checkpoint(str(path / POLICY_DIR))
+    for name, model in parts.other_models.items():
+        model.save_checkpoint(str(path / name))
     torch.save(parts.train_loader.state_dict(), path / DATALOADER_STATE_FILE)
     save_rng_state(path / RNG_STATE_FILE)
     return manager.finalize_checkpoint(path)
@@ -156,7 +167,7 @@ def restore_checkpoint(
     parts: LoopParts, before_policy_load: Callable[[Path], None] | None = None
 ) -> tuple[int, dict[str, Any]]:
     """Load the checkpoint :meth:`~nemo_rl.utils.checkpoint.CheckpointManager.resume_checkpoint`
-    picks (verified against its manifest): policy, loader position, driver RNG.
+    picks (verified against its manifest): policy, the other models, loader position, driver RNG.
 
     Args:
         before_policy_load: called with the checkpoint folder before its policy loads (e.g. to
@@ -183,6 +194,8 @@ def restore_checkpoint(
     if before_policy_load is not None:
         before_policy_load(latest)
     parts.policy.load_checkpoint(str(latest / POLICY_DIR))
+    for name, model in parts.other_models.items():
+        model.load_checkpoint(str(latest / name))
     parts.train_loader.load_state_dict(torch.load(latest / DATALOADER_STATE_FILE))
     load_rng_state(latest / RNG_STATE_FILE)
     info = CheckpointManager.load_training_info(latest)

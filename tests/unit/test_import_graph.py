@@ -1,7 +1,7 @@
 """Layers in one direction: no import cycle among the modules of ``nemo_rl`` and
 ``megatron_bridge``, ``megatron_bridge`` (a standalone converter) never imports ``nemo_rl``,
 ``nemo_rl.launch`` never imports ``nemo_rl.cli``, and what every rollout-trained run shares
-(``algorithms.rollout_run``, ``rollout_config``) and distillation import nothing of GRPO's
+(``algorithms.rollout_run``, ``rollout_config``), distillation and PPO import nothing of GRPO's
 run or config (see :data:`FORBIDDEN_IMPORTS`).
 
 The graph is read statically: every ``.py`` file of the two packages is parsed with :mod:`ast`
@@ -66,6 +66,8 @@ FORBIDDEN_IMPORTS = [
             ("nemo_rl.algorithms.rollout_config", "nemo_rl.algorithms.grpo_config"),
             ("nemo_rl.algorithms.distillation", "nemo_rl.algorithms.grpo"),
             ("nemo_rl.algorithms.distillation_config", "nemo_rl.algorithms.grpo_config"),
+            ("nemo_rl.algorithms.ppo", "nemo_rl.algorithms.grpo"),
+            ("nemo_rl.algorithms.ppo_config", "nemo_rl.algorithms.grpo_config"),
         )
     ),
 ]

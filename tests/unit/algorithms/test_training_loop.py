@@ -121,6 +121,20 @@ def test_resumed_run_continues_exactly(tmp_path: Path) -> None:
     assert [w for _, w in resumed] == expected[3:]
 
 
+def test_other_models_are_saved_beside_the_policy_and_restored(tmp_path: Path) -> None:
+    """A second trained model (PPO's critic) goes into each checkpoint's folder of its name
+    and a resumed run starts from its saved state."""
+    first = make_parts(tmp_path, steps=2)
+    first.other_models = {"value": FakePolicy()}
+    first.other_models["value"].weight = 7.5
+    run(first)
+    assert torch.load(tmp_path / "ckpt" / "step_2" / "value" / "weight.pt") == 7.5
+    second = make_parts(tmp_path, steps=3)
+    second.other_models = {"value": FakePolicy()}
+    assert training_loop.restore_checkpoint(second)[0] == 2
+    assert second.other_models["value"].weight == 7.5
+
+
 def test_stop_signal_without_checkpointing_finishes_the_step_and_saves_nothing(
     tmp_path: Path,
 ) -> None:
