@@ -136,7 +136,7 @@ def run_agent_rollout(
         message_log=[s.log for s in samples], task_name=[s.task for s in samples]
     )
     start = time.perf_counter()
-    env_return, errors = calculate_rewards(env_batch, task_to_env, metadata)
+    env_return, components, errors = calculate_rewards(env_batch, task_to_env, metadata)
     env_time = time.perf_counter() - start
     records = policy_generation.take_http_records(episodes)
     calls = unchained = 0
@@ -151,6 +151,7 @@ def run_agent_rollout(
             None if agent_error is None else f"environment {sample.task!r}: {agent_error}"
         )
         sample.total_reward = 0.0 if sample.env_error else float(env_return.rewards[i])
+        sample.reward_components = {} if sample.env_error else dict(components[i])
         sample.terminated = sample.env_error is None and not sample.truncated
         sample.metadata = {}
     batch, metrics = finish_samples(batch, samples, env_time=env_time, gen_time=0.0)

@@ -19,8 +19,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.config import GenerationConfig
@@ -46,18 +44,20 @@ class AsyncVllmGeneration(VllmGeneration, AsyncGenerationInterface):
     # Base URL of each engine's HTTP endpoint (empty without vllm_cfg.expose_http_server).
     http_base_urls: list[str]
 
-    def _start_engines(self, replicas: range | list[int], timeout_s: float) -> None:
-        """Build the engines of ``replicas``, then start their HTTP servers when configured."""
-        super()._start_engines(replicas, timeout_s)
+    def _start_engines(self, replicas: range | list[int]) -> None:
+        """Build the engines of ``replicas``, then start their HTTP servers when configured
+        (within ``config.startup_timeout_s``)."""
+        super()._start_engines(replicas)
         vllm_cfg = self.config.vllm_cfg
         if not vllm_cfg.expose_http_server:
             self.http_base_urls = []
             return
         if not getattr(self, "http_base_urls", None):
             self.http_base_urls = [""] * self.num_replicas
-        urls = ray.get(
-            [self.engines[r].start_http_server.remote(vllm_cfg.http_server_host) for r in replicas],
-            timeout=timeout_s,
+        urls = self._wait(
+            [(r, self.engines[r].start_http_server.remote(vllm_cfg.http_server_host)) for r in replicas],
+            "its HTTP server's start", self.config.startup_timeout_s,
+            "policy.generation.startup_timeout_s",
         )
         for replica, url in zip(replicas, urls):
             self.http_base_urls[replica] = url
@@ -70,10 +70,13 @@ class AsyncVllmGeneration(VllmGeneration, AsyncGenerationInterface):
         for replica, rid in rollout_ids:
             by_replica.setdefault(replica, []).append(rid)
         futures = [
-            self.engines[r].take_http_records.remote(rids) for r, rids in by_replica.items()
+            (r, self.engines[r].take_http_records.remote(rids)) for r, rids in by_replica.items()
         ]
         records: dict[str, list[Any]] = {}
-        for part in ray.get(futures, timeout=self.generate_timeout_s):
+        for part in self._wait(
+            futures, "take_http_records", self.config.call_timeout_s,
+            "policy.generation.call_timeout_s",
+        ):
             records.update(part)
         return records
 
