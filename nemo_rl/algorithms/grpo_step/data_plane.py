@@ -60,16 +60,22 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
         actor_cls = ray.remote(num_cpus=0)(SyncRolloutActor)
         self.actor = actor_cls.remote(runner, policy.dp_cfg)
         # the actor's own waits are bounded: each turn's generation, each environment's step,
-        # the store's writes; past their sum it is stopped or hung itself
+        # the store's writes; past their sum it is stopped or hung itself (taken at each
+        # rollout: the generation's config is read then)
         turns = runner.max_rollout_turns
-        self.rollout_timeout_s = (
-            turns * (self.generation.config.generate_timeout_s
-                     + ENV_STEP_TIMEOUT_S * max(len(runner.task_to_env), 1))
-            + policy.dp_cfg.op_timeout_s
-        )
+        self._rollout_envs = max(len(runner.task_to_env), 1)
+        self._rollout_turns = turns
         self._rollout_bound = (
             f"{turns} turn(s) x (policy.generation.generate_timeout_s + "
             f"{ENV_STEP_TIMEOUT_S:g} s per environment) + data_plane.op_timeout_s"
+        )
+
+    def rollout_timeout_s(self) -> float:
+        """Seconds the driver waits for one rollout of the actor (see ``_rollout_bound``)."""
+        generate_s = self.generation.config.generate_timeout_s
+        return (
+            self._rollout_turns * (generate_s + ENV_STEP_TIMEOUT_S * self._rollout_envs)
+            + self.policy.dp_cfg.op_timeout_s
         )
 
     @contextmanager
@@ -97,12 +103,13 @@ class DataPlaneBatchStore(BatchStore[KVBatchMeta]):
             generation=self.generation,
             greedy=greedy,
         )
+        timeout_s = self.rollout_timeout_s()
         try:
-            meta, carry = ray.get(ref, timeout=self.rollout_timeout_s)
+            meta, carry = ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise WorkerTimeout(
                 f"the rollout actor gave no result for rollout within "
-                f"{self.rollout_timeout_s:g} s ({self._rollout_bound}): stopped or hung"
+                f"{timeout_s:g} s ({self._rollout_bound}): stopped or hung"
             ) from None
         self.generation.sampling_step = carry.sampling_step
         return meta, carry

@@ -62,7 +62,7 @@ def test_dry_run_prints_the_recipes_memory_plan_beside_the_script(
          "cluster.gpu_memory_gb=60"], capsys
     )
     assert code == 2 and out == ""
-    assert "the GPU memory plan does not fit: the training phase needs 60.5 GiB" in err
+    assert "the GPU memory plan does not fit: the training phase needs 60.1 GiB" in err
 
 
 def test_option_errors_name_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
