@@ -96,6 +96,7 @@ class VllmGeneration(GenerationInterface):
             cluster.bundle_ct_per_node_list, config.vllm_cfg.tensor_parallel_size, repr(cluster)
         )
         self.config = config
+        self.adapters = adapters
         self.pad_token_id = pad_token_id
         self.seed = seed
         # Restarts of each engine so far (config.max_engine_restarts bounds each).
