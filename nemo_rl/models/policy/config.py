@@ -481,7 +481,12 @@ class PolicyConfig(ConfigModel):
                 "new score head must be trained in full, which LoRA does not do; disable one"
             )
         peft = self.megatron_cfg.peft
-        if peft.enabled and self.generation.vllm_cfg.lora_refit == "adapter":
+        if self.generation.vllm_cfg.lora_refit == "adapter" and not peft.enabled:
+            raise ValueError(
+                "generation.vllm_cfg.lora_refit='adapter' serves LoRA adapters, but "
+                "megatron_cfg.peft.enabled is false; set lora_refit: merged or enable peft"
+            )
+        if self.generation.vllm_cfg.lora_refit == "adapter":
             try:
                 engine_max_lora_rank(peft.dim)
             except ValueError as err:

@@ -139,13 +139,12 @@ def test_engines_serve_the_adapters_only_when_asked() -> None:
     adapter = {"generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
     assert PolicyConfig().generation.vllm_cfg.lora_refit == "merged"
     assert _policy(dim=8).adapter_serving() is None  # merged: the engines get every weight
-    assert PolicyConfig.model_validate(adapter).adapter_serving() is None  # no LoRA
     lora = {"megatron_cfg": {"peft": {"enabled": True, "dim": 20, "alpha": 10}}}
     serving = PolicyConfig.model_validate({**lora, **adapter}).adapter_serving()
     assert serving == AdapterServing(dim=20, alpha=10) and serving.max_lora_rank == 32
 
 
-def test_adapters_above_vllms_largest_rank_are_refused_for_adapter_refit() -> None:
+def test_adapter_refit_needs_lora_of_a_rank_vllm_serves() -> None:
     adapter = {"generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
     with pytest.raises(ConfigError) as err:
         validate_config(
@@ -155,6 +154,9 @@ def test_adapters_above_vllms_largest_rank_are_refused_for_adapter_refit() -> No
     for needle in ("megatron_cfg.peft.dim=513", "lora_refit='adapter'", "512", "merged"):
         assert needle in str(err.value)
     assert _policy(dim=513).adapter_serving() is None  # merged refit takes any rank
+    with pytest.raises(ConfigError, match=r"lora_refit='adapter' serves LoRA adapters, but "
+                       r"megatron_cfg.peft.enabled is false"):
+        validate_config(adapter, PolicyConfig, source="test")
 
 
 def test_max_lora_ranks_are_vllms() -> None:
