@@ -67,8 +67,9 @@ class VllmConfig(ConfigModel):
         "base weights it loaded at start and is built with vLLM's LoRA support "
         "(enable_lora, max_lora_rank from peft.dim); each refit streams only the adapters' "
         "A and B tensors, which the engine installs in memory as a new vLLM LoRA adapter that "
-        "every later request uses; only with LoRA. Measured on CPU in "
-        "benchmarks/bench_lora_refit.py (docs/performance.md).",
+        "every later request uses; only with LoRA. On CPU 'adapter' refits 12x faster but "
+        "generates 1.8x slower per token, so 'merged' is the default (benchmarks/"
+        "bench_lora_refit.py, docs/performance.md).",
     )
     async_engine: bool = Field(
         default=False,
