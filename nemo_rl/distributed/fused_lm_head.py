@@ -10,6 +10,11 @@ The backward recomputes each chunk's logits from the saved hidden states and wei
 only ``[tokens]`` statistics between forward and backward, never ``[tokens, vocab]`` logits or
 their float32 copy and gradient.
 
+Sampling distribution (:mod:`nemo_rl.distributed.sampling`): each chunk's logits are divided
+by the temperature (forward and backward); with top-k / top-p each chunk goes through
+:func:`~nemo_rl.distributed.model_utils.truncated_logprobs` under activation checkpointing
+instead of the hand-written backward.
+
 Tensor parallelism: ``weight`` is this rank's vocabulary rows ``[vocab / TP, hidden]`` (the
 output layer is column-parallel over the vocabulary); the maximum, the sum of exponentials and
 the target logit are all-reduced over ``tp_group`` per chunk, as in ``model_utils``. ``hidden``

@@ -1,6 +1,8 @@
 """GRPO trains on the distribution the engines sample from (docs/algorithms.md,
 "Sampling-consistent logprobs"): the tiny colocated run of tests/tiny_grpo.py, one step from
-the checkpoint's weights, sampling at temperature 0.7 with top-p 0.9, and at 0.7 with top-k 20.
+the checkpoint's weights, sampling at temperature 0.7 with top-p 0.9 (the policy's LM head fused
+with its logprobs, ``policy.logprob_chunk_size``), and at 0.7 with top-k 20 (the output layer's
+full logits).
 
 The first step is on-policy: the importance ratio is 1 (within 1e-5) and the engine's logprobs
 agree with the trainer's (``token_mult_prob_error`` within 1e-3 of 1), the tolerances
@@ -35,6 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
 TEMPERATURE = 0.7
 RUNS = {"top_p": {"top_p": 0.9}, "top_k": {"top_k": 20}}
+# the LM head fused with the logprobs (the default, chunks of 1024 tokens) for top-p; the
+# output layer's full logits for top-k
+LOGPROB_CHUNK_SIZE = {"top_p": 1024, "top_k": None}
 # test_grpo.py's tolerances at temperature 1
 RATIO_TOL, MULT_PROB_TOL = 1e-5, 1e-3
 # float32 Megatron / vLLM / transformers on the same weights
@@ -48,6 +53,7 @@ def run(request, tmp_path_factory, tiny_llama_path) -> tuple[dict[str, Any], Bat
     root = tmp_path_factory.mktemp(name)
     data = tiny_grpo_config(root / "logs", tiny_llama_path, grpo={"max_num_steps": 1}).model_dump()
     data["policy"]["generation"].update(temperature=TEMPERATURE, **RUNS[name])
+    data["policy"]["logprob_chunk_size"] = LOGPROB_CHUNK_SIZE[name]
     cfg = GRPOMasterConfig.model_validate(data)
     trained: list[BatchedDataDict] = []
     train = InMemoryBatchStore.train

@@ -432,7 +432,8 @@ def compute_logprobs(
     rows = _score_rows(policy, data, mbs, packing_enabled, score, fused)
     if rows is None or not sampling.truncates:
         return rows
-    mask = data["token_mask"] * data["sample_mask"][:, None] if "token_mask" in data else None
+    scored = "token_mask" in data and "sample_mask" in data  # training data: count the outliers
+    mask = data["token_mask"] * data["sample_mask"][:, None] if scored else None
     return zero_outside_sampled_set(rows, mask, "the previous logprobs")
 
 
