@@ -27,6 +27,7 @@ from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
 from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
+from nemo_rl.distributed.sampling import PLAIN_SAMPLING, TrainingSamplingParams
 from nemo_rl.models.megatron import torch_fused
 from nemo_rl.models.megatron.compiled_layers import compile_transformer_layers
 from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_stage_spec
@@ -75,6 +76,8 @@ class PolicyModel:
         lora: the model's LoRA adapters (``megatron_cfg.peft``); None when it has none.
         logprob_chunk_size: ``policy.logprob_chunk_size``: tokens per chunk of the LM head
             fused with the logprobs; None: the output layer's full logits.
+        sampling: the engines' sampling distribution (``policy.generation``'s temperature,
+            top-k, top-p) that the policy's logprobs follow.
     """
 
     model: Any
@@ -85,6 +88,7 @@ class PolicyModel:
     dtype: torch.dtype
     lora: LoraSpec | None = None
     logprob_chunk_size: int | None = None
+    sampling: TrainingSamplingParams = PLAIN_SAMPLING
 
 
 class FrozenStage(torch.nn.Module):
@@ -443,12 +447,14 @@ def setup_policy_model(
     lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:
         return PolicyModel(
-            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size
+            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size,
+            config.generation.training_sampling(),
         )
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
     return PolicyModel(
-        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size
+        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size,
+        config.generation.training_sampling(),
     )
