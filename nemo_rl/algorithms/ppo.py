@@ -1,8 +1,9 @@
 """PPO with a value model: the ``nemo-rl ppo`` command.
 
 The policy samples responses with vLLM; a critic (``value``: the policy's architecture with a
-scalar head, started from the policy's weights, colocated on the policy's bundles with its own
-optimizer) gives every response token a value; generalized advantage estimation turns the
+scalar head, started from the policy's weights with a fresh head or from a reward model's
+decoder and trained head, ``value.init_from_reward_model``; colocated on the policy's bundles
+with its own optimizer) gives every response token a value; generalized advantage estimation turns the
 outcome rewards and the values into per-token advantages and returns. One step
 (:func:`ppo_step`), phase by phase, with GRPO's pieces:
 
