@@ -84,7 +84,13 @@ def test_value_loss_falls_on_a_fixed_batch(run: dict[str, Any]) -> None:
     losses = [loss for step in run["steps"] for loss in step["loss"]]
     assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0], losses
     assert all(step["metrics"]["vf_clipfrac"] == [0.0] for step in run["steps"])
+    # the first step's extremes (reduced by min / max over its two micro-batches) are those of
+    # the values before training over the loss's tokens
     mask = make_batch()["token_mask"].bool()
+    before = run["values_before"][mask]
+    first = run["steps"][0]["metrics"]
+    assert first["values_min"][0] == pytest.approx(before.min().item(), abs=1e-6)
+    assert first["values_max"][0] == pytest.approx(before.max().item(), abs=1e-6)
     # With gamma=1 the returns of a row are close to its reward; the critic moves towards them.
     err = lambda v: (v - REWARDS[:, None].expand_as(v))[mask].square().mean().item()  # noqa: E731
     assert err(run["values_after"]) < err(run["values_before"])
