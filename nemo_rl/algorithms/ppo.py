@@ -13,8 +13,9 @@ outcome rewards and the values into per-token advantages and returns. One step
 2. **values**: the critic's ``values`` ``[B, S]`` (the state before each token).
 3. **logprobs**: the policy's before the update (``prev_logprobs``).
 4. **advantages**: :func:`~nemo_rl.algorithms.advantage_estimators.gae_advantages` with
-   ``ppo.adv_estimator``'s ``gae_gamma`` / ``gae_lambda`` / ``normalize_advantages`` over the
-   response tokens of the samples the loss keeps: ``advantages`` and ``returns`` ``[B, S]``.
+   ``ppo.adv_estimator``'s ``gae_gamma`` / ``gae_lambda`` / ``normalize_advantages`` (and
+   VAPO's decoupled lambdas, :func:`gae_lambdas`) over the response tokens of the samples the
+   loss keeps: ``advantages`` and ``returns`` ``[B, S]``.
 5. **train**, ``ppo.ppo_epochs`` times on the same batch: the critic on the value loss
    (:class:`~nemo_rl.algorithms.loss.MseValueLossFn`, ``value_loss_fn``), then, once
    ``ppo.policy_training_start_step`` steps have finished, the policy on the clipped
@@ -36,13 +37,13 @@ from typing import Any
 
 import torch
 
-from nemo_rl.algorithms.advantage_estimators import gae_advantages
+from nemo_rl.algorithms.advantage_estimators import gae_advantages, length_adaptive_lambda
 from nemo_rl.algorithms.grpo_step.in_memory import InMemoryBatchStore
 from nemo_rl.algorithms.grpo_step.metrics import step_metrics
 from nemo_rl.algorithms.grpo_step.step import rollout_groups
 from nemo_rl.algorithms.loss import ClippedPGLossFn, MseValueLossFn
 from nemo_rl.algorithms.loss.value import explained_variance
-from nemo_rl.algorithms.ppo_config import PPOMasterConfig
+from nemo_rl.algorithms.ppo_config import PPOAdvEstimatorConfig, PPOMasterConfig
 from nemo_rl.algorithms.rollout_command import run_in_memory, start_with_second_model
 from nemo_rl.algorithms.rollout_run import RolloutComponents
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -92,6 +93,24 @@ def setup(cfg: PPOMasterConfig) -> PPOComponents:
     )
 
 
+def gae_lambdas(
+    est: PPOAdvEstimatorConfig, mask: torch.Tensor
+) -> tuple[float | torch.Tensor, float | None]:
+    """GAE's lambdas as NeMo RL resolves ``ppo.adv_estimator``: the policy's advantages take
+    the length-adaptive ``[B]`` lambdas of the ``[B, S]`` loss ``mask`` when
+    ``length_adaptive_alpha > 0``, else ``gae_lambda_policy``, else ``gae_lambda``; the
+    critic's returns take ``gae_lambda_value``, else ``gae_lambda`` (None when that is the
+    policy's: one GAE pass)."""
+    if est.length_adaptive_alpha > 0:
+        policy: float | torch.Tensor = length_adaptive_lambda(mask, est.length_adaptive_alpha)
+    elif est.gae_lambda_policy is not None:
+        policy = est.gae_lambda_policy
+    else:
+        policy = est.gae_lambda
+    value = est.gae_lambda_value if est.gae_lambda_value is not None else est.gae_lambda
+    return policy, None if isinstance(policy, float) and policy == value else value
+
+
 def add_gae_fields(
     components: PPOComponents,
     store: InMemoryBatchStore,
@@ -101,18 +120,24 @@ def add_gae_fields(
 ) -> BatchedDataDict:
     """``batch`` with the critic's ``values``, GAE's ``advantages`` and ``returns`` ``[B, S]``
     from the ``[B]`` ``rewards`` (over the response tokens of the samples ``sample_mask``
-    ``[B]`` keeps) and ``sample_mask``."""
+    ``[B]`` keeps), ``sample_mask`` and, with ``loss_fn.positive_example_nll_weight > 0``,
+    ``rewards``."""
     est = components.cfg.ppo.adv_estimator
     values = components.value.get_values(batch)["values"].float()
+    mask = batch["token_mask"].float() * sample_mask[:, None]
+    policy_lambda, value_lambda = gae_lambdas(est, mask)
     advantages, returns = gae_advantages(
         rewards.float(),
         values,
-        batch["token_mask"].float() * sample_mask[:, None],
+        mask,
         gamma=est.gae_gamma,
-        lam=est.gae_lambda,
+        lam=policy_lambda,
         normalize_advantages=est.normalize_advantages,
+        value_lam=value_lambda,
     )
     fields = {"values": values, "advantages": advantages, "returns": returns, "sample_mask": sample_mask}
+    if components.cfg.loss_fn.positive_example_nll_weight > 0:
+        fields["rewards"] = rewards.float()  # VAPO's NLL trains on the samples with reward > 0
     return store.add_fields(batch, fields)
 
 

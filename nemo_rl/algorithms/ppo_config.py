@@ -112,6 +112,27 @@ class PPOAdvEstimatorConfig(ConfigModel):
         description="Whiten the advantages over the batch's response tokens (sample variance); "
         "the critic's returns use the unwhitened ones.",
     )
+    gae_lambda_value: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="VAPO's decoupled GAE: the lambda of the critic's returns (1.0: Monte "
+        "Carlo targets). None: gae_lambda.",
+    )
+    gae_lambda_policy: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="VAPO's decoupled GAE: the lambda of the policy's advantages. None: "
+        "gae_lambda. Ignored when length_adaptive_alpha > 0.",
+    )
+    length_adaptive_alpha: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="VAPO's length-adaptive lambda of the policy's advantages, per sample "
+        "1 - 1 / max(alpha * response tokens, 1) (VAPO: 0.05); the returns keep "
+        "gae_lambda_value (or gae_lambda). 0: off.",
+    )
 
 
 class PPOLossConfig(ClippedPGLossConfig):
