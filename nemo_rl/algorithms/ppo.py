@@ -50,6 +50,8 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 VALUE_DIR = "value"
 """The critic's subfolder of a checkpoint (next to the policy's ``policy/``)."""
+CURVES = (("train", "reward"), ("validation", "accuracy"))
+"""The curves of the run's ``reward_curve.png``."""
 
 
 @dataclass
@@ -73,6 +75,14 @@ class PPOComponents(RolloutComponents):
     def checkpointed_models(self) -> dict[str, Any]:
         """The critic, saved in and restored from each checkpoint's ``value/``."""
         return {VALUE_DIR: self.value}
+
+    def train_step(self, store: InMemoryBatchStore, batches: Any) -> dict[str, float]:
+        """One PPO step (:func:`ppo_step`): the shared loop's step function."""
+        return ppo_step(self, store, batches)
+
+    def resumed(self, step: int) -> None:
+        """The run resumed after ``step`` finished steps (the critic's warm-up counts them)."""
+        self.steps_done = step
 
 
 def setup(cfg: PPOMasterConfig) -> PPOComponents:
@@ -214,14 +224,6 @@ def run(cfg: PPOMasterConfig) -> int | None:
         None when the run finished; 75 when it saved and stopped early.
     """
     components = setup(cfg)
-
-    def resumed(step: int) -> None:
-        components.steps_done = step
-
     return run_in_memory(
-        components,
-        lambda store, batches: ppo_step(components, store, batches),
-        [components.value],
-        (("train", "reward"), ("validation", "accuracy")),
-        resumed,
+        components, components.train_step, [components.value], CURVES, components.resumed
     )

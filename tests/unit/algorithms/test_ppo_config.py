@@ -4,14 +4,13 @@ policy, the learning-rate horizons with ``ppo_epochs``, and what is refused at c
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from nemo_rl.algorithms.ppo_config import PPOMasterConfig
 from nemo_rl.utils.config import ConfigError, load_typed_config
+from random_checkpoints import copy_with_another_vocab_size
 
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "ppo_tiny_cpu.yaml"
 
@@ -93,10 +92,6 @@ def test_a_critic_start_that_is_not_a_reward_model_is_refused(
     # a reward model named as model_name would lose its trained head: pointed to the key
     assert f"set value.init_from_reward_model={rm!r} instead" in refusal(f"value.model_name={rm}")
     # the critic reads the policy's token ids
-    other = tmp_path / "other_vocab"
-    shutil.copytree(tiny_reward_model_path, other)
-    config = json.loads((other / "config.json").read_text())
-    config["vocab_size"] += 128
-    (other / "config.json").write_text(json.dumps(config))
+    other = copy_with_another_vocab_size(tiny_reward_model_path, tmp_path / "other_vocab")
     message = refusal(f"value.init_from_reward_model={other}")
     assert f"value.init_from_reward_model ({other}) and policy.model_name (tiny-llama) have different tokenizers or vocabulary sizes (1152 vs 1024)" in message
