@@ -121,17 +121,27 @@ def gae_lambdas(
     return policy, None if isinstance(policy, float) and policy == value else value
 
 
+def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """NeMo RL's ``advantages/mean``, ``advantages/max``, ``advantages/min`` of the ``[B, S]``
+    advantages over the tokens of the ``[B, S]`` loss ``mask`` (0 without any)."""
+    on = advantages[mask > 0]
+    if not on.numel():
+        return {"advantages/mean": 0.0, "advantages/max": 0.0, "advantages/min": 0.0}
+    mean, high, low = torch.stack([on.mean(), on.max(), on.min()]).tolist()
+    return {"advantages/mean": mean, "advantages/max": high, "advantages/min": low}
+
+
 def add_gae_fields(
     components: PPOComponents,
     store: InMemoryBatchStore,
     batch: BatchedDataDict,
     rewards: torch.Tensor,
     sample_mask: torch.Tensor,
-) -> BatchedDataDict:
+) -> tuple[BatchedDataDict, dict[str, float]]:
     """``batch`` with the critic's ``values``, GAE's ``advantages`` and ``returns`` ``[B, S]``
     from the ``[B]`` ``rewards`` (over the response tokens of the samples ``sample_mask``
     ``[B]`` keeps), ``sample_mask`` and, with ``loss_fn.positive_example_nll_weight > 0``,
-    ``rewards``."""
+    ``rewards``; and the advantages' :func:`advantage_metrics`."""
     est = components.cfg.ppo.adv_estimator
     values = components.value.get_values(batch)["values"].float()
     mask = batch["token_mask"].float() * sample_mask[:, None]
@@ -148,7 +158,7 @@ def add_gae_fields(
     fields = {"values": values, "advantages": advantages, "returns": returns, "sample_mask": sample_mask}
     if components.cfg.loss_fn.positive_example_nll_weight > 0:
         fields["rewards"] = rewards.float()  # VAPO's NLL trains on the samples with reward > 0
-    return store.add_fields(batch, fields)
+    return store.add_fields(batch, fields), advantage_metrics(advantages, mask)
 
 
 def critic_metrics(value_results: dict[str, Any]) -> dict[str, float]:
@@ -168,8 +178,8 @@ def ppo_step(
 ) -> dict[str, float]:
     """One PPO step on the next prompts of ``batches`` (see the module docstring); returns its
     metrics: the policy's ``loss``, ``grad_norm``, ``lr`` and loss metrics (absent during the
-    critic's warm-up), ``reward``, the rollout's ``rollout/*`` figures and the critic's
-    ``critic/*`` (:func:`critic_metrics`)."""
+    critic's warm-up), ``reward``, the rollout's ``rollout/*`` figures, the critic's
+    ``critic/*`` (:func:`critic_metrics`) and ``advantages/*`` (:func:`advantage_metrics`)."""
     cfg, timer, policy, value = components.cfg, components.timer, components.policy, components.value
     group_size = cfg.ppo.num_generations_per_prompt
     trains_policy = components.steps_done >= cfg.ppo.policy_training_start_step
@@ -180,7 +190,7 @@ def ppo_step(
         # values: the critic's state back on the device
         value.prepare_for_training()
         with timer.time("value_inference"):
-            batch = add_gae_fields(
+            batch, adv_metrics = add_gae_fields(
                 components, store, batch, carry.rewards, carry.loss_multiplier.float()
             )
 
@@ -205,7 +215,7 @@ def ppo_step(
         components.generation_stale = components.generation_stale or trains_policy
         store.release(batch)
     components.steps_done += 1
-    metrics = critic_metrics(value_results)
+    metrics = {**critic_metrics(value_results), **adv_metrics}
     if trains_policy:
         metrics.update(step_metrics(carry.metrics, train_results, {}))
     else:

@@ -103,6 +103,9 @@ def test_every_step_logs_critic_and_policy(resumed: Path) -> None:
         assert metrics["critic/values_min"] <= metrics["critic/values_mean"] <= metrics["critic/values_max"]
         assert metrics["critic/values_min"] < metrics["critic/values_max"]
         assert "positive_nll_loss" in metrics  # the VAPO NLL ran (it needs the rewards)
+        # NeMo RL's advantage figures; whitened advantages have mean ~0
+        assert metrics["advantages/min"] < metrics["advantages/mean"] < metrics["advantages/max"]
+        assert abs(metrics["advantages/mean"]) < 1e-5
 
 
 def test_every_logged_metric_is_in_the_glossary(resumed: Path) -> None:

@@ -111,3 +111,16 @@ def test_ppo_resolves_the_lambdas_as_nemo_rl() -> None:
     policy, value = gae_lambdas(Est(gae_lambda=0.9, gae_lambda_policy=0.5, length_adaptive_alpha=0.5), MASK)
     torch.testing.assert_close(policy, torch.tensor([1 / 3, 1 / 3]), rtol=0, atol=1e-7)  # 3 tokens each
     assert value == 0.9
+
+
+def test_ppo_advantage_metrics_by_hand() -> None:
+    """NeMo RL's ``advantages/mean|max|min`` over the loss's tokens only."""
+    from nemo_rl.algorithms.ppo import advantage_metrics
+
+    advantages = torch.tensor([[9.0, 0.5, -1.5, 0.0], [2.0, 4.0, -7.0, 1.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    # tokens 0.5, -1.5, 0.0, 2.0, 4.0: mean 5/5 = 1.0 (9 and -7 are not the loss's)
+    assert advantage_metrics(advantages, mask) == {"advantages/mean": 1.0, "advantages/max": 4.0, "advantages/min": -1.5}
+    assert advantage_metrics(advantages, torch.zeros_like(mask)) == dict.fromkeys(
+        ("advantages/mean", "advantages/max", "advantages/min"), 0.0
+    )
