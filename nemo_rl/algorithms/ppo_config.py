@@ -291,6 +291,8 @@ class PPOMasterConfig(RolloutMasterConfig):
                     "start the critic from a reward model (its decoder and trained score head) "
                     f"set value.init_from_reward_model={self.value.model_name!r} instead"
                 )
+        if self.value.model_name == self.policy.model_name:
+            return  # the policy's own model
         shared_vocabulary(
             self.policy.model_name,
             self.value.model_name,
