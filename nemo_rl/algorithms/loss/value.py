@@ -122,7 +122,9 @@ class MseValueLossFn:
         loss = 0.5 * self.cfg.scale * means[0]
         stats = means[1:].detach().tolist()
         valid = values.detach()[mask > 0]
-        extremes = torch.stack([valid.min(), valid.max()]).tolist() if valid.numel() else [float("inf"), float("-inf")]
+        extremes = [float("inf"), float("-inf")]  # neutral for min / max: no valid token
+        if valid.numel():
+            extremes = torch.stack([valid.min(), valid.max()]).tolist()
         metrics = {
             "loss": float(loss.detach()),
             **dict(zip(("vf_clipfrac", "returns_mean", "values_mean", "returns_sq_mean", "residual_sq_mean"), stats)),

@@ -216,7 +216,8 @@ def train_global_batch(
         ``loss`` (global loss: micro-batch losses summed over micro-batches and DP ranks),
         ``grad_norm`` (global L2 norm before clipping; None in eval mode), ``lr`` (learning
         rate of this step), ``metrics`` (each loss metric summed over micro-batches and DP
-        ranks, or reduced by min / max where the loss's ``metric_reductions`` says so; a mixture-of-experts model's training step adds its routers' losses
+        ranks, or reduced by min / max where the loss's ``metric_reductions`` says so; a
+        mixture-of-experts model's training step adds its routers' losses
         ``moe/load_balancing_loss`` / ``moe/z_loss``, means as megatron-core logs them, not
         included in ``loss``), ``num_micro_batches`` (this rank's).
     """
