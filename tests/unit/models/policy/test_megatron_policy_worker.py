@@ -29,7 +29,6 @@ from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
-from one_rank_worker import small_policy_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
@@ -86,14 +85,19 @@ def shard(batch: BatchedDataDict, dp: int, mode: Any) -> ShardedBatch:
 
 
 def policy_config(model_path: Path, layout: dict[str, int]) -> PolicyConfig:
-    megatron_cfg = {
-        "tensor_model_parallel_size": layout["tp"],
-        "pipeline_model_parallel_size": layout["pp"],
-        "context_parallel_size": layout["cp"],
-        "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
-    }
-    return small_policy_config(
-        model_path, GBS, SEQ, {"megatron_cfg": megatron_cfg, "sequence_packing": {"enabled": True}}
+    return PolicyConfig(
+        model_name=str(model_path),
+        train_global_batch_size=GBS,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        max_total_sequence_length=SEQ,
+        megatron_cfg={
+            "tensor_model_parallel_size": layout["tp"],
+            "pipeline_model_parallel_size": layout["pp"],
+            "context_parallel_size": layout["cp"],
+            "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+        },
+        sequence_packing={"enabled": True},
     )
 
 
