@@ -29,6 +29,29 @@ def tiny_qwen2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_path(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama as a reward model's HF folder (what ``nemo-rl export`` writes of a
+    ``nemo-rl rm`` checkpoint: a one-label ``LlamaForSequenceClassification`` with a pad token
+    and the tokenizer): every decoder weight moved off the tiny Llama's (noise of std 0.02, so
+    a model loading only the head is told apart) and a random score head of std 1."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification.from_pretrained(
+        tiny_llama_path, num_labels=1, pad_token_id=0, torch_dtype=torch.float32
+    )
+    with torch.no_grad():
+        for param in model.model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("rm_hf")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def warm_colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
     """The folder (``logs``, ``ckpt`` with every step) of one tiny colocated GRPO run of
     ``tiny_grpo.WARM_RUN_STEPS`` steps after the SFT warm start, saving every step: the default

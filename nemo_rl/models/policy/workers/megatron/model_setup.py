@@ -167,7 +167,10 @@ def build_gpt_stage(
     :func:`megatron_bridge.build_gpt_model` (:func:`megatron_bridge.load.gpt_model_stage`) and
     adds the CP size, activation recomputation, the loss-scaling flags training needs and, for
     a mixture-of-experts model, the router's training settings (:mod:`.moe`; the routers are
-    frozen here with ``freeze_moe_router``).
+    frozen here with ``freeze_moe_router``). With the scalar head (``reward_model_cfg.enabled``)
+    and a reward model's folder (a ``...ForSequenceClassification``, as ``nemo-rl export``
+    writes one) the stage gets its :class:`~.reward_head.ScalarHead` before loading, which the
+    folder's trained ``score.weight`` then fills.
 
     Returns:
         ``(model, bridge, transformer_config)``.
@@ -203,6 +206,11 @@ def build_gpt_stage(
     model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if config.reward_model_cfg.enabled and bridge.is_sequence_classifier:
+        # a reward model's folder: its score head is loaded with the decoder
+        from nemo_rl.models.policy.workers.megatron.reward_head import attach_reward_head
+
+        attach_reward_head(model, torch.zeros(bridge.num_labels, model.config.hidden_size))
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
     if mcfg.compile_transformer_layers:
@@ -408,7 +416,8 @@ def effective_optimizer_config(
 def attach_score_head(
     model: torch.nn.Module, bridge: BridgeConfig, model_path: str, seed: int
 ) -> BridgeConfig:
-    """Turn the loaded causal LM into a reward model (:mod:`.reward_head`); returns the bridge
+    """Turn the loaded causal LM into a reward model (:mod:`.reward_head`) with a fresh head (a
+    reward model's folder brings its own: :func:`build_gpt_stage`); returns the bridge
     its checkpoints record: the model as an HF sequence classifier with one label, whose
     ``pad_token_id`` is the tokenizer's (its EOS when it has no pad token)."""
     from transformers import AutoTokenizer
@@ -442,7 +451,7 @@ def setup_policy_model(
     dtype = dtype_from_name(config.precision)
     layout = init_parallel_from_env(mcfg, seed)
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
-    if config.reward_model_cfg.enabled:
+    if config.reward_model_cfg.enabled and not bridge.is_sequence_classifier:
         bridge = attach_score_head(model, bridge, model_path, seed)
     lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:

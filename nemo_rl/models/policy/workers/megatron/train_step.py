@@ -9,7 +9,8 @@ losses sum to the global loss however the batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from megatron_bridge.parallel_state import collective_device
 
-from nemo_rl.algorithms.loss.interfaces import LossInputType
+from nemo_rl.algorithms.loss.interfaces import LossInputType, MetricReduction, metric_reductions
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.sampling import TrainingSamplingParams
 from nemo_rl.models.megatron.lm_head import output_layer_returns_hidden, output_weight
@@ -165,15 +166,41 @@ def _share_from_last_stage(payload: dict[str, Any]) -> dict[str, Any]:
     return box[0]
 
 
-def _sum_over_dp(values: dict[str, float], dp_group: Any) -> dict[str, float]:
+def _combine_metric(how: MetricReduction, a: float | None, b: float) -> float:
+    """Two micro-batches' values of a metric reduced by ``how``."""
+    if a is None:
+        return b
+    return {MetricReduction.SUM: a + b, MetricReduction.MIN: min(a, b), MetricReduction.MAX: max(a, b)}[how]
+
+
+def _reduce_over_dp(
+    values: dict[str, float], reductions: Mapping[str, MetricReduction], dp_group: Any
+) -> dict[str, float]:
+    """``values`` of this DP rank reduced over ``dp_group``: summed, or by min / max for the
+    keys ``reductions`` names (an extreme over no valid token, +-inf, becomes 0)."""
     keys = sorted(values)
     if not keys:
         return {}
-    totals = torch.tensor(
-        [values[k] for k in keys], dtype=torch.float64, device=collective_device()
+    how = [reductions.get(k, MetricReduction.SUM) for k in keys]
+    sums = torch.tensor(
+        [values[k] if h == MetricReduction.SUM else 0.0 for k, h in zip(keys, how)],
+        dtype=torch.float64,
+        device=collective_device(),
     )
-    dist.all_reduce(totals, group=dp_group)
-    return dict(zip(keys, totals.tolist()))
+    dist.all_reduce(sums, group=dp_group)
+    out = dict(zip(keys, sums.tolist()))
+    extreme = [(k, h) for k, h in zip(keys, how) if h != MetricReduction.SUM]
+    if extreme:  # one MAX all-reduce: a minimum is the negated maximum of the negations
+        sign = [-1.0 if h == MetricReduction.MIN else 1.0 for _, h in extreme]
+        maxima = torch.tensor(
+            [s * values[k] for (k, _), s in zip(extreme, sign)],
+            dtype=torch.float64,
+            device=collective_device(),
+        )
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
+        for (k, _), s, m in zip(extreme, sign, maxima.tolist()):
+            out[k] = s * m if math.isfinite(m) else 0.0
+    return out
 
 
 def train_global_batch(
@@ -191,7 +218,8 @@ def train_global_batch(
         ``loss`` (global loss: micro-batch losses summed over micro-batches and DP ranks),
         ``grad_norm`` (global L2 norm before clipping; None in eval mode), ``lr`` (learning
         rate of this step), ``metrics`` (each loss metric summed over micro-batches and DP
-        ranks; a mixture-of-experts model's training step adds its routers' losses
+        ranks, or reduced by min / max where the loss's ``metric_reductions`` says so; a
+        mixture-of-experts model's training step adds its routers' losses
         ``moe/load_balancing_loss`` / ``moe/z_loss``, means as megatron-core logs them, not
         included in ``loss``), ``num_micro_batches`` (this rank's).
     """
@@ -251,12 +279,17 @@ def train_global_batch(
         _, grad_norm, _ = policy.optimizer.step()
         policy.scheduler.step(increment=1)
         grad_norm = float(grad_norm)
+    reductions = {f"metrics/{k}": h for k, h in metric_reductions(loss_fn).items()}
     summed: dict[str, float] = {"loss": sum(o["loss"] for o in outputs)}
     for out in outputs:
         for key, value in out["metrics"].items():
-            summed[f"metrics/{key}"] = summed.get(f"metrics/{key}", 0.0) + float(value)
+            name = f"metrics/{key}"
+            how = reductions.get(name, MetricReduction.SUM)
+            summed[name] = _combine_metric(how, summed.get(name), float(value))
     is_last = parallel_state.is_pipeline_last_stage()
-    summed = _share_from_last_stage(_sum_over_dp(summed, dp_group) if is_last else {})
+    summed = _share_from_last_stage(
+        _reduce_over_dp(summed, reductions, dp_group) if is_last else {}
+    )
     loss = summed.pop("loss")
     return {
         "loss": loss,
