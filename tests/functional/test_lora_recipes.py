@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from nemo_rl.models.policy import export
 from nemo_rl.utils.config import load_typed_config
 from nemo_rl.utils.logger import read_metrics_jsonl
 
-from tiny_grpo import run_recipe_cut
+from tiny_grpo import by_prefix, run_recipe_cut
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
@@ -38,9 +37,6 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # moves them.
 WARMUP_1 = "policy.megatron_cfg.scheduler.lr_warmup_iters=1"
 
-
-def by_prefix(records: list[dict[str, Any]], prefix: str) -> dict[int, dict[str, float]]:
-    return {r["step"]: r["metrics"] for r in records if r["prefix"] == prefix}
 
 
 def by_step(log_dir: Path, prefix: str) -> dict[int, dict[str, float]]:
