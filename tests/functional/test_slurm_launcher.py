@@ -59,6 +59,7 @@ JOB_DONE_S = 240
 FAILURE_DONE_S = 90  # the job must end this soon after a Ray node's step is killed
 GRPO_JOB_S = 900  # a tiny GRPO job, run twice (requeued)
 LEFTOVERS_GONE_S = 30
+POLL_S = 0.25  # between looks at a job's state, a log or the namespace's processes
 
 
 @dataclass
@@ -99,7 +100,7 @@ class LoopbackSlurm:
             fields = self.job_fields(job_id)
             if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
                 return fields
-            time.sleep(1)
+            time.sleep(POLL_S)
         fields = self.job_fields(job_id)
         raise AssertionError(f"job {job_id} not done after {timeout_s} s: {fields}")
 
@@ -327,13 +328,13 @@ def _wait_for_line(path: Path, text: str, slurm: LoopbackSlurm, job_id: str) -> 
     deadline = time.monotonic() + JOB_DONE_S
     while not (path.is_file() and text in path.read_text()):
         assert time.monotonic() < deadline, f"no {text!r} in {path}: {slurm.job_fields(job_id)}"
-        time.sleep(1)
+        time.sleep(POLL_S)
 
 
 def _assert_no_job_processes(slurm: LoopbackSlurm) -> None:
     deadline = time.monotonic() + LEFTOVERS_GONE_S
     while (left := slurm.namespace_processes()) and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(POLL_S)
     assert not left, f"processes of the job remain: {left}"
 
 
