@@ -29,6 +29,29 @@ def tiny_qwen2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_path(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama as a reward model's HF folder (what ``nemo-rl export`` writes of a
+    ``nemo-rl rm`` checkpoint: a one-label ``LlamaForSequenceClassification`` with a pad token
+    and the tokenizer): every decoder weight moved off the tiny Llama's (noise of std 0.02, so
+    a model loading only the head is told apart) and a random score head of std 1."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification.from_pretrained(
+        tiny_llama_path, num_labels=1, pad_token_id=0, torch_dtype=torch.float32
+    )
+    with torch.no_grad():
+        for param in model.model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("rm_hf")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def warm_colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
     """The folder (``logs``, ``ckpt`` with every step) of one tiny colocated GRPO run of
     ``tiny_grpo.WARM_RUN_STEPS`` steps after the SFT warm start, saving every step: the default
@@ -41,6 +64,34 @@ def warm_colocated_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path
     root = tmp_path_factory.mktemp("warm_colocated_run")
     run_grpo_on(stack, warm_started_config(root, tiny_llama_path, WARM_RUN_STEPS, save_period=1))
     return root
+
+
+@pytest.fixture(scope="session")
+def sft_warm_tiny_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
+    """The HF folder (``nemo-rl export``) of the tiny Llama after the full-parameter SFT warm
+    start of configs/ppo_tiny_cpu.yaml and grpo_lora_tiny_cpu.yaml: configs/sft_tiny_cpu.yaml
+    for 150 steps of 32 replies (about 25 s on 2 cores), which leaves it right about a quarter
+    of the time when sampling the synthetic task. Trained once, in the held local Ray."""
+    from nemo_rl.algorithms import sft
+    from nemo_rl.algorithms.sft_config import SFTMasterConfig
+    from nemo_rl.models.policy import export
+    from nemo_rl.utils.config import load_typed_config
+
+    root = tmp_path_factory.mktemp("sft_warm_tiny_llama")
+    steps = 150
+    cfg = load_typed_config(
+        Path(__file__).resolve().parents[1] / "configs" / "sft_tiny_cpu.yaml",
+        [f"policy.model_name={tiny_llama_path}", f"sft.max_num_steps={steps}",
+         "sft.max_num_epochs=100", "sft.val_period=0", "sft.val_at_start=false",
+         f"checkpointing.checkpoint_dir={root / 'ckpt'}", f"checkpointing.save_period={steps}",
+         "checkpointing.keep_top_k=null", f"logger.log_dir={root / 'logs'}",
+         "logger.console_enabled=false"],
+        SFTMasterConfig,
+    )
+    hold_local_ray_8cpu()
+    assert sft.run(cfg) is None
+    assert export.main([str(root / "ckpt"), str(root / "model")]) == 0
+    return root / "model"
 
 
 @pytest.fixture(scope="module")

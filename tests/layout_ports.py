@@ -9,7 +9,9 @@ ranks agree on the next layout's port while their process group is still up.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,19 @@ def next_layout_port() -> int:
     dist.broadcast_object_list(port, src=0)
     return int(port[0])
 
+
+@contextlib.contextmanager
+def gloo_ranks(rank: int, port: int, world_size: int = 2) -> Iterator[None]:
+    """The default process group of ``world_size`` gloo ranks meeting at 127.0.0.1:``port``
+    (60 s timeout), destroyed on exit."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_rank(

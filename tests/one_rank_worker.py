@@ -52,15 +52,24 @@ def one_rank_worker(
     2, sequences up to ``seq``, other ``policy`` keys from ``config``); its process groups are
     torn down on exit."""
     with one_rank_env():
-        cfg = PolicyConfig(
-            model_name=str(model_path),
-            train_global_batch_size=batch_size,
-            train_micro_batch_size=2,
-            logprob_batch_size=2,
-            max_total_sequence_length=seq,
-            **(config or {}),
-        )
+        cfg = small_policy_config(model_path, batch_size, seq, config)
         yield MegatronPolicyWorker(cfg, str(model_path), init_reference_model=False, **worker_kwargs)
+
+
+def small_policy_config(
+    model_path: Path, batch_size: int, seq: int, config: dict[str, Any] | None = None
+) -> PolicyConfig:
+    """The ``policy`` config of :func:`one_rank_worker` (global batch ``batch_size``,
+    micro-batches of 2, sequences up to ``seq``, other keys from ``config``), also for a
+    Ray-placed ``Policy`` compared with it."""
+    return PolicyConfig(
+        model_name=str(model_path),
+        train_global_batch_size=batch_size,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        max_total_sequence_length=seq,
+        **(config or {}),
+    )
 
 
 def token_batch(lengths: Sequence[int], seq: int) -> BatchedDataDict:

@@ -1,6 +1,11 @@
-"""Random HF checkpoints whose every parameter matters for the logits."""
+"""Random HF checkpoints whose every parameter matters for the logits, and altered copies of
+checkpoints for the checks that must refuse them."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -18,3 +23,13 @@ def perturb_norms_and_biases(model: torch.nn.Module, seed: int = 99) -> None:
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
             elif "norm" in name:
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+
+
+def copy_with_another_vocab_size(src: Path, dst: Path, extra: int = 128) -> Path:
+    """``dst``: a copy of the HF folder ``src`` whose config.json claims ``extra`` more
+    vocabulary entries (a model whose token ids do not match ``src``'s tokenizer)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["vocab_size"] += extra
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

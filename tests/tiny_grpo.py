@@ -164,13 +164,14 @@ def assert_same_steps(
             )
 
 
+def by_prefix(records: list[dict[str, Any]], prefix: str) -> dict[int, dict[str, float]]:
+    """``{step: metrics}`` of the metric ``records`` logged under ``prefix``."""
+    return {r["step"]: r["metrics"] for r in records if r["prefix"] == prefix}
+
+
 def train_records(log_dir: Path) -> dict[int, dict[str, float]]:
     """``{step: metrics}`` of the ``train`` records in ``log_dir/metrics.jsonl``."""
-    return {
-        r["step"]: r["metrics"]
-        for r in read_metrics_jsonl(log_dir / "metrics.jsonl")
-        if r["prefix"] == "train"
-    }
+    return by_prefix(read_metrics_jsonl(log_dir / "metrics.jsonl"), "train")
 
 
 def megatron_greedy(

@@ -274,26 +274,71 @@ def reinforce_plus_plus_advantages(
     return (advantages - mean) * variance.clamp_min(1e-8).rsqrt() * token_mask
 
 
+def length_adaptive_lambda(mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive GAE lambda of each sample (NeMo RL's
+    ``ppo.adv_estimator.length_adaptive_alpha``): ``1 - 1 / max(alpha * l, 1)``, ``l`` the
+    sample's count of masked tokens, so longer responses bootstrap less.
+
+    Args:
+        mask: [B, S], 1 on the response tokens the loss trains on.
+        alpha: > 0.
+
+    Returns:
+        [B] float32 lambdas in [0, 1).
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = mask.float().sum(dim=1)
+    return 1.0 - 1.0 / (alpha * lengths).clamp_min(1.0)
+
+
+def _gae_recursion(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    token_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> torch.Tensor:
+    """``[B, S]`` unwhitened GAE advantages, backwards over the masked positions (unmasked
+    ones skipped); ``lam`` a float or ``[B]`` per sample."""
+    batch = values.shape[0]
+    next_value = values.new_zeros(batch)
+    next_advantage = values.new_zeros(batch)
+    advantages = torch.zeros_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        on = token_mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(on > 0, values[:, t], next_value)
+        next_advantage = torch.where(on > 0, advantage, next_advantage)
+        advantages[:, t] = next_advantage
+    return advantages
+
+
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     *,
     gamma: float,
-    lam: float,
+    lam: float | torch.Tensor,
     normalize_advantages: bool = True,
+    value_lam: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation for outcome rewards, as NeMo RL's PPO computes it
-    (``ppo.adv_estimator.name: gae`` with ``gae_gamma`` / ``gae_lambda``).
+    (``ppo.adv_estimator.name: gae`` with ``gae_gamma`` / ``gae_lambda``, and VAPO's decoupled
+    lambdas).
 
     Each sample's reward is the token reward of its last masked token (0 on the others).
     Backwards over the positions: ``delta_t = r_t + gamma * V_next - V_t`` and
     ``A_t = delta_t + gamma * lam * A_next``, where ``V_next`` / ``A_next`` are the value and
     advantage of the next *masked* position (0 after the last one): unmasked positions (prompt,
     padding, a tool turn between two responses) are skipped, not treated as states. Returns
-    are ``A_t + V_t`` with the unwhitened advantages (the critic's targets). With
-    ``normalize_advantages`` the advantages are then whitened over all masked tokens of the
-    batch: ``(A - mean) / sqrt(var + 1e-8)`` with the sample variance (n - 1).
+    are ``A_t + V_t`` with the unwhitened advantages (the critic's targets), computed with
+    ``value_lam`` when given (VAPO: the returns' lambda, e.g. 1 for Monte Carlo targets, while
+    the policy's advantages use ``lam``). With ``normalize_advantages`` the advantages are then
+    whitened over all masked tokens of the batch: ``(A - mean) / sqrt(var + 1e-8)`` with the
+    sample variance (n - 1).
 
     With ``gamma = lam = 1`` every advantage is ``reward - V_t``.
 
@@ -303,8 +348,10 @@ def gae_advantages(
             which token ``t`` is generated).
         mask: [B, S], 1 on the response tokens (the loss's tokens).
         gamma: discount factor per token.
-        lam: GAE lambda, 0 (one-step TD) to 1 (Monte Carlo).
+        lam: GAE lambda of the advantages, 0 (one-step TD) to 1 (Monte Carlo); a float or [B]
+            per sample (:func:`length_adaptive_lambda`).
         normalize_advantages: whiten the advantages over the batch's masked tokens.
+        value_lam: GAE lambda of the returns; None: ``lam``.
 
     Returns:
         ``(advantages, returns)``, each [B, S] in the rewards' dtype and 0 outside ``mask``.
@@ -312,22 +359,19 @@ def gae_advantages(
     token_mask = _check_inputs(rewards, mask, None)
     batch, seq = token_mask.shape
     check_tensor(values, "values", (batch, seq), "[batch, seq]", floating=True)
+    if isinstance(lam, torch.Tensor):
+        check_tensor(lam, "lam", (batch,), "[batch]", floating=True)
+        lam = lam.to(rewards.dtype)
     values = values.to(rewards.dtype)
     has_response = token_mask.any(dim=1)
     last = seq - 1 - token_mask.flip(1).argmax(dim=1)
     token_rewards = torch.zeros_like(values)
     token_rewards[has_response, last[has_response]] = rewards[has_response]
-    next_value = values.new_zeros(batch)
-    next_advantage = values.new_zeros(batch)
-    advantages = torch.zeros_like(values)
-    for t in range(seq - 1, -1, -1):
-        on = token_mask[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        next_value = torch.where(on > 0, values[:, t], next_value)
-        next_advantage = torch.where(on > 0, advantage, next_advantage)
-        advantages[:, t] = next_advantage
-    returns = (advantages + values) * token_mask
+    advantages = _gae_recursion(token_rewards, values, token_mask, gamma, lam)
+    value_advantages = advantages
+    if value_lam is not None:
+        value_advantages = _gae_recursion(token_rewards, values, token_mask, gamma, value_lam)
+    returns = (value_advantages + values) * token_mask
     if normalize_advantages:
         count = token_mask.sum()
         mean = (advantages * token_mask).sum() / count.clamp_min(1)

@@ -5,16 +5,12 @@ sections of a rollout-trained run. Key names follow NeMo RL's
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from pydantic import Field, model_validator
 
 from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
-from nemo_rl.algorithms.loop_config import check_parallel_layout
+from nemo_rl.algorithms.loop_config import check_parallel_layout, shared_vocabulary
 from nemo_rl.algorithms.loss.distillation import DistillationLossConfig
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.model_path import local_model_path
 
 
 class DistillationConfig(RolloutLoopConfig):
@@ -71,17 +67,15 @@ class DistillationMasterConfig(RolloutMasterConfig):
         """Teacher and student share the tokenizer (the teacher's token ids index the
         student's logits) and ``topk_logits_k`` fits the vocabulary; checked when both models
         are here without a download (otherwise when the run starts)."""
-        student, teacher = local_model_path(self.policy.model_name), local_model_path(self.teacher.model_name)
-        if student is None or teacher is None:
+        vocab = shared_vocabulary(
+            self.policy.model_name,
+            self.teacher.model_name,
+            "teacher.model_name",
+            "distillation sends the teacher's token ids to the student: use a teacher with the "
+            "student's tokenizer",
+        )
+        if vocab is None:
             return
-        vocab = _vocab_size(student)
-        if _vocab_size(teacher) != vocab or _tokenizer_vocab(student) != _tokenizer_vocab(teacher):
-            raise ValueError(
-                f"teacher.model_name ({self.teacher.model_name}) and policy.model_name "
-                f"({self.policy.model_name}) have different tokenizers or vocabulary sizes "
-                f"({_vocab_size(teacher)} vs {vocab}); distillation sends the teacher's token "
-                "ids to the student: use a teacher with the student's tokenizer"
-            )
         k = self.distillation.topk_logits_k
         limit = vocab - 1 if self.loss_fn.zero_outside_topk else vocab
         if k > limit:
@@ -90,15 +84,3 @@ class DistillationMasterConfig(RolloutMasterConfig):
                 f"{' - 1: zero_outside_topk keeps a tail outside the top-k' if self.loss_fn.zero_outside_topk else ''}); "
                 "lower it"
             )
-
-
-def _vocab_size(model_path: str) -> int:
-    """``vocab_size`` of an HF folder's config.json."""
-    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
-
-
-def _tokenizer_vocab(model_path: str) -> dict[str, int]:
-    """Token -> id of an HF folder's tokenizer."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path).get_vocab()

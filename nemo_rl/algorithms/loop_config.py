@@ -5,6 +5,8 @@ supervised algorithms (SFT, DPO, RM) with NeMo RL's key names.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field, model_validator
@@ -73,6 +75,39 @@ def check_parallel_layout(policy: PolicyConfig, cluster: ClusterConfig) -> Paral
     return plan_parallel_layout(
         policy, local_model_path(policy.model_name), world, world_source=source
     )
+
+
+def shared_vocabulary(policy_model: str, other_model: str, field: str, why: str) -> int | None:
+    """The vocabulary size the policy's model and a second model (a distillation teacher, a PPO
+    critic) share, both named as ``model_name`` values; None when one of them is not here
+    without a download (checked when the run starts).
+
+    Raises:
+        ValueError: their tokenizers or vocabulary sizes differ; names ``field`` (where
+            ``other_model`` comes from) and says ``why`` they must agree.
+    """
+    policy, other = local_model_path(policy_model), local_model_path(other_model)
+    if policy is None or other is None:
+        return None
+    vocab, other_vocab = _vocab_size(policy), _vocab_size(other)
+    if other_vocab != vocab or _tokenizer_vocab(policy) != _tokenizer_vocab(other):
+        raise ValueError(
+            f"{field} ({other_model}) and policy.model_name ({policy_model}) have different "
+            f"tokenizers or vocabulary sizes ({other_vocab} vs {vocab}); {why}"
+        )
+    return vocab
+
+
+def _vocab_size(model_path: str) -> int:
+    """``vocab_size`` of an HF folder's config.json."""
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+
+
+def _tokenizer_vocab(model_path: str) -> dict[str, int]:
+    """Token -> id of an HF folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path).get_vocab()
 
 
 def plan_gpu_memory(

@@ -9,11 +9,18 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from nemo_rl.algorithms.loop_config import check_parallel_layout, derive_lr_decay_iters
+from megatron_bridge import BridgeConfig
+from nemo_rl.algorithms.loop_config import (
+    check_parallel_layout,
+    derive_lr_decay_iters,
+    shared_vocabulary,
+)
 from nemo_rl.algorithms.loss.clipped_pg import ClippedPGLossConfig
 from nemo_rl.algorithms.loss.value import MseValueLossConfig
 from nemo_rl.algorithms.rollout_config import RolloutLoopConfig, RolloutMasterConfig
+from nemo_rl.environments.reward_model_environment import check_reward_model_folder
 from nemo_rl.models.generation.config import Precision
+from nemo_rl.models.model_path import local_model_path
 from nemo_rl.models.policy.config import PolicyConfig, RewardModelConfig
 from nemo_rl.utils.config import ConfigModel
 
@@ -45,13 +52,24 @@ def _policy_key(key: str) -> str:
 class ValueConfig(PolicyConfig):
     """The critic (``value``): a policy config with the scalar head forced on; the keys of
     :data:`_SHARED_WITH_POLICY` default to the policy's (``${policy.<key>}``, as NeMo RL's
-    recipes write them), so the critic starts from the policy's weights with a fresh head."""
+    recipes write them), so the critic starts from the policy's weights with a fresh head;
+    ``init_from_reward_model`` starts it from a reward model's decoder and trained head
+    instead."""
 
     model_name: str = Field(
         default=_policy_key("model_name"),
         min_length=1,
         description="The critic's initial weights (a causal LM; its LM head is replaced by a "
-        "fresh scalar head): the policy's model, or a reward model's base.",
+        "fresh scalar head): the policy's model, or a reward model's base. With "
+        "init_from_reward_model: that folder (the default; another value is refused).",
+    )
+    init_from_reward_model: str | None = Field(
+        default=None,
+        description="A reward model's HF folder (`nemo-rl export` of a `nemo-rl rm` "
+        "checkpoint: a ...ForSequenceClassification with one label) to start the critic from: "
+        "its decoder and its trained score head, so the critic's value of each state is at "
+        "first the reward model's score of the sequence so far. Must share the policy's "
+        "tokenizer. None: start from model_name with a fresh head (NeMo RL's only way).",
     )
     max_total_sequence_length: int = Field(
         default=_policy_key("max_total_sequence_length"), ge=2,
@@ -93,6 +111,27 @@ class PPOAdvEstimatorConfig(ConfigModel):
         default=True,
         description="Whiten the advantages over the batch's response tokens (sample variance); "
         "the critic's returns use the unwhitened ones.",
+    )
+    gae_lambda_value: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="VAPO's decoupled GAE: the lambda of the critic's returns (1.0: Monte "
+        "Carlo targets). None: gae_lambda.",
+    )
+    gae_lambda_policy: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="VAPO's decoupled GAE: the lambda of the policy's advantages. None: "
+        "gae_lambda. Ignored when length_adaptive_alpha > 0.",
+    )
+    length_adaptive_alpha: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="VAPO's length-adaptive lambda of the policy's advantages, per sample "
+        "1 - 1 / max(alpha * response tokens, 1) (VAPO: 0.05); the returns keep "
+        "gae_lambda_value (or gae_lambda). 0: off.",
     )
 
 
@@ -143,7 +182,8 @@ class PPOMasterConfig(RolloutMasterConfig):
         description="The critic: a policy config whose scalar head (reward_model_cfg.enabled) "
         "is forced on; model_name, max_total_sequence_length, precision and the batch sizes "
         "default to the policy's (the critic starts from the policy's weights with a fresh "
-        "head); its own optimizer and scheduler (the defaults, not the policy's); its "
+        "head, or from a reward model's decoder and head with init_from_reward_model); its own "
+        "optimizer and scheduler (the defaults, not the policy's); its "
         "generation keys are unused.",
     )
     value_loss_fn: MseValueLossConfig = Field(
@@ -160,7 +200,8 @@ class PPOMasterConfig(RolloutMasterConfig):
     def _derive_value_and_loss(cls, data: Any) -> Any:
         """The critic's keys of :data:`_SHARED_WITH_POLICY` that are absent or still
         ``${policy.<key>}`` (a config validated without interpolation) take the policy's
-        values."""
+        values; ``model_name`` left at the policy's becomes ``init_from_reward_model`` when
+        that is set."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -168,6 +209,18 @@ class PPOMasterConfig(RolloutMasterConfig):
         policy = policy.model_dump() if isinstance(policy, PolicyConfig) else dict(policy)
         value = data.get("value") or {}
         value = value.model_dump(exclude_unset=True) if isinstance(value, PolicyConfig) else dict(value)
+        reward_model = value.get("init_from_reward_model")
+        if reward_model is not None:
+            given = value.get("model_name", _policy_key("model_name"))
+            policy_model = policy.get("model_name", PolicyConfig.model_fields["model_name"].default)
+            # left at the policy's (loaders resolve the default's interpolation first)
+            if given not in (_policy_key("model_name"), policy_model, reward_model):
+                raise ValueError(
+                    f"value.model_name ({given}) and value.init_from_reward_model "
+                    f"({reward_model}) name two starting points of the critic; drop "
+                    "value.model_name (it becomes the reward model)"
+                )
+            value["model_name"] = reward_model
         for key in _SHARED_WITH_POLICY:
             if value.get(key, _policy_key(key)) == _policy_key(key):
                 value[key] = policy.get(key, PolicyConfig.model_fields[key].default)
@@ -194,6 +247,7 @@ class PPOMasterConfig(RolloutMasterConfig):
         derive_lr_decay_iters(self.value, ppo.max_num_steps * value_steps, "ppo.max_num_steps")
         self.check_rollout_run("ppo", "val_accuracy", "train_loss")
         check_parallel_layout(self.value, self.cluster)
+        self._check_critic_start()
         if self.value.max_total_sequence_length < self.policy.max_total_sequence_length:
             raise ValueError(
                 f"value.max_total_sequence_length ({self.value.max_total_sequence_length}) "
@@ -219,3 +273,30 @@ class PPOMasterConfig(RolloutMasterConfig):
                 "policy.train_global_batch_size); set it to false"
             )
         return self
+
+    def _check_critic_start(self) -> None:
+        """``value.init_from_reward_model`` is a reward model's folder (and ``value.model_name``
+        is one only through it: a reward model there would otherwise lose its trained head);
+        the critic reads the policy's token ids, so the two share a tokenizer (checked when
+        both are here without a download)."""
+        field = "value.model_name"
+        if self.value.init_from_reward_model is not None:
+            field = "value.init_from_reward_model"
+            check_reward_model_folder(self.value.init_from_reward_model, field)
+        else:
+            path = local_model_path(self.value.model_name)
+            if path is not None and BridgeConfig.from_hf(path).is_sequence_classifier:
+                raise ValueError(
+                    f"value.model_name={self.value.model_name!r} is a sequence classifier; to "
+                    "start the critic from a reward model (its decoder and trained score head) "
+                    f"set value.init_from_reward_model={self.value.model_name!r} instead"
+                )
+        if self.value.model_name == self.policy.model_name:
+            return  # the policy's own model
+        shared_vocabulary(
+            self.policy.model_name,
+            self.value.model_name,
+            field,
+            "the critic scores the policy's token ids: start it from a model with the "
+            "policy's tokenizer",
+        )

@@ -10,6 +10,11 @@ The backward recomputes each chunk's logits from the saved hidden states and wei
 only ``[tokens]`` statistics between forward and backward, never ``[tokens, vocab]`` logits or
 their float32 copy and gradient.
 
+Sampling distribution (:mod:`nemo_rl.distributed.sampling`): each chunk's logits are divided
+by the temperature (forward and backward); with top-k / top-p each chunk goes through
+:func:`~nemo_rl.distributed.model_utils.truncated_logprobs` under activation checkpointing
+instead of the hand-written backward.
+
 Tensor parallelism: ``weight`` is this rank's vocabulary rows ``[vocab / TP, hidden]`` (the
 output layer is column-parallel over the vocabulary); the maximum, the sum of exponentials and
 the target logit are all-reduced over ``tp_group`` per chunk, as in ``model_utils``. ``hidden``
@@ -20,7 +25,10 @@ mapping does), and ``weight``'s gradient is the gradient of this rank's rows.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -30,19 +38,29 @@ from nemo_rl.distributed.model_utils import (
     _all_reduce,
     _chunks,
     _local_target,
+    truncated_logprobs,
 )
+from nemo_rl.distributed.sampling import PLAIN_SAMPLING, TrainingSamplingParams
 
 # Tokens whose logits exist at once (per TP rank: chunk x vocab / TP float32 values); NeMo RL's
 # logprob_chunk_size default on the Megatron path.
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-def _chunk_stats(
-    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int, group: ProcessGroup | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Float32 ``(lse, target_logit, in_vocab)`` ``[n]`` of one chunk of ``n`` tokens, reduced
-    over ``group``."""
+def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """Float32 ``[n, vocab / TP]`` logits of one chunk, divided by ``temperature`` (not
+    touched at 1.0, so that path stays bitwise the un-scaled one)."""
     logits = (hidden @ weight.t()).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def _chunk_stats(
+    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int, group: ProcessGroup | None,
+    temperature: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Float32 ``(lse, target_logit, in_vocab)`` ``[n]`` of one chunk of ``n`` tokens (logits
+    divided by ``temperature``), reduced over ``group``."""
+    logits = _chunk_logits(hidden, weight, temperature)
     idx, in_range = _local_target(targets, vocab_start, logits.shape[-1])
     target_logit = logits.gather(-1, idx).squeeze(-1).masked_fill_(~in_range, 0.0)
     local_max = logits.amax(dim=-1).contiguous()
@@ -55,7 +73,7 @@ def _chunk_stats(
 
 def _forward(
     hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int,
-    group: ProcessGroup | None, chunk_size: int | None,
+    group: ProcessGroup | None, chunk_size: int | None, temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """``(logprobs, lse)``, float32 ``[n]`` each, of ``n`` tokens.
 
@@ -68,20 +86,26 @@ def _forward(
     counts = torch.empty_like(lse)
     for start, end in _chunks(n, chunk_size):
         chunk_lse, target_logit, count = _chunk_stats(
-            hidden[start:end], weight, targets[start:end], vocab_start, group
+            hidden[start:end], weight, targets[start:end], vocab_start, group, temperature
         )
         lse[start:end] = chunk_lse
         out[start:end] = target_logit - chunk_lse
         counts[start:end] = count
+    _check_coverage(counts, targets, vocab_start, weight.shape[0])
+    return out, lse
+
+
+def _check_coverage(counts: Tensor, targets: Tensor, vocab_start: int, width: int) -> None:
+    """Raise unless every target was found in exactly one rank's rows (``counts`` ``[n]``,
+    reduced over the ranks, so that all ranks raise together)."""
     bad = counts != 1
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(
-            f"target token {int(targets[i])} (token {i} of {n}) is outside the vocabulary: no "
-            f"tensor-parallel rank holds it (this rank holds [{vocab_start}, "
-            f"{vocab_start + weight.shape[0]})); token ids must lie in [0, vocab_size)"
+            f"target token {int(targets[i])} (token {i} of {targets.numel()}) is outside the "
+            f"vocabulary: no tensor-parallel rank holds it (this rank holds [{vocab_start}, "
+            f"{vocab_start + width})); token ids must lie in [0, vocab_size)"
         )
-    return out, lse
 
 
 class _FusedLMHeadLogprobs(torch.autograd.Function):
@@ -99,10 +123,11 @@ class _FusedLMHeadLogprobs(torch.autograd.Function):
         vocab_start: int,
         group: ProcessGroup | None,
         chunk_size: int | None,
+        temperature: float,
     ) -> Tensor:
-        out, lse = _forward(hidden, weight, targets, vocab_start, group, chunk_size)
+        out, lse = _forward(hidden, weight, targets, vocab_start, group, chunk_size, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.vocab_start, ctx.chunk_size = vocab_start, chunk_size
+        ctx.vocab_start, ctx.chunk_size, ctx.temperature = vocab_start, chunk_size, temperature
         return out
 
     @staticmethod
@@ -118,10 +143,12 @@ class _FusedLMHeadLogprobs(torch.autograd.Function):
         for start, end in _chunks(hidden.shape[0], ctx.chunk_size):
             x = hidden[start:end]
             g = grad_out[start:end].float()
-            logits = (x @ weight.t()).float()
+            logits = _chunk_logits(x, weight, ctx.temperature)
             grad_logits = logits.sub_(lse[start:end].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
             idx, in_range = _local_target(targets[start:end], ctx.vocab_start, weight.shape[0])
             grad_logits.scatter_add_(-1, idx, (g * in_range).unsqueeze(-1))
+            if ctx.temperature != 1.0:  # d (logit / T) / d logit
+                grad_logits.div_(ctx.temperature)
             grad_logits = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
@@ -129,7 +156,7 @@ class _FusedLMHeadLogprobs(torch.autograd.Function):
                 grad_weight.add_(grad_logits.t() @ x)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def token_logprobs(
@@ -140,8 +167,16 @@ def token_logprobs(
     tp_group: ProcessGroup | None,
     chunk_size: int | None = DEFAULT_CHUNK_TOKENS,
     inference_only: bool = False,
+    sampling: TrainingSamplingParams = PLAIN_SAMPLING,
 ) -> Tensor:
-    """``log softmax(hidden @ weight.T)[targets]`` per token, without the full logits.
+    """``log softmax(hidden @ weight.T)[targets]`` per token, without the full logits; under
+    ``sampling`` the logprob of the engines' sampling distribution instead: logits divided by
+    the temperature, then (top-k / top-p) truncated and renormalised
+    (:func:`~nemo_rl.distributed.model_utils.truncated_logprobs`), ``-inf`` for a target
+    outside the kept set.
+
+    With truncation each chunk runs under activation checkpointing: its logits are formed
+    again in the backward instead of being kept, so memory stays ``[chunk, vocab / TP]``.
 
     Args:
         hidden: ``[n, h]`` the output layer's input, one row per scored token.
@@ -152,6 +187,7 @@ def token_logprobs(
         tp_group: the group the vocabulary is split over; None: not split.
         chunk_size: tokens whose logits exist at once; None: all ``n`` together.
         inference_only: build no autograd graph.
+        sampling: the distribution scored; the default is the model's own.
 
     Returns:
         ``[n]`` float32 log-probabilities (nats).
@@ -167,11 +203,52 @@ def token_logprobs(
         )
     if tuple(targets.shape) != (hidden.shape[0],):
         raise ValueError(f"targets must be [n] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    if inference_only or not (
+    no_grad = inference_only or not (
         torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    ):
-        with torch.no_grad():
-            return _forward(hidden, weight, targets, vocab_start_index, tp_group, chunk_size)[0]
-    return _FusedLMHeadLogprobs.apply(
-        hidden, weight, targets, vocab_start_index, tp_group, chunk_size
     )
+    if sampling.truncates:
+        with torch.no_grad() if no_grad else nullcontext():
+            return _truncated(
+                hidden, weight, targets, vocab_start_index, tp_group, chunk_size, sampling,
+                checkpoint=not no_grad,
+            )
+    temperature = sampling.temperature
+    if no_grad:
+        with torch.no_grad():
+            return _forward(
+                hidden, weight, targets, vocab_start_index, tp_group, chunk_size, temperature
+            )[0]
+    return _FusedLMHeadLogprobs.apply(
+        hidden, weight, targets, vocab_start_index, tp_group, chunk_size, temperature
+    )
+
+
+def _truncated(
+    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start: int,
+    group: ProcessGroup | None, chunk_size: int | None, sampling: TrainingSamplingParams,
+    checkpoint: bool,
+) -> Tensor:
+    """``[n]`` float32 truncated-distribution logprobs, chunk by chunk; each chunk under
+    activation checkpointing when ``checkpoint`` (its logits recomputed in the backward)."""
+
+    def chunk_logprobs(x: Tensor, chunk_targets: Tensor) -> tuple[Tensor, Tensor]:
+        logits = _chunk_logits(x, weight, sampling.temperature)
+        return truncated_logprobs(
+            logits, chunk_targets, vocab_start, group, sampling.top_k, sampling.top_p,
+            widen=True,
+        )
+
+    parts, counts = [], []
+    for start, end in _chunks(hidden.shape[0], chunk_size):
+        args = (hidden[start:end], targets[start:end])
+        if checkpoint:
+            logprob, count = torch.utils.checkpoint.checkpoint(
+                chunk_logprobs, *args, use_reentrant=False
+            )
+        else:
+            logprob, count = chunk_logprobs(*args)
+        parts.append(logprob.float())
+        counts.append(count)
+    all_counts = torch.cat(counts) if counts else hidden.new_zeros(0)
+    _check_coverage(all_counts, targets, vocab_start, weight.shape[0])
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

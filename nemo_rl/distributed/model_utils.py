@@ -380,6 +380,7 @@ def masked_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     top_p_candidates: int | None = DEFAULT_TOP_P_CANDIDATES,
+    widen: bool = False,
 ) -> torch.Tensor:
     """Next-token log-probabilities under the top-k / top-p truncated, renormalised distribution.
 
@@ -407,6 +408,8 @@ def masked_logprobs(
         top_k: keep the ``top_k`` largest logits (``None`` = no top-k), ``1 <= top_k <= vocab``.
         top_p: nucleus mass in ``(0, 1]`` (``None`` or 1 = no top-p).
         top_p_candidates: per-rank candidate cap for top-p without top-k (see above).
+        widen: where the nucleus exceeds the candidates, gather the whole shard instead of
+            raising.
 
     Returns:
         [batch, seq] log-probabilities in the accumulation dtype, ``out[:, 0] = 0``; differentiable
@@ -414,44 +417,92 @@ def masked_logprobs(
 
     Raises:
         ValueError: bad shapes/ranges or settings, a target outside the vocabulary, or (top-p
-            without top-k) a nucleus larger than the gathered candidates; raise
-            ``top_p_candidates`` or pass ``None`` in that case.
+            without top-k, ``widen`` False) a nucleus larger than the gathered candidates; raise
+            ``top_p_candidates``, pass ``None`` or ``widen`` in that case.
     """
     _validate(vocab_parallel_logits, target, vocab_start_index, vocab_end_index)
-    world = _group_size_rank(tp_group)[0]
-    local_vocab = vocab_parallel_logits.shape[-1]
-    vocab = local_vocab * world
+    _check_truncation(vocab_parallel_logits, tp_group, top_k, top_p, top_p_candidates)
+    if top_k is None and (top_p is None or top_p >= 1.0):
+        return from_parallel_logits_to_logprobs(
+            vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group
+        )
+    logprob, counts = truncated_logprobs(
+        vocab_parallel_logits[:, :-1], target[:, 1:], vocab_start_index, tp_group,
+        top_k, top_p, top_p_candidates, widen,
+    )
+    _check_target_coverage(counts, target, vocab_start_index, vocab_end_index)
+    return torch.nn.functional.pad(logprob, (1, 0), value=0.0)
+
+
+def _check_truncation(
+    logits: torch.Tensor,
+    group: ProcessGroup | None,
+    top_k: int | None,
+    top_p: float | None,
+    top_p_candidates: int | None,
+) -> None:
+    """Raise unless the truncation settings are valid for vocab-sharded ``logits``."""
+    vocab = logits.shape[-1] * _group_size_rank(group)[0]
     if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
         raise ValueError(f"top_k must be None or an int in [1, vocab_size={vocab}], got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
     if top_p_candidates is not None and (not isinstance(top_p_candidates, int) or top_p_candidates < 1):
         raise ValueError(f"top_p_candidates must be None or a positive int, got {top_p_candidates!r}")
-    use_top_p = top_p is not None and top_p < 1.0
-    if top_k is None and not use_top_p:
-        return from_parallel_logits_to_logprobs(
-            vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group
-        )
 
-    dtype = _compute_dtype(vocab_parallel_logits.dtype)
-    logits = vocab_parallel_logits[:, :-1]
-    scored = target[:, 1:]
+
+def truncated_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    tp_group: ProcessGroup | None,
+    top_k: int | None,
+    top_p: float | None,
+    top_p_candidates: int | None = DEFAULT_TOP_P_CANDIDATES,
+    widen: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``target`` under the top-k / top-p truncated, renormalised
+    distribution of the logits at the SAME position (no next-token shift; see
+    :func:`masked_logprobs` for the semantics and the candidates).
+
+    Args:
+        logits: ``[..., vocab / TP]`` this rank's shard (after temperature).
+        target: ``[...]`` global token ids.
+        vocab_start_index: first token id of this rank's shard.
+        tp_group: tensor-parallel group; ``None`` = not split.
+        top_k, top_p, top_p_candidates: as in :func:`masked_logprobs` (settings not checked).
+        widen: top-p without top-k whose nucleus exceeds the candidates: gather the whole
+            shard instead of raising (exact for any ``top_p``, [..., vocab] on every rank).
+
+    Returns:
+        ``(logprob [...], count [...])`` in the accumulation dtype: ``-inf`` where the target
+        is outside the kept set; ``count`` is how many ranks hold the target (1 when valid,
+        identical on every rank). Differentiable w.r.t. ``logits`` (kept tokens only).
+
+    Raises:
+        ValueError: (top-p without top-k, ``widen`` False) a nucleus larger than the gathered
+            candidates.
+    """
+    world = _group_size_rank(tp_group)[0]
+    local_vocab = logits.shape[-1]
+    vocab = local_vocab * world
+    use_top_p = top_p is not None and top_p < 1.0
+    dtype = _compute_dtype(logits.dtype)
     if top_k is not None:
-        per_rank = top_k
+        per_rank = min(top_k, local_vocab)
     elif top_p_candidates is None:
         per_rank = local_vocab
     else:
         per_rank = min(top_p_candidates, local_vocab)
     n_cand = top_k if top_k is not None else per_rank * world
     values, _ = _gathered_topk(logits, n_cand, vocab_start_index, tp_group)
-    values = values.to(dtype)  # [batch, seq-1, n_cand], descending
+    values = values.to(dtype)  # [..., n_cand], descending
 
     # Target logit: local gather, SUM over ranks; the count checks the id is in the vocabulary.
-    idx, in_range = _local_target(scored, vocab_start_index, local_vocab)
+    idx, in_range = _local_target(target, vocab_start_index, local_vocab)
     local_logit = logits.gather(-1, idx).squeeze(-1).to(dtype).masked_fill(~in_range, 0.0)
     target_logit = _AllReduceSumReplicated.apply(local_logit, tp_group)
     counts = _all_reduce(in_range.to(dtype).contiguous(), dist.ReduceOp.SUM, tp_group)
-    _check_target_coverage(counts, target, vocab_start_index, vocab_end_index)
 
     keep = torch.ones_like(values, dtype=torch.bool)
     if use_top_p:
@@ -459,20 +510,21 @@ def masked_logprobs(
             if top_k is not None:
                 norm = torch.logsumexp(values, dim=-1)
             else:
-                norm = _forward_stats(
-                    vocab_parallel_logits.detach(), target, vocab_start_index, tp_group, None
-                )[0]
+                norm = vocab_parallel_logsumexp(logits.detach().to(dtype), tp_group)
             probs = (values.detach() - norm.unsqueeze(-1)).exp()
             cumulative = probs.cumsum(dim=-1)
             # Keep token i iff the mass strictly before it is < top_p; for the first token that
             # mass is 0, so at least one token is always kept.
             keep = (cumulative - probs) < top_p
             # The (n_cand + 1)-th token would be kept too: the nucleus is not inside the candidates.
-            if top_k is None and n_cand < vocab and bool((cumulative[..., -1] < top_p).any()):
-                raise ValueError(
-                    f"top_p={top_p} needs more than the {n_cand} gathered candidates at some position; "
-                    f"raise top_p_candidates (now {top_p_candidates} per rank) or pass None"
-                )
+            short = top_k is None and n_cand < vocab and bool((cumulative[..., -1] < top_p).any())
+        if short and widen:
+            return truncated_logprobs(logits, target, vocab_start_index, tp_group, None, top_p, None)
+        if short:
+            raise ValueError(
+                f"top_p={top_p} needs more than the {n_cand} gathered candidates at some position; "
+                f"raise top_p_candidates (now {top_p_candidates} per rank) or pass None"
+            )
     kept = values.masked_fill(~keep, -math.inf)
     threshold = kept.masked_fill(~keep, math.inf).amin(dim=-1)
     logprob = torch.where(
@@ -480,7 +532,7 @@ def masked_logprobs(
         target_logit - torch.logsumexp(kept, dim=-1),
         torch.full_like(target_logit, -math.inf),
     )
-    return torch.nn.functional.pad(logprob, (1, 0), value=0.0)
+    return logprob, counts
 
 
 def vocab_parallel_logsumexp(

@@ -30,10 +30,11 @@ def kill_actors(actors: Sequence[ActorHandle], timeout_s: float = 30.0) -> list[
     """Kill ``actors`` (no restart) and wait up to ``timeout_s`` seconds for their processes
     to exit.
 
-    First each actor is pinged (``__ray_ready__``) until Ray reports it dead
-    (``ActorDiedError``); then the process Ray's actor table recorded for it (found on its own
-    node: locally by this process, on another node by a zero-CPU task pinned there) is waited
-    for until it has exited.
+    A stopped (SIGSTOP) process on this node is sent SIGKILL at once (Ray would wait 5 s for
+    it to answer the kill first). Then each actor is pinged (``__ray_ready__``) until Ray
+    reports it dead (``ActorDiedError``); then the process Ray's actor table recorded for it
+    (found on its own node: locally by this process, on another node by a zero-CPU task pinned
+    there) is waited for until it has exited.
 
     Returns:
         The actors whose death was not seen within ``timeout_s`` (empty when all are gone);
@@ -41,6 +42,7 @@ def kill_actors(actors: Sequence[ActorHandle], timeout_s: float = 30.0) -> list[
     """
     for actor in actors:
         ray.kill(actor, no_restart=True)
+    _kill_stopped_here(actors)
     deadline = time.monotonic() + timeout_s
     alive = _wait_reported_dead(list(actors), deadline)
     dead = [actor for actor in actors if actor not in alive]
@@ -48,6 +50,27 @@ def kill_actors(actors: Sequence[ActorHandle], timeout_s: float = 30.0) -> list[
     if alive:
         logger.warning("%d killed actor(s) still alive after %g s", len(alive), timeout_s)
     return alive
+
+
+def _kill_stopped_here(actors: Sequence[ActorHandle]) -> None:
+    """SIGKILL the processes of ``actors`` on this node that are stopped (SIGSTOP: a hung rank
+    or engine). Ray's kill asks an actor's process to exit and kills it only once the request
+    has gone unanswered for 5 s (measured), which a stopped process never answers."""
+    here = _local_node_id()
+    for actor in actors:
+        entry = ray_state.actors(actor._actor_id.hex())
+        if not entry or not entry["Pid"] or entry["Address"]["NodeID"] != here:
+            continue
+        try:
+            process = psutil.Process(entry["Pid"])
+            # the actor's own worker process (its title is "ray::<class>..."), not a process
+            # that took over the pid of an actor that exited
+            if process.status() == psutil.STATUS_STOPPED and " ".join(
+                process.cmdline()
+            ).startswith("ray::"):
+                process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _wait_reported_dead(actors: list[ActorHandle], deadline: float) -> list[ActorHandle]:

@@ -13,10 +13,10 @@ run, so a restarted actor is not killed again):
 - the engine killed once more than ``policy.generation.max_engine_restarts`` allows (0): the
   run stops at once with :class:`EngineFault` (exit code 75), one line naming the engine, its
   node and (added by the training loop's stop guard) the newest checkpoint; rerunning resumes
-  from that checkpoint with the uninterrupted run's numbers;
-- the environment's actor killed while scoring step 1: that step's samples count as
-  environment errors (reward 0, under ``grpo.max_env_error_rate``'s rules), Ray restarts the
-  actor and step 2 is scored normally.
+  from that checkpoint with the uninterrupted run's numbers.
+
+The environment's actor killed while scoring is a fault of the stopped policy worker's run in
+test_run_faults.py (one run serves both).
 
 The uninterrupted run is the session's ``warm_colocated_run`` (as in
 test_checkpoint_survival.py), asked for after a test's own runs (:func:`warm_run`).
@@ -40,7 +40,6 @@ from tiny_grpo import (
     WARM_RUN_STEPS,
     assert_same_steps,
     run_grpo,
-    tiny_grpo_config,
     train_records,
     warm_started_config,
 )
@@ -133,16 +132,3 @@ def test_engine_dying_past_its_restarts_stops_with_75_and_the_rerun_resumes(
         range(2, STEPS + 1),
     )
     assert checkpoints(tmp_path) == checkpoints(uninterrupted)
-
-
-def test_environment_killed_while_scoring_fails_its_samples_and_is_restarted(
-    tmp_path, tiny_llama_path, local_ray_8cpu, arm_faults
-):
-    arm_faults({"point": "environment.step", "step": 1, "action": "kill"})
-    no_validation = {"max_num_steps": 2, "val_period": 0, "val_at_start": False}
-    run_grpo(tiny_grpo_config(tmp_path / "logs", tiny_llama_path, grpo=no_validation))
-    records = train_records(tmp_path / "logs")
-    samples = 4 * 2  # prompts x generations, scored in one call
-    assert records[1]["rollout/env_errors"] == samples
-    assert records[1]["rollout/env_error_rate"] == 1.0 and records[1]["reward"] == 0.0
-    assert records[2]["rollout/env_errors"] == 0

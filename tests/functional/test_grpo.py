@@ -44,7 +44,7 @@ from nemo_rl.utils.logger import read_metrics_jsonl
 
 import grpo_stack
 from listening import Listener, ListenerScan
-from tiny_grpo import WARM_RUN_STEPS, WARMUP, tiny_grpo_config
+from tiny_grpo import WARM_RUN_STEPS, WARMUP, by_prefix, tiny_grpo_config
 
 pytestmark = pytest.mark.slow
 
@@ -113,9 +113,6 @@ def runs(run_dirs) -> dict[str, list[dict[str, Any]]]:
     """Every metrics record of each run in RUNS."""
     return {name: read_metrics_jsonl(d / "logs" / "metrics.jsonl") for name, d in run_dirs.items()}
 
-
-def by_prefix(records: list[dict[str, Any]], prefix: str) -> dict[int, dict[str, float]]:
-    return {r["step"]: r["metrics"] for r in records if r["prefix"] == prefix}
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -31,7 +31,7 @@ import pytest
 from nemo_rl.algorithms.grpo_step import components as grpo_components
 from nemo_rl.models.generation.refit import RefitResult, refit_policy_generation
 
-from tiny_grpo import run_recipe_cut
+from tiny_grpo import by_prefix, run_recipe_cut
 from two_node_ray import TwoNodeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("two_node_ray_cluster")]
@@ -69,9 +69,6 @@ def demo_run(
         out["records"] = run_recipe_cut(RECIPE, STEPS, log_dir, TWO_NODES, on_setup=locate)
     return out
 
-
-def by_prefix(records: list[dict[str, Any]], prefix: str) -> dict[int, dict[str, float]]:
-    return {r["step"]: r["metrics"] for r in records if r["prefix"] == prefix}
 
 
 def test_demo_recipe_raises_sampled_validation_accuracy(demo_run: dict[str, Any]) -> None:

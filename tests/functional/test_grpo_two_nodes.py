@@ -13,6 +13,11 @@ both nodes listens on loopback only; every step is on-policy (ratio 1 and vLLM's
 with the policy's, ``token_mult_prob_error`` ~ 1: every refit reached the engine of the other
 node).
 
+PPO's critic across the nodes: a critic (the tiny Llama with the scalar head) with one
+data-parallel rank on each node gives the values and, after one optimizer step on the clipped
+value loss, the loss, grad norm and metrics (``values_min`` / ``values_max`` reduced by min /
+max across the nodes) of the same critic as one in-process rank (1e-5).
+
 The colocated layout on two nodes (a policy rank and an engine on each node, every engine
 reading its own node's refit ring) runs the demo recipe for 30 steps in test_grpo_learns.py,
 the suite's learning gate, where the reward rises on two nodes.
@@ -26,10 +31,15 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
+from nemo_rl.algorithms.advantage_estimators import gae_advantages
+from nemo_rl.algorithms.loss import MseValueLossFn
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, TooFewNodesError
+from nemo_rl.models.policy.lm_policy import Policy
 
 from listening import ListenerScan
+from one_rank_worker import one_rank_worker, small_policy_config, token_batch
 from tiny_grpo import WARMUP, run_grpo, tiny_grpo_config, train_records
 from two_node_ray import TwoNodeCluster
 
@@ -117,3 +127,48 @@ def test_every_step_is_on_policy_across_nodes(non_colocated_run: dict[str, Any])
     # start's, then step 1's)
     errors = {step: m["token_mult_prob_error"] for step, m in train.items()}
     assert all(abs(e - 1.0) < 1e-3 for e in errors.values()), errors
+
+
+CRITIC = {"reward_model_cfg": {"enabled": True}, "megatron_cfg": {"optimizer": {"lr": 1e-2, "min_lr": 1e-2}}}
+CRITIC_LENGTHS, CRITIC_SEQ = [12, 7, 9, 5], 12
+
+
+@pytest.fixture(scope="module")
+def critic_runs(two_node_ray_cluster: TwoNodeCluster, tiny_llama_path: Path) -> dict[str, Any]:
+    """The same critic as one in-process rank (``one``) and as two DP ranks on the two nodes
+    (``two``): its values of a batch and one training step on GAE returns from the one-rank
+    values; where the two ranks ran (``nodes``)."""
+    rows = len(CRITIC_LENGTHS)
+    batch = token_batch(CRITIC_LENGTHS, CRITIC_SEQ)
+    loss_fn = MseValueLossFn({"scale": 0.4, "cliprange": 0.2})
+    out: dict[str, Any] = {}
+    with one_rank_worker(tiny_llama_path, rows, CRITIC_SEQ, CRITIC, seed=7) as critic:
+        values = critic.get_values(batch)["values"]
+        _, returns = gae_advantages(torch.tensor([1.0, -1.0, 0.5, 0.0]), values, batch["token_mask"], gamma=1.0, lam=0.95)
+        batch["returns"], batch["values"] = returns, values
+        out["one"] = {"values": values, "step": critic.train(batch, loss_fn)}
+    cluster = RayVirtualCluster([1, 1], use_gpus=False, num_cpus_per_bundle=1.0, name="critic")
+    try:
+        config = small_policy_config(tiny_llama_path, rows, CRITIC_SEQ, CRITIC)
+        critic = Policy(cluster, config, init_reference_model=False, seed=7, name="value")
+        try:
+            out["nodes"] = two_node_ray_cluster.nodes_of(critic.worker_group.workers)
+            out["two"] = {"values": critic.get_values(batch)["values"], "step": critic.train(batch, loss_fn)}
+        finally:
+            critic.shutdown()
+    finally:
+        cluster.shutdown()
+    return out
+
+
+def test_a_ppo_critic_across_nodes_matches_one_rank(critic_runs: dict[str, Any]) -> None:
+    assert sorted(critic_runs["nodes"]) == ["node0", "node1"]  # one DP rank on each node
+    one, two = critic_runs["one"], critic_runs["two"]
+    torch.testing.assert_close(two["values"], one["values"], rtol=0, atol=1e-5)
+    for key in ("loss", "grad_norm"):
+        assert two["step"][key] == pytest.approx(one["step"][key], abs=1e-5), key
+    assert set(two["step"]["metrics"]) == set(one["step"]["metrics"])
+    for key, value in one["step"]["metrics"].items():
+        assert two["step"]["metrics"][key] == pytest.approx(value, abs=1e-5), key
+    metrics = one["step"]["metrics"]
+    assert metrics["values_min"][0] < metrics["values_max"][0]

@@ -6,18 +6,39 @@ batch) and sequence-level losses by ``global_valid_seqs`` (valid sequences of th
 batch), so that the sum of the micro-batch losses, and of their gradients, equals the loss of the
 global batch however it is split. Metrics follow the same rule: every metric a loss in this
 package returns is additive over micro-batches (sum the micro-batch values to get the global
-value) unless the loss's docstring says otherwise.
+value), except those its ``metric_reductions`` names (:func:`metric_reductions`): extremes,
+reduced by their minimum or maximum.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+
+class MetricReduction(enum.Enum):
+    """How a loss metric of the micro-batches (and data-parallel ranks) becomes the global
+    batch's."""
+
+    SUM = "sum"
+    """Added up (the default: token and sequence means are shares of the global mean)."""
+    MIN = "min"
+    """The smallest (an extreme over the valid tokens)."""
+    MAX = "max"
+    """The largest."""
+
+
+def metric_reductions(loss_fn: Any) -> Mapping[str, MetricReduction]:
+    """The metrics of ``loss_fn`` that are not added up over micro-batches: its optional
+    ``metric_reductions`` attribute (name -> :class:`MetricReduction`); every other metric is
+    :attr:`MetricReduction.SUM`."""
+    return getattr(loss_fn, "metric_reductions", {})
 
 
 class LossType(enum.Enum):

@@ -28,7 +28,7 @@ from nemo_rl.algorithms.loss._common import (
     sample_mask,
     valid_token_mask,
 )
-from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType, MetricReduction
 from nemo_rl.utils.config import ConfigModel, as_config
 
 if TYPE_CHECKING:
@@ -78,11 +78,14 @@ class MseValueLossFn:
     ``loss``; ``vf_clipfrac`` (fraction of valid tokens where the clipped error is the larger,
     0 without clipping); ``returns_mean``, ``values_mean``, ``returns_sq_mean`` (mean R^2),
     ``residual_sq_mean`` (mean (R - v)^2), from which :func:`explained_variance` is computed;
-    ``num_valid_samples``.
+    ``num_valid_samples``; ``values_min`` / ``values_max``, the extremes of ``v`` over the
+    valid tokens (reduced by min / max, :attr:`metric_reductions`; +inf / -inf for a
+    micro-batch without valid tokens).
     """
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.VALUE
+    metric_reductions = {"values_min": MetricReduction.MIN, "values_max": MetricReduction.MAX}
 
     def __init__(self, cfg: MseValueLossConfig | Mapping[str, Any] | None = None) -> None:
         """``cfg``: the config model or a mapping of its keys; None: the defaults."""
@@ -118,9 +121,15 @@ class MseValueLossFn:
         )
         loss = 0.5 * self.cfg.scale * means[0]
         stats = means[1:].detach().tolist()
+        valid = values.detach()[mask > 0]
+        extremes = [float("inf"), float("-inf")]  # neutral for min / max: no valid token
+        if valid.numel():
+            extremes = torch.stack([valid.min(), valid.max()]).tolist()
         metrics = {
             "loss": float(loss.detach()),
             **dict(zip(("vf_clipfrac", "returns_mean", "values_mean", "returns_sq_mean", "residual_sq_mean"), stats)),
             "num_valid_samples": float(sample_mask(data, shape[0], values.dtype).sum()),
+            "values_min": extremes[0],
+            "values_max": extremes[1],
         }
         return loss, metrics

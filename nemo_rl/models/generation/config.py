@@ -7,10 +7,11 @@ only checks that the two sections agree where they must.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from nemo_rl.distributed.sampling import TrainingSamplingParams
 from nemo_rl.utils.config import ConfigModel
 
 Precision = Literal["float32", "bfloat16", "float16"]
@@ -126,14 +127,26 @@ class GenerationConfig(ConfigModel):
     temperature: float = Field(
         default=1.0,
         ge=0.0,
-        description="Sampling temperature; 0 is greedy. Keep 1.0 for on-policy GRPO: the "
-        "training logprobs assume the unscaled distribution.",
+        description="Sampling temperature: the engines sample from softmax(logits / "
+        "temperature), and the trained policy's logprobs (previous, current, reference) use "
+        "the same scaled distribution (docs/algorithms.md, sampling-consistent logprobs). 0 is "
+        "greedy decoding: evaluation only; a trained policy refuses it.",
     )
     top_p: float = Field(
-        default=1.0, gt=0.0, le=1.0, description="Nucleus-sampling probability mass; 1.0 is off."
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling: keep the smallest set of most likely tokens (after "
+        "temperature and top_k) whose probability reaches top_p, renormalised. The policy's "
+        "previous and current logprobs use the same truncated distribution; the reference "
+        "policy's and the KL term's keep only the temperature. 1.0: off.",
     )
     top_k: int | None = Field(
-        default=None, ge=1, description="Sample from the k most likely tokens. None: off."
+        default=None,
+        ge=1,
+        description="Keep the k most likely tokens (after temperature), renormalised; the "
+        "policy's previous and current logprobs use the same truncated distribution, as with "
+        "top_p. None: off.",
     )
     stop_token_ids: list[int] | None = Field(
         default=None,
@@ -181,3 +194,38 @@ class GenerationConfig(ConfigModel):
         "the run with one line naming the engine, its node and the call (exit 75).",
     )
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unmatched_sampling(cls, data: Any) -> Any:
+        """Refuse vLLM sampling settings the trainer's logprobs cannot follow, by name."""
+        if isinstance(data, dict):
+            for key in UNMATCHED_SAMPLING_KEYS:
+                if key in data:
+                    raise ValueError(
+                        f"{key} is not supported: the engines would sample from a distribution "
+                        "the trained policy's logprobs cannot reproduce (they follow "
+                        "temperature, top_p and top_k only); remove the key"
+                    )
+        return data
+
+    def training_sampling(self) -> TrainingSamplingParams:
+        """The distribution the trained policy's logprobs follow (this config's temperature,
+        top-k and top-p).
+
+        Raises:
+            ValueError: temperature 0 (greedy decoding has no distribution to train on).
+        """
+        return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+# vLLM sampling settings (and NeMo RL's ``bad_words``) that change the sampled distribution in
+# ways the trainer's logprobs do not reproduce; refused when a config sets them.
+UNMATCHED_SAMPLING_KEYS = (
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "bad_words",
+    "logit_bias",
+)

@@ -51,8 +51,9 @@ class GenerationOutputSpec(TypedDict):
             ``seq`` and the longest ``unpadded_sequence_lengths``. A response ended by a stop
             string keeps the whole token that completed the string.
         logprobs: ``[batch, seq_total]`` float32: at the position of each generated token, its
-            log-probability under the model's unscaled distribution (before temperature, top-p
-            and top-k); 0.0 at prompt and pad positions.
+            log-probability under the distribution it was sampled from (the logits divided by
+            the temperature, then top-k / top-p truncated and renormalised; greedy decoding:
+            the unscaled distribution); 0.0 at prompt and pad positions.
         generation_lengths: ``[batch]`` int64, generated tokens per sample (EOS included).
         unpadded_sequence_lengths: ``[batch]`` int64, ``input_lengths + generation_lengths``.
         truncated: ``[batch]`` bool, True where generation stopped at the token limit

@@ -475,6 +475,13 @@ class PolicyConfig(ConfigModel):
                 f"max_total_sequence_length ({self.max_total_sequence_length}); set it to "
                 "${policy.max_total_sequence_length} or more"
             )
+        if self.generation.temperature == 0:
+            raise ValueError(
+                "generation.temperature is 0 (greedy decoding): the trained policy's logprobs "
+                "follow the engines' sampling distribution, and greedy decoding has none to "
+                "train on; sample with a temperature > 0 (validation may still decode "
+                "greedily: val_greedy=true in the algorithm's section)"
+            )
         if self.megatron_cfg.peft.enabled and self.reward_model_cfg.enabled:
             raise ValueError(
                 "megatron_cfg.peft.enabled with reward_model_cfg.enabled: a reward model's "

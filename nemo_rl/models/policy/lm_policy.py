@@ -66,7 +66,7 @@ class Policy(ColocatablePolicyInterface):
         name: str = "policy",
     ) -> None:
         self.cfg = config
-        self.model_path = resolve_model_path(config.model_name, field="policy.model_name")
+        self.model_path = resolve_model_path(config.model_name, field=f"{name}.model_name")
         self.layout: ParallelLayout = plan_parallel_layout(
             config, self.model_path, cluster.world_size()
         )

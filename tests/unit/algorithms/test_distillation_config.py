@@ -4,14 +4,13 @@ layouts the top-k scoring does not support."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from nemo_rl.algorithms.distillation_config import DistillationMasterConfig
 from nemo_rl.utils.config import ConfigError, load_typed_config
+from random_checkpoints import copy_with_another_vocab_size
 
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "distillation_tiny_cpu.yaml"
 
@@ -40,11 +39,7 @@ def test_teacher_with_the_students_tokenizer_passes(tiny_llama_path: Path) -> No
 
 
 def test_teacher_with_another_vocabulary_is_refused(tiny_llama_path: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(tiny_llama_path, other)
-    config = json.loads((other / "config.json").read_text())
-    config["vocab_size"] += 128
-    (other / "config.json").write_text(json.dumps(config))
+    other = copy_with_another_vocab_size(tiny_llama_path, tmp_path / "other")
     message = refusal(f"teacher.model_name={other}")
     assert "teacher.model_name" in message and "same tokenizer" not in message
     assert "use a teacher with the student's tokenizer" in message

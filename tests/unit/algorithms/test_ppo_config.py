@@ -10,6 +10,7 @@ import pytest
 
 from nemo_rl.algorithms.ppo_config import PPOMasterConfig
 from nemo_rl.utils.config import ConfigError, load_typed_config
+from random_checkpoints import copy_with_another_vocab_size
 
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "ppo_tiny_cpu.yaml"
 
@@ -68,3 +69,29 @@ def test_learning_rate_horizons_count_the_epochs() -> None:
 )
 def test_refused_at_config_time(overrides: list[str], expected: str) -> None:
     assert expected in refusal(*overrides)
+
+
+def test_the_critic_starts_from_a_reward_model(tiny_reward_model_path: Path, tiny_llama_path: Path) -> None:
+    rm = str(tiny_reward_model_path)
+    cfg = load(f"policy.model_name={tiny_llama_path}", f"value.init_from_reward_model={rm}")
+    assert cfg.value.model_name == cfg.value.tokenizer.name == rm
+    assert cfg.policy.model_name == str(tiny_llama_path)
+    assert load(f"value.init_from_reward_model={rm}", f"value.model_name={rm}").value.model_name == rm
+
+
+def test_a_critic_start_that_is_not_a_reward_model_is_refused(
+    tiny_reward_model_path: Path, tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    rm = str(tiny_reward_model_path)
+    assert f"value.init_from_reward_model={str(tiny_llama_path)!r} is not a reward model (LlamaForCausalLM)" in refusal(
+        f"value.init_from_reward_model={tiny_llama_path}"
+    )
+    assert "two starting points of the critic" in refusal(
+        f"value.init_from_reward_model={rm}", f"value.model_name={tiny_llama_path}"
+    )
+    # a reward model named as model_name would lose its trained head: pointed to the key
+    assert f"set value.init_from_reward_model={rm!r} instead" in refusal(f"value.model_name={rm}")
+    # the critic reads the policy's token ids
+    other = copy_with_another_vocab_size(tiny_reward_model_path, tmp_path / "other_vocab")
+    message = refusal(f"value.init_from_reward_model={other}")
+    assert f"value.init_from_reward_model ({other}) and policy.model_name (tiny-llama) have different tokenizers or vocabulary sizes (1152 vs 1024)" in message

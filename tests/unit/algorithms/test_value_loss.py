@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.loss import LossFunction, LossInputType, MseValueLossFn
+from nemo_rl.algorithms.loss.interfaces import MetricReduction
 from nemo_rl.algorithms.loss.value import explained_variance
 
 VALUES = torch.tensor([[5.0, 1.0, 0.0], [0.5, 1.6, 9.0]], dtype=torch.float64)  # the critic now
@@ -43,6 +44,8 @@ def test_clipped_loss_and_metrics_by_hand() -> None:
     assert metrics["returns_sq_mean"] == pytest.approx((0.25 + 1 + 1 + 2.25) / 4)
     assert metrics["residual_sq_mean"] == pytest.approx(UNCLIPPED_SUM / 4)
     assert metrics["num_valid_samples"] == 2
+    # the extremes of v over the valid tokens (5.0 and 9.0 are not valid)
+    assert (metrics["values_min"], metrics["values_max"]) == (0.0, 1.6)
     # Residuals R - v: -0.5, 1, 0.5, -0.1 (mean 0.225, population variance 0.326875);
     # returns' population variance 1.125 - 1 = 0.125.
     assert explained_variance(metrics) == pytest.approx(1 - 0.326875 / 0.125)
@@ -67,6 +70,17 @@ def test_micro_batches_add_up_to_the_global_batch() -> None:
     assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), abs=1e-12)
     for key in ("vf_clipfrac", "returns_mean", "values_mean", "residual_sq_mean"):
         assert sum(p[1][key] for p in parts) == pytest.approx(whole_metrics[key], abs=1e-12)
+    # the extremes are reduced by min / max (NeMo RL's critic/values_min, values_max)
+    assert loss_fn.metric_reductions == {"values_min": MetricReduction.MIN, "values_max": MetricReduction.MAX}
+    assert min(p[1]["values_min"] for p in parts) == whole_metrics["values_min"] == 0.0
+    assert max(p[1]["values_max"] for p in parts) == whole_metrics["values_max"] == 1.6
+    assert [p[1]["values_min"] for p in parts] == [0.0, 0.5]
+
+
+def test_a_micro_batch_without_valid_tokens_has_neutral_extremes() -> None:
+    data = {**DATA, "token_mask": torch.zeros(2, 3, dtype=torch.long)}
+    _, metrics = call(MseValueLossFn(), VALUES, data)
+    assert (metrics["values_min"], metrics["values_max"]) == (float("inf"), float("-inf"))
 
 
 def test_missing_returns_is_named() -> None:

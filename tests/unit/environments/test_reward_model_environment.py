@@ -20,27 +20,11 @@ CLS = "nemo_rl.environments.reward_model_environment:RewardModelEnvironment"
 ANSWERS = ["\\boxed{7}", "\\boxed{12345}", "I think it is \\boxed{6}, or maybe 8", "7"]
 
 
-@pytest.fixture(scope="module")
-def rm_folder(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama as a one-label sequence classifier (random score head), saved."""
-    from transformers import AutoTokenizer, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification.from_pretrained(
-        tiny_llama_path, num_labels=1, pad_token_id=0, torch_dtype=torch.float32
-    )
-    torch.nn.init.normal_(model.score.weight, std=1.0)
-    out = tmp_path_factory.mktemp("rm_hf")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(out)
-    return out
-
-
-def test_rewards_are_the_models_scores_of_each_conversation(rm_folder: Path) -> None:
+def test_rewards_are_the_models_scores_of_each_conversation(tiny_reward_model_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    env = RewardModelEnvironment(str(rm_folder), batch_size=3)  # two batches, padded
-    tokenizer = AutoTokenizer.from_pretrained(rm_folder)
+    env = RewardModelEnvironment(str(tiny_reward_model_path), batch_size=3)  # two batches, padded
+    tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model_path)
     logs = [
         conversation_datum(
             [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": a}],
@@ -49,7 +33,7 @@ def test_rewards_are_the_models_scores_of_each_conversation(rm_folder: Path) -> 
         for i, a in enumerate(ANSWERS)
     ]
     result = env.step(logs, [{}] * len(logs))
-    model = AutoModelForSequenceClassification.from_pretrained(rm_folder).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_path).eval()
     expected = []
     for log in logs:
         ids = torch.cat([m["token_ids"] for m in log])[None]  # one row, no padding
@@ -60,24 +44,24 @@ def test_rewards_are_the_models_scores_of_each_conversation(rm_folder: Path) -> 
     assert len(set(result.rewards.tolist())) == len(ANSWERS)  # the scores tell them apart
 
 
-def test_refuses_a_folder_that_is_not_a_reward_model(rm_folder: Path, tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_refuses_a_folder_that_is_not_a_reward_model(tiny_reward_model_path: Path, tiny_llama_path: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"env.rm.model_path=.*not a reward model \(LlamaForCausalLM\)"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tiny_llama_path))
     with pytest.raises(ValueError, match=r"env.rm.model_path=.*no config.json"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tmp_path))
-    config = json.loads((rm_folder / "config.json").read_text())
+    config = json.loads((tiny_reward_model_path / "config.json").read_text())
     del config["pad_token_id"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pad_token_id"):
         RewardModelEnvironment.check_arguments("env.rm", model_path=str(tmp_path))
-    RewardModelEnvironment.check_arguments("env.rm", model_path=str(rm_folder))
+    RewardModelEnvironment.check_arguments("env.rm", model_path=str(tiny_reward_model_path))
 
 
-def test_a_grpo_env_section_names_it_as_a_plugin(rm_folder: Path, tiny_llama_path: Path) -> None:
+def test_a_grpo_env_section_names_it_as_a_plugin(tiny_reward_model_path: Path, tiny_llama_path: Path) -> None:
     """The section documented in docs/algorithms.md validates; a causal LM is refused there."""
-    section = {"cls": CLS, "model_path": str(rm_folder), "processor": "prompt"}
+    section = {"cls": CLS, "model_path": str(tiny_reward_model_path), "processor": "prompt"}
     spec = validate_config({"rm": section}, EnvConfigs, source="env").specs()["rm"]
     assert spec.cls is RewardModelEnvironment and spec.processor is prompt_only_processor
-    assert spec.kwargs == {"model_path": str(rm_folder)}
+    assert spec.kwargs == {"model_path": str(tiny_reward_model_path)}
     with pytest.raises(ConfigError, match=r"env.rm.model_path=.*LlamaForCausalLM"):
         validate_config({"rm": {**section, "model_path": str(tiny_llama_path)}}, EnvConfigs, source="env")

@@ -140,6 +140,10 @@ class VllmGenerationWorker:
             "kv_cache_memory_bytes": vllm_cfg.kv_cache_memory_bytes,
             "enable_sleep_mode": self.sleep_mode,
             "seed": self.seed,
+            # Report each sampled token's logprob under the distribution it was sampled from
+            # (after temperature and top-k / top-p; vLLM's default is the raw model's), the one
+            # the trainer's logprobs follow: token_mult_prob_error compares like with like.
+            "logprobs_mode": "processed_logprobs",
         }
         if self.use_gpu:
             engine_kwargs["gpu_memory_utilization"] = vllm_cfg.gpu_memory_utilization
@@ -283,7 +287,7 @@ class VllmGenerationWorker:
             max_tokens=min(cfg.max_new_tokens, room),
             stop_token_ids=self.stop_token_ids,
             stop=stops or None,
-            logprobs=0,  # only the sampled token's logprob
+            logprobs=0,  # only the sampled token's logprob (processed: see start_engine)
             seed=seed if sampled else None,
             # The rollout decodes the returned token ids itself; vLLM's incremental
             # detokenization (and its decoding of every logprob's token) is only needed to

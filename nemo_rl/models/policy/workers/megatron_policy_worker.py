@@ -97,16 +97,25 @@ class MegatronPolicyWorker:
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """``logprobs`` ``[B, S]`` float32 in ``data``'s row order (last PP stage; an empty
-        dict on the other stages)."""
+        dict on the other stages), under the engines' sampling distribution
+        (``policy.generation``'s temperature, top-k, top-p)."""
+        return self._logprobs(data, micro_batch_size, reference=False)
+
+    def _logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None, reference: bool
+    ) -> BatchedDataDict:
         _fault_point("policy.logprobs")
         mbs = micro_batch_size or self.config.logprob_batch_size
-        logprobs = parts.train_step.compute_logprobs(self.policy, data, mbs, self._packing)
+        logprobs = parts.train_step.compute_logprobs(
+            self.policy, data, mbs, self._packing, reference
+        )
         return BatchedDataDict() if logprobs is None else BatchedDataDict(logprobs=logprobs)
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """``reference_logprobs`` ``[B, S]`` under the initial weights (as :meth:`get_logprobs`).
+        """``reference_logprobs`` ``[B, S]`` under the initial weights (as :meth:`get_logprobs`,
+        at the sampling temperature without top-k / top-p: NeMo RL's reference distribution).
 
         Raises:
             RuntimeError: the worker was made with ``init_reference_model=False``.
@@ -116,7 +125,7 @@ class MegatronPolicyWorker:
                 "no reference model: create the worker with init_reference_model=True"
             )
         with self.reference.swapped_in(self.policy.model.module):
-            out = self.get_logprobs(data, micro_batch_size)
+            out = self._logprobs(data, micro_batch_size, reference=True)
         return BatchedDataDict(reference_logprobs=out["logprobs"]) if "logprobs" in out else out
 
     def get_topk_logits(

@@ -14,7 +14,6 @@ path (the output layer's full logits, then ``from_parallel_logits_to_logprobs``)
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from layout_ports import next_layout_port, run_two_ranks
+from layout_ports import gloo_ranks, next_layout_port, run_two_ranks
 from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.distributed.fused_lm_head import token_logprobs
 from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
@@ -91,11 +90,7 @@ def test_target_outside_the_vocabulary_is_named() -> None:
 
 
 def _tp_rank(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with gloo_ranks(rank, port):
         hidden, weight, targets, grad = _inputs(1)
         half = V // 2
         shard = weight[rank * half : (rank + 1) * half]
@@ -108,8 +103,6 @@ def _tp_rank(rank: int, port: int, out_dir: str) -> None:
             },
         }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_tensor_parallel_ranks_equal_full_logits(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ A tiny Llama worker with the scalar head (``reward_model_cfg.enabled``) is train
 :class:`~nemo_rl.algorithms.loss.MseValueLossFn` on one fixed batch of GAE returns; then: its
 per-token values are the head applied to transformers' hidden state at the previous position;
 the value loss falls over a few optimizer steps; and a saved checkpoint, loaded into a fresh
-critic, gives the trained values.
+critic, gives the trained values. A critic built from a reward model's folder
+(``value.init_from_reward_model``) values each state at the reward model's score of it.
 """
 
 from __future__ import annotations
@@ -83,7 +84,13 @@ def test_value_loss_falls_on_a_fixed_batch(run: dict[str, Any]) -> None:
     losses = [loss for step in run["steps"] for loss in step["loss"]]
     assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0], losses
     assert all(step["metrics"]["vf_clipfrac"] == [0.0] for step in run["steps"])
+    # the first step's extremes (reduced by min / max over its two micro-batches) are those of
+    # the values before training over the loss's tokens
     mask = make_batch()["token_mask"].bool()
+    before = run["values_before"][mask]
+    first = run["steps"][0]["metrics"]
+    assert first["values_min"][0] == pytest.approx(before.min().item(), abs=1e-6)
+    assert first["values_max"][0] == pytest.approx(before.max().item(), abs=1e-6)
     # With gamma=1 the returns of a row are close to its reward; the critic moves towards them.
     err = lambda v: (v - REWARDS[:, None].expand_as(v))[mask].square().mean().item()  # noqa: E731
     assert err(run["values_after"]) < err(run["values_before"])
@@ -92,3 +99,27 @@ def test_value_loss_falls_on_a_fixed_batch(run: dict[str, Any]) -> None:
 def test_a_resumed_critic_has_the_trained_values(run: dict[str, Any]) -> None:
     assert run["resumed_step"] == STEPS
     torch.testing.assert_close(run["values_resumed"], run["values_after"], rtol=0, atol=1e-6)
+
+
+def test_a_critic_started_from_a_reward_model_values_each_state_at_the_models_score(
+    tiny_reward_model_path: Path,
+) -> None:
+    """``value.init_from_reward_model``: the critic loads the reward model's decoder and trained
+    score head, so before any update its value of the state before token t is the reward
+    model's score of the sequence's first t tokens (transformers' sequence classifier)."""
+    from transformers import AutoModelForSequenceClassification
+
+    batch = make_batch()
+    with one_rank_worker(tiny_reward_model_path, ROWS, SEQ, CRITIC, seed=5) as critic:
+        values = critic.get_values(batch)["values"]
+    rm = AutoModelForSequenceClassification.from_pretrained(
+        tiny_reward_model_path, torch_dtype=torch.float32
+    ).eval()
+    for row, length in enumerate(LENGTHS):
+        # the prefixes of 1 .. length - 1 tokens, right-padded with the pad token 0
+        prefixes = torch.stack([batch["input_ids"][row] * (torch.arange(SEQ) < t) for t in range(1, length)])
+        with torch.no_grad():
+            scores = rm(input_ids=prefixes).logits[:, 0]
+        torch.testing.assert_close(values[row, 1:length], scores, rtol=1e-5, atol=1e-5)
+        assert torch.all(values[row, length:] == 0) and values[row, 0] == 0
+    assert scores.abs().max() > 0.1  # a head that scores, not zeros

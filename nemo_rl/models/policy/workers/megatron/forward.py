@@ -20,6 +20,8 @@ for ``1 <= t < input_lengths[i]``, 0 at ``t = 0`` and at ``t >= input_lengths[i]
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nemo_rl.distributed.fused_lm_head import token_logprobs
-from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs
+from nemo_rl.distributed.model_utils import from_parallel_logits_to_logprobs, masked_logprobs
+from nemo_rl.distributed.sampling import PLAIN_SAMPLING, TrainingSamplingParams
 from nemo_rl.models.megatron.context_parallel_attention import context_parallel_positions
 
 # Sequence positions scored at once by from_parallel_logits_to_logprobs: bounds its
@@ -183,7 +186,10 @@ def _tp_vocab_range(width: int) -> tuple[Any, int]:
 
 
 def logprobs_from_logits(
-    logits: Tensor, inputs: ModelInputs, inference_only: bool
+    logits: Tensor,
+    inputs: ModelInputs,
+    inference_only: bool,
+    sampling: TrainingSamplingParams = PLAIN_SAMPLING,
 ) -> Tensor:
     """``[B, S]`` float32 logprobs of the micro-batch's tokens from this rank's logits.
 
@@ -191,29 +197,46 @@ def logprobs_from_logits(
         logits: ``[b, t_local, V / TP]`` vocab-parallel logits of this TP rank.
         inputs: what :func:`build_model_inputs` made for the same micro-batch.
         inference_only: build no autograd graph.
+        sampling: the distribution scored (:mod:`nemo_rl.distributed.sampling`): logits
+            divided by its temperature, then top-k / top-p truncated and renormalised; a
+            token outside the kept set scores ``-inf``.
     """
     width = logits.shape[-1]
     tp_group, start = _tp_vocab_range(width)
     vocab = (start, start + width)
     logits = logits.float() if logits.dtype != torch.float32 else logits
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
+
+    def score(scored_logits: Tensor, targets: Tensor) -> Tensor:
+        if not sampling.truncates:
+            return from_parallel_logits_to_logprobs(
+                scored_logits, targets, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
+            )
+        with torch.no_grad() if inference_only else contextlib.nullcontext():
+            return masked_logprobs(
+                scored_logits, targets, *vocab, tp_group, sampling.top_k, sampling.top_p,
+                widen=True,
+            )
+
     if inputs.next_targets is None:
-        row = from_parallel_logits_to_logprobs(
-            logits, inputs.input_ids, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
-        )
-        return _to_batch_layout(row, inputs)
+        return _to_batch_layout(score(logits, inputs.input_ids), inputs)
     # Score the next token of every local position: put a dummy position in front so the
     # function's "target t from logits t-1" rule pairs logits[i] with next_targets[i].
     b = logits.shape[0]
     padded_logits = torch.cat([logits, logits.new_zeros(b, 1, width)], dim=1)
     targets = torch.cat([inputs.next_targets.new_zeros(b, 1), inputs.next_targets], dim=1)
-    next_local = from_parallel_logits_to_logprobs(
-        padded_logits, targets, *vocab, tp_group, inference_only, LOGPROB_CHUNK_SIZE
-    )[:, 1:]
+    next_local = score(padded_logits, targets)[:, 1:]
     return _from_next_token_scores(next_local, inputs)
 
 
 def logprobs_from_hidden(
-    hidden: Tensor, weight: Tensor, inputs: ModelInputs, inference_only: bool, chunk_size: int
+    hidden: Tensor,
+    weight: Tensor,
+    inputs: ModelInputs,
+    inference_only: bool,
+    chunk_size: int,
+    sampling: TrainingSamplingParams = PLAIN_SAMPLING,
 ) -> Tensor:
     """:func:`logprobs_from_logits` with the LM head fused in
     (:func:`~nemo_rl.distributed.fused_lm_head.token_logprobs`): the same ``[B, S]`` float32
@@ -227,6 +250,7 @@ def logprobs_from_hidden(
         inputs: what :func:`build_model_inputs` made for the same micro-batch.
         inference_only: build no autograd graph.
         chunk_size: tokens whose logits exist at once.
+        sampling: the distribution scored, as in :func:`logprobs_from_logits`.
     """
     tp_group, start = _tp_vocab_range(weight.shape[0])
     h = hidden.shape[-1]
@@ -234,13 +258,13 @@ def logprobs_from_hidden(
         b, t_local = inputs.next_targets.shape
         next_local = token_logprobs(
             hidden.reshape(-1, h), weight, inputs.next_targets.reshape(-1), start, tp_group,
-            chunk_size, inference_only,
+            chunk_size, inference_only, sampling,
         ).view(b, t_local)
         return _from_next_token_scores(next_local, inputs)
     rows, cols, model_rows, model_cols = _scored_tokens(inputs, hidden.device)
     values = token_logprobs(
         hidden[model_rows, model_cols - 1], weight, inputs.input_ids[model_rows, model_cols],
-        start, tp_group, chunk_size, inference_only,
+        start, tp_group, chunk_size, inference_only, sampling,
     )
     out = values.new_zeros(inputs.lengths.numel(), inputs.seq_len)
     return out.index_put((rows, cols), values)
@@ -383,3 +407,28 @@ def run_micro_batches(
         micro_batch_size=first.shape[0],
         forward_only=forward_only,
     )
+
+
+def zero_outside_sampled_set(logprobs: Tensor, mask: Tensor | None, what: str) -> Tensor:
+    """``logprobs`` with every ``-inf`` (a token outside the top-k / top-p set of the policy
+    that scores it) replaced by 0, as NeMo RL does: such a token adds nothing to the loss's
+    gradient. The engine sampled it from its own truncated set, so at a valid position this
+    means the trainer's set differs at its edge (float noise, or a policy that has moved since
+    the rollout): a warning counts those under ``mask``.
+
+    Args:
+        logprobs: ``[B, S]`` logprobs (any device).
+        mask: ``[B, S]`` positions that were sampled and are trained on (``token_mask`` times
+            ``sample_mask``); None: count none.
+        what: the logprobs' name, for the warning.
+    """
+    outside = torch.isneginf(logprobs)
+    if mask is not None:
+        count = int((outside & (mask.to(outside.device) > 0)).sum())
+        if count:
+            logging.getLogger(__name__).warning(
+                "%d of %d sampled tokens lie outside the policy's top-k/top-p set in %s "
+                "(the trainer's truncated set differs from the engine's there); they score 0 "
+                "and add no gradient", count, int((mask > 0).sum()), what,
+            )
+    return torch.where(outside, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device), logprobs)

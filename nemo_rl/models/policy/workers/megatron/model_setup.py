@@ -27,6 +27,7 @@ from megatron_bridge import BridgeConfig, dtype_from_name, load_hf_weights
 from megatron_bridge.cpu_compat import is_cpu_run
 from megatron_bridge.load import gpt_model_stage
 from megatron_bridge.parallel_state import initialize_megatron_parallel
+from nemo_rl.distributed.sampling import PLAIN_SAMPLING, TrainingSamplingParams
 from nemo_rl.models.megatron import torch_fused
 from nemo_rl.models.megatron.compiled_layers import compile_transformer_layers
 from nemo_rl.models.megatron.context_parallel_layer_specs import get_gpt_stage_spec
@@ -75,6 +76,8 @@ class PolicyModel:
         lora: the model's LoRA adapters (``megatron_cfg.peft``); None when it has none.
         logprob_chunk_size: ``policy.logprob_chunk_size``: tokens per chunk of the LM head
             fused with the logprobs; None: the output layer's full logits.
+        sampling: the engines' sampling distribution (``policy.generation``'s temperature,
+            top-k, top-p) that the policy's logprobs follow.
     """
 
     model: Any
@@ -85,6 +88,7 @@ class PolicyModel:
     dtype: torch.dtype
     lora: LoraSpec | None = None
     logprob_chunk_size: int | None = None
+    sampling: TrainingSamplingParams = PLAIN_SAMPLING
 
 
 class FrozenStage(torch.nn.Module):
@@ -163,7 +167,10 @@ def build_gpt_stage(
     :func:`megatron_bridge.build_gpt_model` (:func:`megatron_bridge.load.gpt_model_stage`) and
     adds the CP size, activation recomputation, the loss-scaling flags training needs and, for
     a mixture-of-experts model, the router's training settings (:mod:`.moe`; the routers are
-    frozen here with ``freeze_moe_router``).
+    frozen here with ``freeze_moe_router``). With the scalar head (``reward_model_cfg.enabled``)
+    and a reward model's folder (a ``...ForSequenceClassification``, as ``nemo-rl export``
+    writes one) the stage gets its :class:`~.reward_head.ScalarHead` before loading, which the
+    folder's trained ``score.weight`` then fills.
 
     Returns:
         ``(model, bridge, transformer_config)``.
@@ -199,6 +206,11 @@ def build_gpt_stage(
     model = gpt_model_stage(bridge, tconfig, spec, layout.tp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if config.reward_model_cfg.enabled and bridge.is_sequence_classifier:
+        # a reward model's folder: its score head is loaded with the decoder
+        from nemo_rl.models.policy.workers.megatron.reward_head import attach_reward_head
+
+        attach_reward_head(model, torch.zeros(bridge.num_labels, model.config.hidden_size))
     load_hf_weights(model, bridge, model_path)
     tag_tensor_parallel_params(model)
     if mcfg.compile_transformer_layers:
@@ -404,7 +416,8 @@ def effective_optimizer_config(
 def attach_score_head(
     model: torch.nn.Module, bridge: BridgeConfig, model_path: str, seed: int
 ) -> BridgeConfig:
-    """Turn the loaded causal LM into a reward model (:mod:`.reward_head`); returns the bridge
+    """Turn the loaded causal LM into a reward model (:mod:`.reward_head`) with a fresh head (a
+    reward model's folder brings its own: :func:`build_gpt_stage`); returns the bridge
     its checkpoints record: the model as an HF sequence classifier with one label, whose
     ``pad_token_id`` is the tokenizer's (its EOS when it has no pad token)."""
     from transformers import AutoTokenizer
@@ -438,17 +451,19 @@ def setup_policy_model(
     dtype = dtype_from_name(config.precision)
     layout = init_parallel_from_env(mcfg, seed)
     model, bridge, tconfig = build_gpt_stage(model_path, config, layout, dtype)
-    if config.reward_model_cfg.enabled:
+    if config.reward_model_cfg.enabled and not bridge.is_sequence_classifier:
         bridge = attach_score_head(model, bridge, model_path, seed)
     lora = add_lora_adapters(model, config, bridge, model_path, seed) if mcfg.peft.enabled else None
     if not init_optimizer:
         return PolicyModel(
-            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size
+            FrozenStage(model), None, None, bridge, layout, dtype, lora, config.logprob_chunk_size,
+            config.generation.training_sampling(),
         )
     opt_cfg = effective_optimizer_config(mcfg.optimizer, announce=layout.rank == 0)
     ddp = wrap_ddp(model, tconfig, opt_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, opt_cfg, dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, mcfg.scheduler)
     return PolicyModel(
-        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size
+        ddp, optimizer, scheduler, bridge, layout, dtype, lora, config.logprob_chunk_size,
+        config.generation.training_sampling(),
     )

@@ -9,7 +9,8 @@ at its last real token (:func:`~nemo_rl.models.policy.workers.megatron.forward.
 rewards_from_outputs`). The head keeps the name ``output_layer.weight``, which is where the
 bridge of a ``...ForSequenceClassification`` model puts HF's ``score.weight``
 (:meth:`megatron_bridge.BridgeConfig.as_sequence_classifier`), so checkpoints export as an HF
-sequence classifier.
+sequence classifier, and such an export loads back with its trained head (the head is attached
+before the weights are loaded: a PPO critic started from a reward model).
 """
 
 from __future__ import annotations

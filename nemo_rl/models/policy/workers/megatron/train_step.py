@@ -9,7 +9,8 @@ losses sum to the global loss however the batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -19,8 +20,9 @@ from torch import Tensor
 
 from megatron_bridge.parallel_state import collective_device
 
-from nemo_rl.algorithms.loss.interfaces import LossInputType
+from nemo_rl.algorithms.loss.interfaces import LossInputType, MetricReduction, metric_reductions
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.sampling import TrainingSamplingParams
 from nemo_rl.models.megatron.lm_head import output_layer_returns_hidden, output_weight
 from nemo_rl.models.policy.workers.megatron.distillation import (
     distillation_loss_inputs,
@@ -34,6 +36,7 @@ from nemo_rl.models.policy.workers.megatron.forward import (
     rewards_from_outputs,
     run_micro_batches,
     values_from_outputs,
+    zero_outside_sampled_set,
 )
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 from nemo_rl.models.policy.workers.megatron.moe import (
@@ -163,15 +166,41 @@ def _share_from_last_stage(payload: dict[str, Any]) -> dict[str, Any]:
     return box[0]
 
 
-def _sum_over_dp(values: dict[str, float], dp_group: Any) -> dict[str, float]:
+def _combine_metric(how: MetricReduction, a: float | None, b: float) -> float:
+    """Two micro-batches' values of a metric reduced by ``how``."""
+    if a is None:
+        return b
+    return {MetricReduction.SUM: a + b, MetricReduction.MIN: min(a, b), MetricReduction.MAX: max(a, b)}[how]
+
+
+def _reduce_over_dp(
+    values: dict[str, float], reductions: Mapping[str, MetricReduction], dp_group: Any
+) -> dict[str, float]:
+    """``values`` of this DP rank reduced over ``dp_group``: summed, or by min / max for the
+    keys ``reductions`` names (an extreme over no valid token, +-inf, becomes 0)."""
     keys = sorted(values)
     if not keys:
         return {}
-    totals = torch.tensor(
-        [values[k] for k in keys], dtype=torch.float64, device=collective_device()
+    how = [reductions.get(k, MetricReduction.SUM) for k in keys]
+    sums = torch.tensor(
+        [values[k] if h == MetricReduction.SUM else 0.0 for k, h in zip(keys, how)],
+        dtype=torch.float64,
+        device=collective_device(),
     )
-    dist.all_reduce(totals, group=dp_group)
-    return dict(zip(keys, totals.tolist()))
+    dist.all_reduce(sums, group=dp_group)
+    out = dict(zip(keys, sums.tolist()))
+    extreme = [(k, h) for k, h in zip(keys, how) if h != MetricReduction.SUM]
+    if extreme:  # one MAX all-reduce: a minimum is the negated maximum of the negations
+        sign = [-1.0 if h == MetricReduction.MIN else 1.0 for _, h in extreme]
+        maxima = torch.tensor(
+            [s * values[k] for (k, _), s in zip(extreme, sign)],
+            dtype=torch.float64,
+            device=collective_device(),
+        )
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
+        for (k, _), s, m in zip(extreme, sign, maxima.tolist()):
+            out[k] = s * m if math.isfinite(m) else 0.0
+    return out
 
 
 def train_global_batch(
@@ -189,7 +218,8 @@ def train_global_batch(
         ``loss`` (global loss: micro-batch losses summed over micro-batches and DP ranks),
         ``grad_norm`` (global L2 norm before clipping; None in eval mode), ``lr`` (learning
         rate of this step), ``metrics`` (each loss metric summed over micro-batches and DP
-        ranks; a mixture-of-experts model's training step adds its routers' losses
+        ranks, or reduced by min / max where the loss's ``metric_reductions`` says so; a
+        mixture-of-experts model's training step adds its routers' losses
         ``moe/load_balancing_loss`` / ``moe/z_loss``, means as megatron-core logs them, not
         included in ``loss``), ``num_micro_batches`` (this rank's).
     """
@@ -215,12 +245,19 @@ def train_global_batch(
     fused = fused_lm_head(policy, loss_fn.input_type)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        mb = mbs_data[index]
         if fused:  # the output layer handed back its input: the LM head runs fused here
             logprobs = scored_logprobs(policy, logits, inputs[index], eval_mode)
             scored = {"next_token_logprobs": logprobs}
         else:
-            scored = loss_inputs(loss_fn, logits, inputs[index], mbs_data[index], eval_mode)
-        loss, metrics = loss_fn(mbs_data[index], valid_seqs, valid_toks, **scored)
+            scored = loss_inputs(
+                loss_fn, logits, inputs[index], mb, eval_mode, policy.sampling
+            )
+        if loss_fn.input_type == LossInputType.LOGPROB and policy.sampling.truncates:
+            truncated_loss_inputs(
+                policy, loss_fn, logits, inputs[index], mb, scored, fused, eval_mode
+            )
+        loss, metrics = loss_fn(mb, valid_seqs, valid_toks, **scored)
         return loss, {"loss": float(loss.detach()), "metrics": metrics}
 
     model = policy.model
@@ -242,12 +279,17 @@ def train_global_batch(
         _, grad_norm, _ = policy.optimizer.step()
         policy.scheduler.step(increment=1)
         grad_norm = float(grad_norm)
+    reductions = {f"metrics/{k}": h for k, h in metric_reductions(loss_fn).items()}
     summed: dict[str, float] = {"loss": sum(o["loss"] for o in outputs)}
     for out in outputs:
         for key, value in out["metrics"].items():
-            summed[f"metrics/{key}"] = summed.get(f"metrics/{key}", 0.0) + float(value)
+            name = f"metrics/{key}"
+            how = reductions.get(name, MetricReduction.SUM)
+            summed[name] = _combine_metric(how, summed.get(name), float(value))
     is_last = parallel_state.is_pipeline_last_stage()
-    summed = _share_from_last_stage(_sum_over_dp(summed, dp_group) if is_last else {})
+    summed = _share_from_last_stage(
+        _reduce_over_dp(summed, reductions, dp_group) if is_last else {}
+    )
     loss = summed.pop("loss")
     return {
         "loss": loss,
@@ -272,24 +314,66 @@ def lm_head_mode(policy: PolicyModel, fused: bool) -> Any:
 
 
 def scored_logprobs(
-    policy: PolicyModel, hidden: Tensor, inputs: ModelInputs, inference_only: bool
+    policy: PolicyModel,
+    hidden: Tensor,
+    inputs: ModelInputs,
+    inference_only: bool,
+    sampling: TrainingSamplingParams | None = None,
 ) -> Tensor:
-    """``[B, S]`` float32 logprobs from the output layer's input ``hidden`` (fused LM head)."""
+    """``[B, S]`` float32 logprobs from the output layer's input ``hidden`` (fused LM head),
+    under ``sampling`` (None: the policy's, ``policy.sampling``)."""
     return logprobs_from_hidden(
         hidden, output_weight(policy.model.module), inputs, inference_only,
-        policy.logprob_chunk_size,
+        policy.logprob_chunk_size, policy.sampling if sampling is None else sampling,
     )
 
 
+def truncated_loss_inputs(
+    policy: PolicyModel,
+    loss_fn: Any,
+    outputs: Tensor,
+    inputs: ModelInputs,
+    mb: BatchedDataDict,
+    scored: dict[str, Tensor],
+    fused: bool,
+    eval_mode: bool,
+) -> None:
+    """With top-k / top-p sampling, NeMo RL's handling of a logprob loss's inputs: the
+    truncated ``next_token_logprobs`` score 0 outside the kept set
+    (:func:`~.forward.zero_outside_sampled_set`), and a loss with a KL penalty gets
+    ``curr_logprobs_unfiltered`` in ``mb`` (temperature only, the reference policy's
+    distribution)."""
+    mask = mb["token_mask"] * mb["sample_mask"][:, None]
+    scored["next_token_logprobs"] = zero_outside_sampled_set(
+        scored["next_token_logprobs"], mask, "the current logprobs"
+    )
+    if getattr(getattr(loss_fn, "cfg", None), "loss_kl_penalty", 0.0) == 0.0:
+        return
+    untruncated = policy.sampling.untruncated()
+    if fused:
+        mb["curr_logprobs_unfiltered"] = scored_logprobs(
+            policy, outputs, inputs, eval_mode, untruncated
+        )
+    else:
+        mb["curr_logprobs_unfiltered"] = logprobs_from_logits(
+            outputs, inputs, eval_mode, untruncated
+        )
+
+
 def loss_inputs(
-    loss_fn: Any, logits: Tensor, inputs: ModelInputs, mb: BatchedDataDict, eval_mode: bool
+    loss_fn: Any,
+    logits: Tensor,
+    inputs: ModelInputs,
+    mb: BatchedDataDict,
+    eval_mode: bool,
+    sampling: TrainingSamplingParams,
 ) -> dict[str, Tensor]:
     """The model outputs ``loss_fn`` takes (by its ``input_type``) from a micro-batch's output:
     ``next_token_logprobs`` ``[B, S]`` (LOGPROB), ``rewards`` ``[B]`` (REWARD: the scalar head
     at each row's last real token), ``values`` ``[B, S]`` (VALUE: the scalar head at each
     token's previous position), or the top-k distillation inputs against the teacher's
     ``teacher_topk_logits`` / ``teacher_topk_indices`` of ``mb`` (DISTILLATION, at
-    ``loss_fn.cfg.temperature`` and ``zero_outside_topk``)."""
+    ``loss_fn.cfg.temperature`` and ``zero_outside_topk``). Logprobs follow ``sampling``."""
     if loss_fn.input_type == LossInputType.DISTILLATION:
         return distillation_loss_inputs(
             logits, inputs, mb, loss_fn.cfg.temperature, loss_fn.cfg.zero_outside_topk
@@ -298,7 +382,9 @@ def loss_inputs(
         return {"rewards": rewards_from_outputs(logits, inputs)}
     if loss_fn.input_type == LossInputType.VALUE:
         return {"values": values_from_outputs(logits, inputs)}
-    return {"next_token_logprobs": logprobs_from_logits(logits, inputs, inference_only=eval_mode)}
+    return {
+        "next_token_logprobs": logprobs_from_logits(logits, inputs, eval_mode, sampling)
+    }
 
 
 def _score(
@@ -354,22 +440,34 @@ def _score_rows(
 
 
 def compute_logprobs(
-    policy: PolicyModel, data: BatchedDataDict, mbs: int, packing_enabled: bool
+    policy: PolicyModel,
+    data: BatchedDataDict,
+    mbs: int,
+    packing_enabled: bool,
+    reference: bool = False,
 ) -> Tensor | None:
-    """``[B, S]`` float32 logprobs of ``data`` in its row order (no grad).
+    """``[B, S]`` float32 logprobs of ``data`` in its row order (no grad), under the engines'
+    sampling distribution (``policy.sampling``); ``reference``: the reference policy's pass,
+    temperature only (another model's top-k / top-p set need not hold the samples).
 
     Returns:
         The logprobs on the last pipeline stage, None on the others.
     """
 
     fused = fused_lm_head(policy, LossInputType.LOGPROB)
+    sampling = policy.sampling.untruncated() if reference else policy.sampling
 
     def score(outputs: Tensor, inputs: ModelInputs) -> Tensor:
         if fused:
-            return scored_logprobs(policy, outputs, inputs, inference_only=True)
-        return logprobs_from_logits(outputs, inputs, inference_only=True).float()
+            return scored_logprobs(policy, outputs, inputs, True, sampling)
+        return logprobs_from_logits(outputs, inputs, True, sampling).float()
 
-    return _score_rows(policy, data, mbs, packing_enabled, score, fused)
+    rows = _score_rows(policy, data, mbs, packing_enabled, score, fused)
+    if rows is None or not sampling.truncates:
+        return rows
+    scored = "token_mask" in data and "sample_mask" in data  # training data: count the outliers
+    mask = data["token_mask"] * data["sample_mask"][:, None] if scored else None
+    return zero_outside_sampled_set(rows, mask, "the previous logprobs")
 
 
 def compute_topk_logits(
