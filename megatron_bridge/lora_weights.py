@@ -46,13 +46,14 @@ def _all_targets(model: torch.nn.Module, adapters: dict[str, LoRAAdapter]) -> li
 
 @torch.no_grad()
 def export_lora_weights(
-    model: torch.nn.Module, bridge: BridgeConfig
+    model: torch.nn.Module, bridge: BridgeConfig, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(peft_name, tensor)`` for every adapter of the model, identically on every rank
     (collective over TP and PP, like :func:`~megatron_bridge.export.export_hf_weights`).
 
     Names are ``<hf module>.lora_A.weight`` / ``.lora_B.weight`` (without PEFT's
-    ``base_model.model.`` prefix); tensors are contiguous, in the adapters' dtype.
+    ``base_model.model.`` prefix); tensors are contiguous, in ``dtype`` (None: the adapters'
+    own dtype). Where no conversion is needed a tensor may be a view of the parameter.
     """
     from megatron.core import parallel_state
 
@@ -79,6 +80,8 @@ def export_lora_weights(
         if pp_ranks > 1:
             tensors = broadcast_from(tensors, owner, parallel_state.get_pipeline_model_parallel_group())
         a, *bs = tensors  # A (shared by the fused projections), then each projection's B
+        if dtype is not None:
+            a, bs = a.to(dtype), [b.to(dtype) for b in bs]
         for module, b in zip(_hf_modules(mapping), bs, strict=True):
             yield f"{module}.lora_A.weight", a
             yield f"{module}.lora_B.weight", b

@@ -3,6 +3,7 @@ colocated refit those tests drive from the test process. Importable as ``vllm_en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -56,14 +57,10 @@ def colocated_refit(sender: Any, generation: VllmGeneration, timeout_s: float = 
         sender.finish_weights_ipc()
 
 
-def ring_refit_in_process(llm: Any, sender: Any, reload: bool = False) -> dict[str, Any]:
-    """One refit of ``llm`` (an in-process ``vllm.LLM`` of one rank) from ``sender`` (a
-    ``RefitSender`` of this process) through its ring, with the engine's real loading function
-    (``reload``: vLLM's reload path even where loading in place is exact); the rank's report."""
+def _refit_while_packing(sender: Any, load: Callable[[Any], Any]) -> Any:
+    """Open a stream of ``sender`` (a ``RefitSender`` of this process) with one reader, pack
+    it on a thread while ``load(stream)`` reads it; ``load``'s result."""
     import threading
-
-    from nemo_rl.models.generation.refit.ipc import RingRead
-    from nemo_rl.models.generation.vllm.weight_loading import load_from_rings
 
     stream = sender.prepare_weights_for_ipc({sender.rank: 1})
     packing = threading.Thread(
@@ -71,13 +68,38 @@ def ring_refit_in_process(llm: Any, sender: Any, reload: bool = False) -> dict[s
     )
     packing.start()
     try:
+        return load(stream)
+    finally:
+        packing.join()
+        sender.finish_weights_ipc()
+
+
+def ring_refit_in_process(llm: Any, sender: Any, reload: bool = False) -> dict[str, Any]:
+    """One refit of ``llm`` (an in-process ``vllm.LLM`` of one rank) from ``sender`` (a
+    ``RefitSender`` of this process) through its ring, with the engine's real loading function
+    (``reload``: vLLM's reload path even where loading in place is exact); the rank's report."""
+    from nemo_rl.models.generation.refit.ipc import RingRead
+    from nemo_rl.models.generation.vllm.weight_loading import load_from_rings
+
+    def load(stream: Any) -> dict[str, Any]:
         (report,) = llm.collective_rpc(
             load_from_rings,
             args=([RingRead(stream.ring, 0)], sender.info, stream.bucket_bytes, stream.version,
                   60.0, reload),
         )
-    finally:
-        packing.join()
-        sender.finish_weights_ipc()
+        return report
+
+    report = _refit_while_packing(sender, load)
     assert report["error"] is None, report["error"]
     return report
+
+
+def worker_refit_in_process(worker: Any, sender: Any) -> dict[str, Any]:
+    """One refit of ``worker`` (a ``VllmGenerationWorker`` of this process, not an actor, its
+    engine of one rank started) from ``sender`` through the receiver's verbs, as the driver
+    runs them; the receiver's result."""
+    worker.refit("prepare_refit_info", sender.info)
+    return _refit_while_packing(
+        sender,
+        lambda stream: worker.refit("update_weights_from_ipc_handles", [(stream, 0)], 60.0),
+    )

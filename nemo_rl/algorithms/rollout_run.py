@@ -186,6 +186,7 @@ def start_rollout_run(
                 inputs.model_path,
                 pad_token_id=inputs.pad_token_id,
                 seed=loop.seed,
+                adapters=cfg.policy.adapter_serving(),
             )
 
         extras = [functools.partial(factory, train_cluster) for factory in extra_train_workers]

@@ -60,6 +60,18 @@ class VllmConfig(ConfigModel):
         "policy.precision: a lower engine precision than the trainer's widens the gap between "
         "their logprobs (which the importance-sampling terms of the loss then see).",
     )
+    lora_refit: Literal["merged", "adapter"] = Field(
+        default="merged",
+        description="How the weights of a LoRA policy (policy.megatron_cfg.peft.enabled) reach "
+        "the engines at each refit. 'merged': every weight, W + (alpha / dim) * B A, through "
+        "the refit stream, the engine serving a plain model. 'adapter': the engine keeps the "
+        "base weights it loaded at start and is built with vLLM's LoRA support "
+        "(enable_lora, max_lora_rank from peft.dim); each refit streams only the adapters' "
+        "A and B tensors, which the engine installs in memory as a new vLLM LoRA adapter that "
+        "every later request uses; only with LoRA. On CPU 'adapter' refits 12x faster but "
+        "generates 1.8x slower per token, so 'merged' is the default (benchmarks/"
+        "bench_lora_refit.py, docs/performance.md).",
+    )
     async_engine: bool = Field(
         default=False,
         description="Serve every sample's turn as its own request on a continuously batched "

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from megatron_bridge.lora_targets import check_selection
 from nemo_rl.models.generation.config import GenerationConfig, Precision
+from nemo_rl.models.generation.lora_serving import AdapterServing, engine_max_lora_rank
 from nemo_rl.models.generation.refit.buckets import ALIGNMENT
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.utils.config import ConfigModel, validate_config
@@ -486,6 +487,20 @@ class PolicyConfig(ConfigModel):
                 "megatron_cfg.peft.enabled with reward_model_cfg.enabled: a reward model's "
                 "new score head must be trained in full, which LoRA does not do; disable one"
             )
+        peft = self.megatron_cfg.peft
+        if self.generation.vllm_cfg.lora_refit == "adapter" and not peft.enabled:
+            raise ValueError(
+                "generation.vllm_cfg.lora_refit='adapter' serves LoRA adapters, but "
+                "megatron_cfg.peft.enabled is false; set lora_refit: merged or enable peft"
+            )
+        if self.generation.vllm_cfg.lora_refit == "adapter":
+            try:
+                engine_max_lora_rank(peft.dim)
+            except ValueError as err:
+                raise ValueError(
+                    f"megatron_cfg.peft.dim={peft.dim} with generation.vllm_cfg.lora_refit="
+                    f"'adapter': {err}; set lora_refit: merged or a smaller dim"
+                ) from None
         if self.tokenizer.name is None:
             self.tokenizer.name = self.model_name
         seq_len = self.max_total_sequence_length
@@ -495,6 +510,14 @@ class PolicyConfig(ConfigModel):
             if section.logprob_mb_tokens is None:
                 section.logprob_mb_tokens = seq_len * self.logprob_batch_size
         return self
+
+    def adapter_serving(self) -> AdapterServing | None:
+        """The adapters the engines serve themselves (``generation.vllm_cfg.lora_refit:
+        adapter`` on a LoRA policy); None when the engines get every weight (merged)."""
+        peft = self.megatron_cfg.peft
+        if not peft.enabled or self.generation.vllm_cfg.lora_refit != "adapter":
+            return None
+        return AdapterServing(dim=peft.dim, alpha=peft.alpha)
 
     def refit_settings(self) -> RefitSettings:
         """How this policy streams its weights into the engines: buckets of

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError, RefitFailed
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
@@ -103,7 +104,8 @@ def refit_policy_generation(
 
     Raises:
         RefitFailed: every attempt failed (the run stops with its one message).
-        RefitError: the policy exports another dtype than the engines run.
+        RefitError: the policy exports another dtype than the engines run, or adapters where
+            the engines take weights (or the other way round, or other adapters).
     """
     start = time.perf_counter()
     settings = policy.cfg.refit_settings()
@@ -113,6 +115,12 @@ def refit_policy_generation(
             f"the policy exports its weights in {settings.dtype} "
             f"(policy.generation.vllm_cfg.precision) but the engines run in {engine_dtype}: "
             "build both from the same generation config"
+        )
+    if policy.cfg.adapter_serving() != generation.adapters:
+        raise RefitError(
+            f"the policy streams {_stream_kind(policy.cfg.adapter_serving())} but the engines "
+            f"serve {_stream_kind(generation.adapters)} (policy.generation.vllm_cfg.lora_refit):"
+            " build the engines with adapters=policy config's adapter_serving()"
         )
     info = policy.prepare_refit_info()
     if generation.refit_info != info:
@@ -153,6 +161,10 @@ def refit_policy_generation(
         f"the weight refit failed {len(failures)} times (policy.refit_max_retries="
         f"{settings.max_retries}): " + "; ".join(failures)
     )
+
+
+def _stream_kind(adapters: AdapterServing | None) -> str:
+    return "every weight" if adapters is None else f"LoRA adapters ({adapters})"
 
 
 def _slowest(results: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:

@@ -67,6 +67,9 @@ class RefitReceiver:
             the refit info must name the same tensors with the same shapes, each MoE
             layer's experts stacked (:func:`~.expert_groups.group_expert_shapes`). None skips
             that check.
+        adapters: the streams carry LoRA adapters instead of weights (PEFT's
+            ``<module>.lora_A.weight`` ``[r, in]`` and ``<module>.lora_B.weight``
+            ``[out, r]``); each is checked against the checkpoint's ``<module>.weight``.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class RefitReceiver:
         device: torch.device,
         tensor_parallel_size: int = 1,
         expected_shapes: dict[str, tuple[int, ...]] | None = None,
+        adapters: bool = False,
     ) -> None:
         self._load_stream = load_stream
         self.device = device
@@ -82,6 +86,7 @@ class RefitReceiver:
         self.expected_shapes = (
             None if expected_shapes is None else group_expert_shapes(expected_shapes)
         )
+        self.adapters = adapters
         self.version = 0  # version of the weights the engine holds in full (0: its checkpoint)
         self.incomplete: int | None = None  # version of a load that broke off part-way
         self.info: RefitInfo | None = None
@@ -95,12 +100,14 @@ class RefitReceiver:
 
         Raises:
             RefitError: the info names other tensors, or other shapes, than the engine's
-                checkpoint (a refit would leave stale weights or fail half-way).
+                checkpoint (a refit would leave stale weights or fail half-way); with
+                ``adapters``, an adapter of a linear the checkpoint lacks or of another shape.
         """
         if not info:
             raise RefitError("the refit info is empty: the policy exported no tensors")
         if self.expected_shapes is not None:
-            _check_against_checkpoint(info, self.expected_shapes)
+            check = _check_adapters_against_checkpoint if self.adapters else _check_against_checkpoint
+            check(info, self.expected_shapes)
         self.info = dict(info)
 
     def _layout(self, bucket_bytes: int) -> StreamLayout:
@@ -299,4 +306,32 @@ def _check_against_checkpoint(info: RefitInfo, expected: dict[str, tuple[int, ..
             "the policy's exported weights do not match the engine's checkpoint ("
             + "; ".join(problems)
             + "); build the engine from the policy's model"
+        )
+
+
+# An adapter's tensor and the weight it adapts have the same size along this axis (A: the
+# input, B: the output).
+_SHARED_AXIS = {".lora_A.weight": 1, ".lora_B.weight": 0}
+_ADAPTER_SUFFIXES = tuple(_SHARED_AXIS)
+
+
+def _check_adapters_against_checkpoint(
+    info: RefitInfo, expected: dict[str, tuple[int, ...]]
+) -> None:
+    """Every tensor of ``info`` is an adapter (``<module>.lora_A.weight`` ``[r, in]`` or
+    ``<module>.lora_B.weight`` ``[out, r]``) of a 2-D ``<module>.weight`` ``[out, in]`` of the
+    checkpoint."""
+    problems = []
+    for name, (shape, _) in info.items():
+        suffix = next((s for s in _ADAPTER_SUFFIXES if name.endswith(s)), None)
+        weight = None if suffix is None else expected.get(name.removesuffix(suffix) + ".weight")
+        if suffix is None or weight is None or len(weight) != 2 or len(shape) != 2:
+            problems.append(f"{name} {tuple(shape)} adapts no linear weight of the checkpoint")
+        elif shape[_SHARED_AXIS[suffix]] != weight[_SHARED_AXIS[suffix]]:
+            problems.append(f"{name} {tuple(shape)} does not fit its weight {tuple(weight)}")
+    if problems:
+        raise RefitError(
+            "the policy's adapters do not match the engine's checkpoint ("
+            + "; ".join(problems[:5])
+            + "); build the engine from the policy's base model"
         )

@@ -136,7 +136,12 @@ class AsyncVllmGenerationWorker(VllmGenerationWorker):
             while self._incoming or self._running:
                 for prompt, params, future in self._incoming:
                     request_id = f"async-{next(self._request_ids)}"
-                    engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+                    engine.add_request(
+                        request_id,
+                        TokensPrompt(prompt_token_ids=prompt),
+                        params,
+                        lora_request=self.lora_request,
+                    )
                     self._running[request_id] = future
                 self._incoming.clear()
                 for output in engine.step():

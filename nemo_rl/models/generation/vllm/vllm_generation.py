@@ -41,6 +41,7 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.config import GenerationConfig
+from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
@@ -70,6 +71,9 @@ class VllmGeneration(GenerationInterface):
         model_path: Hugging Face checkpoint folder (or hub name) with its tokenizer.
         pad_token_id: token id that pads ``output_ids``.
         seed: base of every request's sampling seed (see the module docstring).
+        adapters: a LoRA policy's adapters, which the engines serve themselves (refits
+            stream them instead of weights; ``PolicyConfig.adapter_serving``); None: refits
+            stream every weight.
 
     Raises:
         ValueError: a ``tensor_parallel_size`` that does not divide every node's bundles.
@@ -86,11 +90,13 @@ class VllmGeneration(GenerationInterface):
         *,
         pad_token_id: int,
         seed: int = 0,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.layout = plan_generation_layout(
             cluster.bundle_ct_per_node_list, config.vllm_cfg.tensor_parallel_size, repr(cluster)
         )
         self.config = config
+        self.adapters = adapters
         self.pad_token_id = pad_token_id
         self.seed = seed
         # Restarts of each engine so far (config.max_engine_restarts bounds each).
@@ -116,6 +122,7 @@ class VllmGeneration(GenerationInterface):
                 "pad_token_id": pad_token_id,
                 "use_gpu": cluster.use_gpus,
                 "seed": seed,
+                "adapters": adapters,
             },
             env_vars=WORKER_ENV_VARS,
             startup_timeout_s=config.startup_timeout_s,

@@ -23,7 +23,11 @@ engine (this actor's with one rank) loads the stream from a ring of this node as
 arrive (:func:`~nemo_rl.models.generation.vllm.weight_loading.load_from_rings`, through
 ``collective_rpc``). ``weight_version`` is the version of the last refit loaded in full (0: the
 checkpoint's weights); an engine whose load broke off part-way refuses to generate until a
-refit completes.
+refit completes. An engine serving a LoRA policy's adapters itself (``adapters``,
+``vllm_cfg.lora_refit: adapter``) is built with vLLM's LoRA support, takes streams of adapter
+tensors (:mod:`~nemo_rl.models.generation.vllm.lora_adapters`), and every request after a
+refit names the adapter it installed (a new id per refit; the checkpoint's base model before
+the first).
 
 Health. :meth:`VllmGenerationWorker.check_engine` fails once the engine cannot serve any more
 (one of its rank processes died); the driver then replaces the replica's actors
@@ -42,9 +46,11 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig
+from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo, call_verb
 from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
 from nemo_rl.models.generation.refit.receiver import LoadReport, RefitReceiver
+from nemo_rl.models.generation.vllm.lora_adapters import adapter_request, lora_engine_kwargs
 from nemo_rl.models.generation.vllm.weight_loading import LoadPath, load_from_rings
 from nemo_rl.utils.fault_injection import process_fault_at
 
@@ -72,6 +78,8 @@ class VllmGenerationWorker:
         use_gpu: the actor owns (a share of) a GPU; enables ``gpu_memory_utilization`` and,
             when ``config.colocated.enabled``, vLLM's sleep mode.
         seed: engine-level random seed (requests given their own seed do not use it).
+        adapters: the LoRA adapters the engine serves itself (refits stream them instead of
+            weights); None: refits stream weights.
     """
 
     def __init__(
@@ -81,8 +89,14 @@ class VllmGenerationWorker:
         pad_token_id: int,
         use_gpu: bool,
         seed: int = 0,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.model_path = model_path
+        self.adapters = adapters
+        # The LoRARequest of the adapter the last refit installed (None: the base model), and
+        # the number of adapters installed so far (each gets the next id).
+        self.lora_request: Any = None
+        self._adapter_loads = 0
         self.config = config
         self.pad_token_id = pad_token_id
         self.use_gpu = use_gpu
@@ -98,6 +112,7 @@ class VllmGenerationWorker:
             device=torch.device("cuda") if use_gpu else torch.device("cpu"),
             tensor_parallel_size=config.vllm_cfg.tensor_parallel_size,
             expected_shapes=_checkpoint_shapes(model_path),
+            adapters=adapters is not None,
         )
 
     def device_ids(self) -> list[str]:
@@ -137,6 +152,8 @@ class VllmGenerationWorker:
             # partially prefilled (chunked) request is discarded ("CPU Generator does not use
             # offset"): a batch whose prompts exceed the step's token budget would crash.
             engine_kwargs["enable_chunked_prefill"] = False
+        if self.adapters is not None:
+            engine_kwargs.update(lora_engine_kwargs(self.adapters))
         if tp > 1:
             os.environ.update(_tensor_parallel_env(self.use_gpu, device_ids, tp))
         node = current_node_id()
@@ -200,7 +217,10 @@ class VllmGenerationWorker:
 
         prompts, params = self._requests(data, greedy, seeds)
         results = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         return _assemble_outputs(prompts, results, data["input_ids"].shape[1], self.pad_token_id)
 
@@ -314,13 +334,19 @@ class VllmGenerationWorker:
                 "the engine is asleep (weights offloaded); call prepare_for_generation() "
                 "before a refit"
             )
+        adapter = None
+        if self.adapters is not None:
+            self._adapter_loads += 1
+            adapter = (self.adapters, self._adapter_loads)
         reports = self.llm.collective_rpc(
             load_from_rings,
-            args=(reads, info, bucket_bytes, version, timeout_s, self.force_reload),
+            args=(reads, info, bucket_bytes, version, timeout_s, self.force_reload, adapter),
         )
         if any(r["tensors"] for r in reports):
             # cached KV blocks were computed with the old weights
             self.llm.reset_prefix_cache()
+        if adapter is not None and all(r["path"] == "adapter" for r in reports):
+            self.lora_request = adapter_request(adapter[1])
         paths = {r["path"] for r in reports if r["path"] is not None}
         self.last_load_path = paths.pop() if len(paths) == 1 else None
         return reports

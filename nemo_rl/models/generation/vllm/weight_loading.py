@@ -7,7 +7,13 @@ of each bucket, views of the ring's slot, to its model's loaders as soon as the 
 there; the loaders copy what the rank keeps (its shard, in a tensor-parallel engine), and the
 slot is released for the next bucket. Nothing is pickled and no rank holds a full copy.
 
-Two ways, chosen per load:
+An engine serving the policy's LoRA adapters itself (``vllm_cfg.lora_refit: adapter``) gets
+a stream of adapter tensors instead: each rank copies them out of the ring and installs them
+as its new adapter once the stream is complete
+(:func:`~nemo_rl.models.generation.vllm.lora_adapters.install_adapter`), so a stream that
+breaks off leaves the previous adapter in place.
+
+Weights load in one of two ways, chosen per load:
 
 * In place (when it is exact): the model's own ``load_weights`` copies every tensor straight
   into the engine's live parameters (its loaders fuse q/k/v and gate/up as at start-up), then
@@ -38,14 +44,16 @@ from typing import Any, Literal
 
 import torch
 
+from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.refit.buckets import StreamLayout
 from nemo_rl.models.generation.refit.errors import RefitError
 from nemo_rl.models.generation.refit.interfaces import RefitInfo
 from nemo_rl.models.generation.refit.ipc import RingMappings, RingRead
+from nemo_rl.models.generation.vllm.lora_adapters import install_adapter
 from nemo_rl.utils.fault_injection import process_fault_at
 
 # How a load went (see the module docstring).
-LoadPath = Literal["in_place", "reload"]
+LoadPath = Literal["in_place", "reload", "adapter"]
 
 # vLLM's layerwise reload warns "<Layer>: Failed to load weights" for every layer whose tensors
 # the checkpoint does not hold, then puts the layer's own tensors back. For these layers that is
@@ -84,14 +92,20 @@ def load_from_rings(
     version: int,
     timeout_s: float,
     reload: bool = False,
+    adapter: tuple[AdapterServing, int] | None = None,
 ) -> dict[str, Any]:
     """Runs in each rank process (``worker``: vLLM's worker of that rank): load stream
     ``version`` from the ring ``reads[rank]`` names.
 
+    Args:
+        adapter: the stream carries LoRA adapters: how the engine serves them and the new
+            adapter's id; None: it carries weights.
+
     Returns:
-        The rank's report: ``path`` ("in_place" or "reload"), ``tensors`` (handed to the
-        loaders), ``wait_s`` (waiting for buckets), ``error`` (None, or why the load broke
-        off: the ring is then aborted for every participant).
+        The rank's report: ``path`` ("in_place", "reload" or "adapter"), ``tensors`` (handed
+        to the loaders; with ``adapter``, 0 unless the adapter was installed), ``wait_s``
+        (waiting for buckets), ``error`` (None, or why the load broke off: the ring is then
+        aborted for every participant).
     """
     read = reads[worker.rank]
     layout = StreamLayout(info, bucket_bytes)
@@ -112,12 +126,20 @@ def load_from_rings(
     try:
         ring, buffer = _RINGS.open(read.ring)
         stream = tensors()
-        report["path"] = _load_on_worker(worker, stream, reload)
+        if adapter is None:
+            report["path"] = _load_on_worker(worker, stream, reload)
+        else:
+            # copies: the ring's slots are reused; nothing reaches the engine before the end
+            received = {name: tensor.clone() for name, tensor in stream}
+            install_adapter(worker, received, *adapter)
+            report["path"] = "adapter"
         if next(stream, None) is not None:
             raise RefitError("the engine's loaders left tensors of the stream unread")
     except Exception as err:  # reported to the engine's receiver, which decides
         if ring is not None:
             ring.abort(version)
+        if adapter is not None and report["path"] is None:
+            report["tensors"] = 0  # not installed: the engine keeps its previous adapter
         report["error"] = f"{type(err).__name__}: {err}"
     finally:
         if buffer is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_bridge import export_hf_weights
+from megatron_bridge.lora_weights import export_lora_weights
 from nemo_rl.data_plane.config import DataPlaneConfig, attach_data_plane
 from nemo_rl.data_plane.interfaces import DataPlaneClient
 from nemo_rl.data_plane.kv_batch_meta import KVBatchMeta
@@ -274,8 +275,15 @@ class MegatronPolicyWorker:
                 else torch.device("cpu")
             )
             policy = self.policy
+            # The engines serve the adapters themselves (vllm_cfg.lora_refit: adapter): only
+            # the adapters' tensors are streamed; otherwise every weight, adapters merged in.
+            export = (
+                export_lora_weights
+                if self.config.adapter_serving() is not None
+                else export_hf_weights
+            )
             self._refit = RefitSender(
-                lambda dtype: export_hf_weights(policy.model.module, policy.bridge, dtype),
+                lambda dtype: export(policy.model.module, policy.bridge, dtype),
                 rank=torch.distributed.get_rank(),
                 # The experts' first data-parallel replica: the dense one's (DP x CP rank 0)
                 # and, with EP > 1, the EP ranks holding the other experts.

@@ -7,6 +7,7 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit import RefitError, refit_policy_generation
@@ -115,3 +116,55 @@ def test_refit_refuses_a_policy_exporting_another_dtype_than_the_engines_run():
     with pytest.raises(RefitError, match=r"float32 \(policy.generation.vllm_cfg.precision\).*"
                        "engines run in bfloat16"):
         refit_policy_generation(policy, generation, colocated=True)
+
+
+def test_refit_refuses_adapters_for_engines_that_take_weights():
+    """A LoRA policy streaming adapters (``lora_refit: adapter``) into engines built without
+    them (or the other way round) is refused before any worker is called."""
+    lora = {"megatron_cfg": {"peft": {"enabled": True, "dim": 8}}}
+    policy = SimpleNamespace(cfg=PolicyConfig.model_validate(
+        {**lora, "generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
+    ))
+    generation = SimpleNamespace(config=GenerationConfig(), adapters=None)
+    with pytest.raises(RefitError, match=r"streams LoRA adapters .*dim=8.* engines serve every "
+                       r"weight \(policy.generation.vllm_cfg.lora_refit\)"):
+        refit_policy_generation(policy, generation, colocated=True)
+    policy = SimpleNamespace(cfg=PolicyConfig.model_validate(lora))  # merged (the default)
+    generation.adapters = PolicyConfig.model_validate(
+        {**lora, "generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
+    ).adapter_serving()
+    with pytest.raises(RefitError, match="streams every weight but the engines serve LoRA"):
+        refit_policy_generation(policy, generation, colocated=True)
+
+
+def test_an_engine_serving_adapters_checks_them_against_its_checkpoint():
+    checkpoint = {
+        "model.layers.0.self_attn.q_proj.weight": (128, 64),
+        "model.layers.0.mlp.down_proj.weight": (64, 256),
+        "model.norm.weight": (64,),
+    }
+    receiver = RefitReceiver(
+        lambda *args: [], device=torch.device("cpu"), expected_shapes=checkpoint, adapters=True
+    )
+    f32 = torch.float32
+    good = {
+        "model.layers.0.self_attn.q_proj.lora_A.weight": ((8, 64), f32),
+        "model.layers.0.self_attn.q_proj.lora_B.weight": ((128, 8), f32),
+        "model.layers.0.mlp.down_proj.lora_A.weight": ((8, 256), f32),
+        "model.layers.0.mlp.down_proj.lora_B.weight": ((64, 8), f32),
+    }
+    receiver.prepare_refit_info(good)
+    assert receiver.info == good
+    for bad, needle in (
+        ({"model.layers.0.mlp.down_proj.lora_A.weight": ((8, 64), f32)},
+         r"down_proj.lora_A.weight \(8, 64\) does not fit its weight \(64, 256\)"),
+        ({"model.layers.0.self_attn.q_proj.lora_B.weight": ((64, 8), f32)},
+         r"q_proj.lora_B.weight \(64, 8\) does not fit its weight \(128, 64\)"),
+        ({"model.layers.1.self_attn.q_proj.lora_A.weight": ((8, 64), f32)},
+         "layers.1.self_attn.q_proj.lora_A.weight .* adapts no linear weight"),
+        ({"model.norm.lora_A.weight": ((8, 64), f32)}, "norm.lora_A.weight .* adapts no linear"),
+        ({"model.layers.0.self_attn.q_proj.weight": ((128, 64), f32)},
+         "q_proj.weight .* adapts no linear weight"),
+    ):
+        with pytest.raises(RefitError, match=needle):
+            receiver.prepare_refit_info({**good, **bad})

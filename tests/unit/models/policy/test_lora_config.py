@@ -131,3 +131,40 @@ def test_experts_are_refused_attention_is_adapted() -> None:
         assert needle in str(err.value)
     layout = plan_parallel_layout(_policy(exclude_modules=["linear_fc1", "linear_fc2"]), moe_path, 1)
     assert layout.dp == 1
+
+
+def test_engines_serve_the_adapters_only_when_asked() -> None:
+    from nemo_rl.models.generation.lora_serving import AdapterServing
+
+    adapter = {"generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
+    assert PolicyConfig().generation.vllm_cfg.lora_refit == "merged"
+    assert _policy(dim=8).adapter_serving() is None  # merged: the engines get every weight
+    lora = {"megatron_cfg": {"peft": {"enabled": True, "dim": 20, "alpha": 10}}}
+    serving = PolicyConfig.model_validate({**lora, **adapter}).adapter_serving()
+    assert serving == AdapterServing(dim=20, alpha=10) and serving.max_lora_rank == 32
+
+
+def test_adapter_refit_needs_lora_of_a_rank_vllm_serves() -> None:
+    adapter = {"generation": {"vllm_cfg": {"lora_refit": "adapter"}}}
+    with pytest.raises(ConfigError) as err:
+        validate_config(
+            {"megatron_cfg": {"peft": {"enabled": True, "dim": 513}}, **adapter},
+            PolicyConfig, source="test",
+        )
+    for needle in ("megatron_cfg.peft.dim=513", "lora_refit='adapter'", "512", "merged"):
+        assert needle in str(err.value)
+    assert _policy(dim=513).adapter_serving() is None  # merged refit takes any rank
+    with pytest.raises(ConfigError, match=r"lora_refit='adapter' serves LoRA adapters, but "
+                       r"megatron_cfg.peft.enabled is false"):
+        validate_config(adapter, PolicyConfig, source="test")
+
+
+def test_max_lora_ranks_are_vllms() -> None:
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from nemo_rl.models.generation.lora_serving import VLLM_MAX_LORA_RANKS, engine_max_lora_rank
+
+    assert VLLM_MAX_LORA_RANKS == typing.get_args(MaxLoRARanks)
+    assert [engine_max_lora_rank(d) for d in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]

