@@ -48,3 +48,22 @@ def test_pack_pads_its_last_sample_to_split_over_tp(cp: int, sp: int, padded: li
         assert torch.equal(row[:5], mb["input_ids"][0, :5])
         assert torch.equal(row[padded[0] : padded[0] + 4], mb["input_ids"][1, :4])
         assert inputs.position_ids[0, padded[0] :].tolist() == list(range(padded[1]))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("cp", "sp"), [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)])
+def test_padding_mask_marks_every_position_without_a_real_token(
+    packed: bool, cp: int, sp: int
+) -> None:
+    """Over all CP ranks, the positions the padding mask leaves unmarked hold exactly the real
+    tokens (the rows' ids past their lengths are not zero here: the mask follows the lengths,
+    not the ids), so mixture-of-experts routers count no padding token."""
+    mb = _micro_batch([5, 3], 6)
+    real = torch.cat([mb["input_ids"][0, :5], mb["input_ids"][1, :3]])
+    seen = []
+    for rank in range(cp):
+        inputs = build_model_inputs(mb, packed, cp, rank, sp)
+        assert inputs.padding_mask.shape == inputs.input_ids.shape
+        assert inputs.padding_mask.dtype == torch.bool
+        seen.append(inputs.input_ids[~inputs.padding_mask])
+    assert sorted(torch.cat(seen).tolist()) == sorted(real.tolist())

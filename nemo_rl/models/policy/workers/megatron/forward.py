@@ -58,6 +58,10 @@ class ModelInputs:
         seq_len: ``S``, sequence dimension of the micro-batch's ``[B, S]`` tensors.
         full_len: tokens per model row before the CP split (padded ``s`` or pack ``T``).
         sample_offsets: packed only: ``[B]`` start of each sample in the pack.
+        padding_mask: same shape as ``input_ids``, bool: True where the model row holds no
+            real token (right padding, the padding to a multiple of ``2 * CP`` / TP, a pack's
+            padding between samples). Mixture-of-experts routers leave those tokens out of
+            their auxiliary losses (megatron-core's ``padding_mask``).
     """
 
     input_ids: Tensor
@@ -70,6 +74,7 @@ class ModelInputs:
     seq_len: int
     full_len: int
     sample_offsets: Tensor | None
+    padding_mask: Tensor
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -115,6 +120,9 @@ def build_model_inputs(
             row[0, start : start + n] = ids[i, :n]
             positions[0, start : start + padded[i]] = torch.arange(padded[i])
         segments = list(zip(offsets.tolist(), padded))
+        real = torch.zeros(1, full_len, dtype=torch.bool)
+        for start, n in zip(offsets.tolist(), lengths.tolist()):
+            real[0, start : start + n] = True
         cu_real = torch.tensor([0, *lengths.tolist()]).cumsum(0).to(torch.int32)
         cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
         params = PackedSeqParams(
@@ -133,10 +141,12 @@ def build_model_inputs(
             ids = torch.cat([ids, ids.new_zeros(batch, full_len - seq)], dim=1)
         positions = torch.arange(full_len).unsqueeze(0).expand(batch, full_len)
         segments = [(0, full_len)]
+        real = torch.arange(full_len)[None, :] < lengths[:, None]
     positions = positions.to(ids.device)
+    padding = (~real).to(ids.device)
     if cp_size == 1:
         return ModelInputs(
-            ids, positions, params, None, None, None, lengths, seq, full_len, offsets
+            ids, positions, params, None, None, None, lengths, seq, full_len, offsets, padding
         )
     next_ids = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
     local = _cp_positions(segments, cp_size, cp_rank).to(ids.device)
@@ -152,6 +162,7 @@ def build_model_inputs(
         seq,
         full_len,
         offsets,
+        padding.index_select(1, local),
     )
 
 
@@ -359,13 +370,37 @@ def values_from_outputs(values: Tensor, inputs: ModelInputs) -> Tensor:
     return _to_batch_layout(shifted, inputs)
 
 
+def sequence_parallel_share(mask: Tensor, sp_size: int, sp_rank: int) -> Tensor:
+    """The positions ``[b, t_local / sp_size]`` of a CP-local ``[b, t_local]`` tensor that
+    TP rank ``sp_rank`` holds under sequence parallelism (megatron splits the sequence into
+    ``sp_size`` contiguous parts); ``mask`` itself when ``sp_size`` is 1."""
+    width = mask.shape[1] // sp_size
+    return mask[:, sp_rank * width : (sp_rank + 1) * width]
+
+
+def _stage_padding_mask(mb: ModelInputs, config: Any) -> Tensor:
+    """The padding mask a pipeline stage takes: the CP-local row on the first stage (GPTModel
+    splits it over the TP ranks itself under sequence parallelism), this TP rank's part on
+    the later ones (GPTModel hands theirs to the layers as given)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.is_pipeline_first_stage() or not config.sequence_parallel:
+        return mb.padding_mask
+    return sequence_parallel_share(
+        mb.padding_mask,
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
 def run_micro_batches(
     model: Any,
     inputs: list[ModelInputs],
     forward_only: bool,
     on_logits: Callable[[int, Tensor], tuple[Tensor, dict[str, Any]]],
 ) -> list[dict[str, Any]]:
-    """Run ``inputs`` through the (pipelined) model with megatron's schedule.
+    """Run ``inputs`` through the (pipelined) model with megatron's schedule; every
+    micro-batch with its :attr:`ModelInputs.padding_mask`.
 
     Args:
         model: the DDP-wrapped (or bare) GPTModel stage.
@@ -389,6 +424,7 @@ def run_micro_batches(
             mb.position_ids,
             attention_mask=None,
             packed_seq_params=mb.packed_seq_params,
+            padding_mask=_stage_padding_mask(mb, stage.config),
         )
 
         def loss_func(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:

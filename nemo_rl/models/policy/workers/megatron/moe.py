@@ -8,6 +8,15 @@ gradient by the global token count. Our losses are globally normalised already, 
 :func:`finalize_grads` divides nothing: :func:`per_token_coefficients` puts that division
 into the coefficients for the step instead. The gradient is then megatron's: the
 token-weighted mean of the micro-batches' aux losses times the configured coefficient.
+
+Padding is no token: the model is called with each micro-batch's padding mask
+(:attr:`~nemo_rl.models.policy.workers.megatron.forward.ModelInputs.padding_mask`), so the
+routers' losses and their token counts cover the real tokens only, whatever padding a layout
+adds (the trimmed micro-batch's longest row, the multiple of ``2 * CP`` or TP). Counted
+with the padding, the losses changed with the layout's padding, and the padding tokens'
+gradient reached the pad token's embedding row through the first norm, amplified by
+``1 / sqrt(eps)`` where that row is zero (grad norm 1930 instead of 19.9 on the tiny test
+model at TP=2 with sequence parallelism).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.parallel_state import collective_device
+from nemo_rl.models.policy.workers.megatron.forward import ModelInputs
 
 if TYPE_CHECKING:
     from megatron_bridge import BridgeConfig
@@ -72,23 +82,34 @@ def _has_router_losses(config: Any) -> bool:
     return bool(config.num_moe_experts and (balancing or config.moe_z_loss_coeff))
 
 
+def real_tokens(inputs: ModelInputs) -> int:
+    """Real (non-padding) tokens of a micro-batch, all CP and TP shares together."""
+    return int(inputs.lengths.sum())
+
+
 @contextmanager
 def per_token_coefficients(
-    config: Any, micro_batch_tokens: Sequence[int], group: Any
+    config: Any, micro_batch_tokens: Sequence[int], shares: int, group: Any
 ) -> Iterator[None]:
-    """Divide the aux-loss and z-loss coefficients of ``config`` by the tokens the routers see
-    in the whole global batch for the duration of one step (see the module docstring).
+    """Divide the aux-loss and z-loss coefficients of ``config`` by the real tokens the
+    routers see in the whole global batch for the duration of one step (see the module
+    docstring).
 
     Args:
         config: the model's megatron ``TransformerConfig`` (the routers read it each forward).
-        micro_batch_tokens: tokens of each of this rank's micro-batches as the routers see
-            them (batch x local sequence length, padding included; local: this rank's CP
-            share, and its TP share under sequence parallelism).
-        group: the data-parallel group (without CP) the tokens are summed over. megatron-core
-            weights each rank's router losses by that rank's own tokens and divides the
-            z-loss coefficient by the TP x CP ranks; the router's gradient is then summed over
-            the CP ranks (DDP) and, under sequence parallelism, the TP ranks, which restores
-            the CP=1, TP=1 gradient when the tokens counted are one CP (and TP) share's.
+        micro_batch_tokens: real tokens of each of this rank's micro-batches
+            (:func:`real_tokens`; the model is called with their padding mask).
+        shares: the ranks a micro-batch's rows are split over: CP x TP under sequence
+            parallelism, else CP.
+        group: the data-parallel group (without CP) the tokens are summed over.
+
+    With the padding mask, megatron-core 0.16.1 weights every rank's part of a micro-batch's
+    load-balancing loss by the micro-batch's real tokens (all shares: its "local" count is
+    all-reduced in place over TP x CP), and each rank's z-loss by the rank's own real tokens
+    with the coefficient divided by the TP x CP ranks. The router's gradient is summed over
+    the CP ranks (DDP) and, under sequence parallelism, the TP ranks. Dividing the aux-loss
+    coefficient by the real tokens and the z-loss coefficient by the real tokens over
+    ``shares`` gives every layout the CP=1, TP=1 gradient (``test_moe_layouts``).
     """
     if not _has_router_losses(config):
         yield
@@ -98,7 +119,7 @@ def per_token_coefficients(
     aux, z_loss = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
     config.moe_aux_loss_coeff = aux / float(total)
     if z_loss:
-        config.moe_z_loss_coeff = z_loss / float(total)
+        config.moe_z_loss_coeff = z_loss * shares / float(total)
     try:
         yield
     finally:

@@ -41,20 +41,19 @@ from nemo_rl.models.policy.workers.megatron.forward import (
 from nemo_rl.models.policy.workers.megatron.model_setup import PolicyModel
 from nemo_rl.models.policy.workers.megatron.moe import (
     per_token_coefficients,
+    real_tokens,
     router_loss_metrics,
 )
 
 
 def micro_batches(
-    batch: BatchedDataDict, mbs: int, packing_enabled: bool, trim: bool = True
+    batch: BatchedDataDict, mbs: int, packing_enabled: bool
 ) -> tuple[list[BatchedDataDict], bool]:
     """The micro-batches of ``batch`` and whether they are to be packed.
 
     A batch carrying a micro-batch plan is cut by the plan (dynamic: padded micro-batches of
     their planned length; packed: bins); otherwise into ``mbs`` rows each, every micro-batch
-    cut to its longest row (:func:`trim_to_longest_row`) when ``trim`` (not for
-    mixture-of-experts models: their sequence- and context-parallel steps disagreed with EP=1
-    on trimmed micro-batches, ``test_moe_layouts``; to be found).
+    cut to its longest row (:func:`trim_to_longest_row`).
 
     Raises:
         ValueError: a packing plan while ``sequence_packing.enabled`` is false (the model was
@@ -62,8 +61,7 @@ def micro_batches(
     """
     plan = batch.micro_batch_plan
     if plan is None:
-        micro = list(batch.make_microbatch_iterator(mbs))
-        return [trim_to_longest_row(mb) for mb in micro] if trim else micro, False
+        return [trim_to_longest_row(mb) for mb in batch.make_microbatch_iterator(mbs)], False
     if plan.kind == "dynamic":
         return list(batch.make_microbatch_iterator_with_dynamic_shapes()), False
     if not packing_enabled:
@@ -237,7 +235,7 @@ def train_global_batch(
         )
     dp_group = parallel_state.get_data_parallel_group()
     valid_seqs, valid_toks = global_valid_counts(batch, dp_group)
-    mbs_data, packed = micro_batches(batch, mbs, packing_enabled, not policy.bridge.is_moe)
+    mbs_data, packed = micro_batches(batch, mbs, packing_enabled)
     device = next(policy.model.parameters()).device  # the loss meets the logits there
     mbs_data = [mb.to(device) for mb in mbs_data]
     inputs = model_inputs(policy, mbs_data, packed)
@@ -267,10 +265,9 @@ def train_global_batch(
     policy.optimizer.zero_grad()
     tconfig = model.config
     router_group = parallel_state.get_data_parallel_group()
-    sp_size = sequence_parallel_size(policy)
-    router_tokens = [mb.input_ids.numel() // sp_size for mb in inputs]
+    shares = policy.layout.cp * sequence_parallel_size(policy)
     with torch.set_grad_enabled(not eval_mode), per_token_coefficients(
-        tconfig, router_tokens, router_group
+        tconfig, [real_tokens(mb) for mb in inputs], shares, router_group
     ), lm_head_mode(policy, fused):
         outputs = run_micro_batches(model, inputs, eval_mode, on_logits)
     grad_norm, router_losses = None, {}
@@ -401,7 +398,7 @@ def _score(
     output layer's input instead of logits (:func:`lm_head_mode`)."""
     from megatron.core import parallel_state
 
-    mbs_data, packed = micro_batches(data, mbs, packing_enabled, not policy.bridge.is_moe)
+    mbs_data, packed = micro_batches(data, mbs, packing_enabled)
     inputs = model_inputs(policy, mbs_data, packed)
 
     def on_logits(index: int, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
