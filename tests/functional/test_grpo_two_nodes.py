@@ -18,6 +18,14 @@ data-parallel rank on each node gives the values and, after one optimizer step o
 value loss, the loss, grad norm and metrics (``values_min`` / ``values_max`` reduced by min /
 max across the nodes) of the same critic as one in-process rank (1e-5).
 
+Agents across nodes: two engines serving their OpenAI-compatible endpoint, one per node, bound
+to 127.0.0.1 as every test server is (so both nodes' addresses are 127.0.0.1 here), and an agent
+environment actor on node 1 running four two-turn episodes spread over both engines. Checks:
+each engine's base URL is the address and port its own server on its own node is bound to; the
+wildcard setting (``http_server_host: 0.0.0.0``) would advertise the address each engine's node
+reports; every episode, the ones on node 0's engine included, made its requests and got its
+samples trained from its engine's records.
+
 The colocated layout on two nodes (a policy rank and an engine on each node, every engine
 reading its own node's refit ring) runs the demo recipe for 30 steps in test_grpo_learns.py,
 the suite's learning gate, where the reward rises on two nodes.
@@ -35,7 +43,13 @@ import torch
 
 from nemo_rl.algorithms.advantage_estimators import gae_advantages
 from nemo_rl.algorithms.loss import MseValueLossFn
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, TooFewNodesError
+from nemo_rl.environments.agent_environment import AgentEnvironment
+from nemo_rl.experience.agent_rollouts import run_agent_rollout
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.vllm.async_generation import vllm_generation
+from nemo_rl.models.generation.vllm.http_server import advertised_host
 from nemo_rl.models.policy.lm_policy import Policy
 
 from listening import ListenerScan
@@ -172,3 +186,66 @@ def test_a_ppo_critic_across_nodes_matches_one_rank(critic_runs: dict[str, Any])
         assert two["step"]["metrics"][key] == pytest.approx(value, abs=1e-5), key
     metrics = one["step"]["metrics"]
     assert metrics["values_min"][0] < metrics["values_max"][0]
+def test_an_agent_on_one_node_reaches_the_engines_of_both(
+    two_node_ray_cluster: TwoNodeCluster, tiny_llama_path: Path
+) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from transformers import AutoTokenizer
+
+    def served_at(worker: Any) -> dict[str, Any]:
+        """Inside an engine's actor (a local function: it travels by value): its node, the
+        address and port its HTTP server is bound to, what a wildcard bind advertises there."""
+        ip, port = worker.http_server._server.servers[0].sockets[0].getsockname()[:2]
+        return {"node": os.environ["NEMO_RL_TEST_NODE"], "bound": (ip, port),
+                "wildcard": advertised_host("0.0.0.0"), "node_ip": ray.util.get_node_ip_address()}
+
+    config = GenerationConfig(max_new_tokens=8, vllm_cfg=VllmConfig(
+        max_model_len=256, kv_cache_memory_bytes=16 * 1024**2, enforce_eager=True,
+        expose_http_server=True,  # http_server_host: 127.0.0.1
+    ))
+    cluster = RayVirtualCluster([1, 1], use_gpus=False, num_cpus_per_bundle=1.0, name="agents")
+    generation = vllm_generation(cluster, config, str(tiny_llama_path), pad_token_id=0, seed=5)
+    env = None
+    try:
+        served = ray.get([e.__ray_call__.remote(served_at) for e in generation.engines])
+        assert [s["node"] for s in served] == ["node0", "node1"]
+        assert generation.http_base_urls == [
+            f"http://{s['bound'][0]}:{s['bound'][1]}" for s in served
+        ]
+        assert all(s["bound"][0] == "127.0.0.1" for s in served)
+        assert all(s["wildcard"] == s["node_ip"] for s in served)
+
+        node1 = two_node_ray_cluster.nodes[1].node_id
+        env = ray.remote(AgentEnvironment).options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node1, soft=False),
+            # the actor imports the agent from this test folder
+            runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+        ).remote("agent_plugins:two_turn_agent", timeout_s=60.0)
+        assert two_node_ray_cluster.nodes_of([env]) == ["node1"]
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        batch = BatchedDataDict(
+            message_log=[[{"role": "user", "content": text, "token_ids": ids}] for _ in range(4)],
+            extra_env_info=[{"prompt": "What is 2 + 3?", "answer": "5",
+                             "metadata": {"name": f"episode{i}"}} for i in range(4)],
+            task_name=["agent"] * 4,
+        )
+        # episodes 0 and 2 go to engine 0 (node 0), 1 and 3 to engine 1
+        out, metrics = run_agent_rollout(
+            generation, batch, tokenizer, {"agent": env}, max_seq_len=256, max_rollout_turns=1
+        )
+        assert out["env_error"] == [None] * 4
+        assert out["total_reward"].tolist() == [1.0] * 4
+        assert metrics["agent_calls"] == 2.0 and metrics["agent_unchained_calls"] == 0.0
+        for log in out["message_log"]:
+            assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant"]
+    finally:
+        if env is not None:
+            ray.kill(env)
+        generation.shutdown()
+        cluster.shutdown()

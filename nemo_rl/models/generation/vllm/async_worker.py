@@ -61,9 +61,9 @@ class AsyncVllmGenerationWorker(VllmGenerationWorker):
 
     async def start_http_server(self, host: str) -> str:
         """Serve the engine over HTTP on ``host`` (a free port); the base URL agents use,
-        ``http://<address>:<port>`` (:func:`~.http_server.advertised_host`; the rollout
+        ``http://<address>:<port>`` (:func:`~.http_server.base_url`; the rollout
         appends ``/rollouts/<id>/v1``)."""
-        from nemo_rl.models.generation.vllm.http_server import EngineHttpServer, advertised_host
+        from nemo_rl.models.generation.vllm.http_server import EngineHttpServer, base_url
 
         cfg = self.config
         self.http_server = EngineHttpServer(
@@ -78,7 +78,7 @@ class AsyncVllmGenerationWorker(VllmGenerationWorker):
             model_name=self.model_path,
         )
         port = await self.http_server.start(host)
-        return f"http://{advertised_host(host)}:{port}"
+        return base_url(host, port)
 
     async def _generate_one(
         self, prompt: list[int], max_tokens: int, seed: int

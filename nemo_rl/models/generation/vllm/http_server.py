@@ -273,13 +273,20 @@ class EngineHttpServer:
 
 def advertised_host(bind_host: str) -> str:
     """The address agents reach a server bound to ``bind_host`` at: that address, or, for a
-    wildcard bind (0.0.0.0, ::), the IP of the node this runs on (call it on the engine's
-    node)."""
+    wildcard bind (0.0.0.0, ::), the IP of the node this runs on as Ray knows it (call it on
+    the engine's node)."""
     if bind_host in ("0.0.0.0", "::"):
         import ray
 
         return ray.util.get_node_ip_address()
     return bind_host
+
+
+def base_url(bind_host: str, port: int) -> str:
+    """``http://<address>:<port>`` of a server bound to ``bind_host`` at ``port``
+    (:func:`advertised_host`; an IPv6 address in brackets)."""
+    host = advertised_host(bind_host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -25,7 +25,7 @@ import pytest
 
 from nemo_rl.experience.agent_rollouts import chain_message_log, trained_chain
 from nemo_rl.models.generation.tool_calls import INVALID_TOOL_CALL
-from nemo_rl.models.generation.vllm.http_server import EngineHttpServer
+from nemo_rl.models.generation.vllm.http_server import EngineHttpServer, base_url
 
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "2 * 3"}}</tool_call>'
 
@@ -164,3 +164,10 @@ def test_a_request_waits_for_the_engine_then_times_out(tokenizer: Any) -> None:
         reply = api.completions.create(model="tiny", prompt="hi")
         assert reply.choices[0].text == "ok"
         assert engine.ready_when_generating == [True]  # it waited for the engine
+
+
+def test_base_url_of_a_bound_address_puts_ipv6_in_brackets() -> None:
+    # a wildcard bind advertises the node's IP (tests/functional/test_grpo_two_nodes.py)
+    assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert base_url("10.1.2.3", 41) == "http://10.1.2.3:41"
+    assert base_url("::1", 8000) == "http://[::1]:8000"
