@@ -424,8 +424,7 @@ def run_micro_batches(
             mb.position_ids,
             attention_mask=None,
             packed_seq_params=mb.packed_seq_params,
-            # the GPTModel's config: DDP and the frozen teacher's stage wrap it as ``module``
-            padding_mask=_stage_padding_mask(mb, getattr(stage, "module", stage).config),
+            padding_mask=_stage_padding_mask(mb, stage.config),
         )
 
         def loss_func(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:

@@ -100,6 +100,11 @@ class FrozenStage(torch.nn.Module):
         super().__init__()
         self.module = module.requires_grad_(False)
 
+    @property
+    def config(self) -> Any:
+        """The GPTModel's ``TransformerConfig``, as DDP exposes it."""
+        return self.module.config
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
