@@ -3,8 +3,10 @@
 Each layout (TP=1, TP=2, PP=2, CP=2, DP=2; two processes at most) gets one worker group that
 runs the same script: logprobs of one batch (padded, dynamic and packed micro-batches), eval
 losses at several micro-batch splits, one training step, then logprobs again. The TP=1 group
-also saves a checkpoint and takes a second step; fresh TP=1 and TP=2 groups load the checkpoint
-and must reproduce that second step. The TP=2 and PP=2 groups save their trained state too:
+also saves a checkpoint and takes a second step; a fresh TP=1 group and the TP=2 group (after
+one more step on another batch) load the checkpoint and must reproduce that second step; the
+TP=2 group then loads its own save: every rank gets its saved RNG state. The TP=2 and PP=2
+groups save their trained state too:
 ``nemo-rl export`` of each save must give an HF folder whose transformers logprobs are the
 policy's. Assertions compare against transformers' logprobs of the
 same checkpoint and across layouts. Finally a ``Policy`` (DP=2, dynamic batching) runs the same
@@ -177,6 +179,8 @@ def ckpt_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def results(cluster, tiny_llama_path, ckpt_dir) -> dict[str, Any]:
+    """Each layout's script (run_layout) on its own group, TP=1 first (its save is resumed);
+    the TP=2 group then also resumes from the TP=1 save and reloads its own (``resumed``)."""
     ckpt = ckpt_dir
     out: dict[str, Any] = {}
     for name, layout in LAYOUTS.items():
@@ -184,29 +188,56 @@ def results(cluster, tiny_llama_path, ckpt_dir) -> dict[str, Any]:
         try:
             out[name] = run_layout(group, name, ckpt)
             out[name]["train_step"] = ray_get_all(group, "get_train_step")[0]
+            if name == "tp2":
+                out[name]["resumed"] = diverge_and_resume(group, ckpt_dir)
         finally:
             group.shutdown("shutdown")
     return out
 
 
+def resume(group: RayWorkerGroup, ckpt: Path) -> dict[str, Any]:
+    """Load the TP=1 save ``ckpt`` into ``group`` and take the second step: the train step
+    the group is at after loading (``step``) and the second step's result (``step2``)."""
+    ray_get_all(group, "load_checkpoint", str(ckpt))
+    return {
+        "step": ray_get_all(group, "get_train_step")[0],
+        "step2": call(group, "train", make_batch(seed=1), 2, loss_fn=NLLLoss(), gbs=GBS),
+    }
+
+
+def _advance_rng(worker: Any) -> None:
+    torch.rand(7)
+
+
+def _rank_and_rng(worker: Any) -> tuple[int, torch.Tensor]:
+    return torch.distributed.get_rank(), torch.get_rng_state()
+
+
+def diverge_and_resume(group: RayWorkerGroup, ckpt_dir: Path) -> dict[str, Any]:
+    """On the TP=2 group after its script (and its save): one more step on another batch, so
+    its weights, optimizer and step (2) are no longer those of the TP=1 save, then
+    :func:`resume` from that save; then every rank's RNG moved off, the group's own TP=2 save
+    loaded (same layout) and each rank's RNG state read (``rng_states``: (rank, state))."""
+    import ray
+
+    call(group, "train", make_batch(seed=2), 2, loss_fn=NLLLoss(), gbs=GBS)
+    out = resume(group, ckpt_dir)
+    ray.get([w.__ray_call__.remote(_advance_rng) for w in group.workers])
+    ray_get_all(group, "load_checkpoint", str(saved_checkpoint(ckpt_dir, "tp2")))
+    out["rng_states"] = ray.get([w.__ray_call__.remote(_rank_and_rng) for w in group.workers])
+    return out
+
+
 @pytest.fixture(scope="module")
 def resumed(results, cluster, tiny_llama_path, ckpt_dir) -> dict[str, Any]:
-    """A fresh TP=1 group and a TP=2 group that first diverges, both loading the TP=1 save."""
-    ckpt = ckpt_dir
-    resumed = {}
-    for name in ("tp1", "tp2"):
-        group = start_group(cluster, tiny_llama_path, LAYOUTS[name])
-        try:
-            if name == "tp2":
-                call(group, "train", make_batch(seed=2), 2, loss_fn=NLLLoss(), gbs=GBS)
-            ray_get_all(group, "load_checkpoint", str(ckpt))
-            resumed[name] = {
-                "step": ray_get_all(group, "get_train_step")[0],
-                "step2": call(group, "train", make_batch(seed=1), 2, loss_fn=NLLLoss(), gbs=GBS),
-            }
-        finally:
-            group.shutdown("shutdown")
-    return resumed
+    """A fresh TP=1 group and the TP=2 group that diverged (``diverge_and_resume``), both
+    resumed from the TP=1 save."""
+    group = start_group(cluster, tiny_llama_path, LAYOUTS["tp1"])
+    try:
+        fresh = resume(group, ckpt_dir)
+    finally:
+        group.shutdown("shutdown")
+    return {"tp1": fresh, "tp2": results["tp2"]["resumed"]}
 
 
 @pytest.fixture(scope="module")
@@ -289,26 +320,11 @@ def test_resume_from_checkpoint_reproduces_next_step(results, resumed, name):
     assert _close(resumed["step2"]["grad_norm"][0], expected["grad_norm"][0])
 
 
-def _advance_rng(worker: Any) -> None:
-    torch.rand(7)
-
-
-def _rank_and_rng(worker: Any) -> tuple[int, torch.Tensor]:
-    return torch.distributed.get_rank(), torch.get_rng_state()
-
-
-def test_every_rank_restores_its_rng_at_the_same_layout(results, cluster, tiny_llama_path, ckpt_dir):
-    """Loading a TP=2 save at TP=2 gives every rank (not only rank 0) its saved RNG state."""
-    import ray
-
+def test_every_rank_restores_its_rng_at_the_same_layout(resumed, ckpt_dir):
+    """Loading a TP=2 save at TP=2 gives every rank (not only rank 0) its saved RNG state
+    (the TP=2 group's last load, its RNG moved off before: ``diverge_and_resume``)."""
     saved = saved_checkpoint(ckpt_dir, "tp2")
-    group = start_group(cluster, tiny_llama_path, LAYOUTS["tp2"])
-    try:
-        ray.get([w.__ray_call__.remote(_advance_rng) for w in group.workers])  # off the saved state
-        ray_get_all(group, "load_checkpoint", str(saved))
-        states = ray.get([w.__ray_call__.remote(_rank_and_rng) for w in group.workers])
-    finally:
-        group.shutdown("shutdown")
+    states = resumed["tp2"]["rng_states"]
     assert sorted(rank for rank, _ in states) == [0, 1]
     for rank, state in states:
         want = torch.load(saved / "rng" / f"rank_{rank}.pt", weights_only=False)["cpu"]
