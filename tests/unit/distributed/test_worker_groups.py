@@ -39,7 +39,8 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
 
 
 class EchoWorker:
-    """Remembers the last shard it was given and reports its coordinates."""
+    """Remembers the last shard it was given and reports its coordinates. Its methods use no
+    torch, so its actors start without importing it (most groups here are of this class)."""
 
     def __init__(self, tag: str) -> None:
         self.tag = tag
@@ -56,6 +57,10 @@ class EchoWorker:
 
     def env(self, names: list[str]) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
+
+
+class ThreadsWorker(EchoWorker):
+    """Reports torch's intra-op thread count and OMP_NUM_THREADS."""
 
     def threads(self) -> tuple[int, str | None]:
         return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
@@ -250,7 +255,7 @@ def test_cpu_workers_split_the_cores_over_the_bundles_computing_on_the_node(
     )
     try:
         assert cluster.cpu_threads(cluster.get_bundle_locations()[0]) == expected
-        group = RayWorkerGroup(cluster, EchoWorker, {"dp": 1}, actor_kwargs={"tag": "threads"})
+        group = RayWorkerGroup(cluster, ThreadsWorker, {"dp": 1}, actor_kwargs={"tag": "threads"})
         try:
             (threads,) = ray.get(group.run_all_workers_single_data("threads"))
         finally:
