@@ -1,7 +1,9 @@
 """Export and evaluation of a trained checkpoint, end to end on CPU.
 
-A tiny GRPO run (an SFT warm start on the synthetic task, then one GRPO step validated with
-greedy decoding, checkpointed), colocated at policy TP=2 with generation TP=2 (each vLLM engine
+A tiny GRPO run (from the session's SFT-warmed tiny Llama, ``sft_warm_tiny_llama``, which
+answers the synthetic task about a quarter of the time and often ends its reply within
+``MAX_NEW_TOKENS``; a short in-run SFT warm start; then one GRPO step validated with greedy
+decoding, checkpointed), colocated at policy TP=2 with generation TP=2 (each vLLM engine
 spans both CPU bundles), is evaluated with ``nemo-rl eval``'s code on its checkpoint
 folder (exported to HF on the fly, served by vLLM): with the validation's sampling settings
 (greedy, the same prompts in the same batches) the accuracy is the one the validation logged,
@@ -25,7 +27,7 @@ from nemo_rl.evals.config import EvalMasterConfig
 from nemo_rl.evals.eval import run_eval
 from nemo_rl.utils.logger import read_metrics_jsonl
 
-from tiny_grpo import megatron_greedy, run_grpo, tiny_grpo_config
+from tiny_grpo import WARMUP, megatron_greedy, run_grpo, tiny_grpo_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray_8cpu")]
 
@@ -33,16 +35,20 @@ VAL_PROMPTS, VAL_BATCH, MAX_NEW_TOKENS = 16, 8, 8
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_llama_path) -> Path:
+def trained(tmp_path_factory, sft_warm_tiny_llama) -> Path:
     """The run's folder: logs/ and ckpt/ (step_1 after warm start + one GRPO step), trained
-    at policy TP=2 / generation TP=2."""
+    at policy TP=2 / generation TP=2 from the SFT-warmed model (shared with
+    test_lora_recipes.py: its replies end within MAX_NEW_TOKENS or are cut, so both kinds of
+    ``truncated`` are checked, and some are right). The run's own short warm start (WARMUP,
+    at sft_warmup's lr 1e-3) moves the weights off the checkpoint the engines load, so only
+    a refit that reaches both engine ranks leaves the first step on-policy."""
     tmp = tmp_path_factory.mktemp("trained")
     cfg = tiny_grpo_config(
         tmp / "logs",
-        tiny_llama_path,
+        sft_warm_tiny_llama,
         grpo={"max_num_steps": 1, "val_period": 1, "val_greedy": True,
               "max_val_samples": VAL_PROMPTS, "val_batch_size": VAL_BATCH},
-        sft_warmup={"enabled": True, "num_steps": 60},
+        sft_warmup=WARMUP,
         data={"synthetic": {"max_operand": 4, "num_val": VAL_PROMPTS}},
         checkpointing={"enabled": True, "checkpoint_dir": str(tmp / "ckpt"), "save_period": 1},
         tensor_parallel=2,
