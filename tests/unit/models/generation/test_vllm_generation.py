@@ -18,6 +18,7 @@ import torch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_bootstrap import ray_cluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.vllm import VllmGeneration
 
@@ -82,7 +83,8 @@ def batch(prompts: list[list[int]]) -> BatchedDataDict[Any]:
 def generations(
     tiny_llama_path: Path, tokenizer: Any, local_ray_8cpu: None
 ) -> Iterator[tuple[VllmGeneration, VllmGeneration]]:
-    """A one-replica and a two-replica VllmGeneration, on clusters of 1 and 2 bundles."""
+    """A one-replica and a two-replica VllmGeneration, on clusters of 1 and 2 bundles, started
+    together (their three engines import and load at the same time)."""
     with ray_cluster(num_cpus=8):
         clusters = [
             RayVirtualCluster([n], use_gpus=False, num_cpus_per_bundle=1.0, name=f"vllm-test-{n}")
@@ -90,13 +92,15 @@ def generations(
         ]
         gens: list[VllmGeneration] = []
         try:
-            for cluster in clusters:
-                gens.append(
-                    VllmGeneration(
+            gens += start_together(
+                *(
+                    lambda cluster=cluster: VllmGeneration(
                         cluster, _config(), str(tiny_llama_path),
                         pad_token_id=tokenizer.pad_token_id, seed=11,
                     )
+                    for cluster in clusters
                 )
+            )
             yield gens[0], gens[1]
         finally:
             for gen in gens:
