@@ -1,9 +1,9 @@
 """Export and evaluation of a trained checkpoint, end to end on CPU.
 
 A tiny GRPO run (from the session's SFT-warmed tiny Llama, ``sft_warm_tiny_llama``, which
-answers the synthetic task about a quarter of the time and often ends its reply within
-``MAX_NEW_TOKENS``; a short in-run SFT warm start; then one GRPO step validated with greedy
-decoding, checkpointed), colocated at policy TP=2 with generation TP=2 (each vLLM engine
+answers the synthetic task right about a quarter of the time; a short in-run SFT warm start;
+then one GRPO step validated with greedy decoding, checkpointed), colocated at policy TP=2
+with generation TP=2 (each vLLM engine
 spans both CPU bundles), is evaluated with ``nemo-rl eval``'s code on its checkpoint
 folder (exported to HF on the fly, served by vLLM): with the validation's sampling settings
 (greedy, the same prompts in the same batches) the accuracy is the one the validation logged,
@@ -38,10 +38,9 @@ VAL_PROMPTS, VAL_BATCH, MAX_NEW_TOKENS = 16, 8, 8
 def trained(tmp_path_factory, sft_warm_tiny_llama) -> Path:
     """The run's folder: logs/ and ckpt/ (step_1 after warm start + one GRPO step), trained
     at policy TP=2 / generation TP=2 from the SFT-warmed model (shared with
-    test_lora_recipes.py: its replies end within MAX_NEW_TOKENS or are cut, so both kinds of
-    ``truncated`` are checked, and some are right). The run's own short warm start (WARMUP,
-    at sft_warmup's lr 1e-3) moves the weights off the checkpoint the engines load, so only
-    a refit that reaches both engine ranks leaves the first step on-policy."""
+    test_lora_recipes.py, so some validation answers are right). The run's own short warm
+    start (WARMUP, at sft_warmup's lr 1e-3) moves the weights off the checkpoint the engines
+    load, so only a refit that reaches both engine ranks leaves the first step on-policy."""
     tmp = tmp_path_factory.mktemp("trained")
     cfg = tiny_grpo_config(
         tmp / "logs",
