@@ -70,9 +70,11 @@ def engine_env_vars(vllm_cfg: VllmConfig, use_gpu: bool) -> dict[str, str]:
     vLLM compiles a few sampler helpers with ``torch.compile`` even when the model runs eagerly
     (on CPU through inductor's C++ backend: the count of logprobs above the sampled token's,
     computed for every request that asks for logprobs; the masked vocabulary lookup of a
-    tensor-parallel embedding). Each engine process would pay that compile, measured at
-    about 10 s on 2 cores, at its first request; eagerly the helpers give the same integers.
-    GPU engines keep them compiled (there they save memory on large batches).
+    tensor-parallel embedding). Each engine process would pay that compile at its first
+    request: 18 s of a tiny GRPO run's first rollout on 2 cores with a cold inductor cache
+    (tracing, then the C++ compile), seconds with a warm one (docs/performance.md, "Test
+    start-up"). Eagerly the helpers give the same integers. GPU engines keep them compiled
+    (there they save memory on large batches).
     """
     env = dict(WORKER_ENV_VARS)
     if vllm_cfg.enforce_eager and not use_gpu:
