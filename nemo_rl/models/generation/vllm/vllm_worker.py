@@ -71,9 +71,9 @@ def engine_env_vars(vllm_cfg: VllmConfig, use_gpu: bool) -> dict[str, str]:
     (on CPU through inductor's C++ backend: the count of logprobs above the sampled token's,
     computed for every request that asks for logprobs; the masked vocabulary lookup of a
     tensor-parallel embedding). Each engine process would pay that compile at its first
-    request: 18 s of a tiny GRPO run's first rollout on 2 cores with a cold inductor cache
-    (tracing, then the C++ compile), seconds with a warm one (docs/performance.md, "Test
-    start-up"). Eagerly the helpers give the same integers. GPU engines keep them compiled
+    request: 7.0 s alone on 2 cores with a cold inductor cache (18 s inside a tiny GRPO run's
+    first rollout), 1.6 s with a warm one, against 0.06 s eagerly
+    (benchmarks/bench_engine_first_request.py). Eagerly the helpers give the same integers. GPU engines keep them compiled
     (there they save memory on large batches).
     """
     env = dict(WORKER_ENV_VARS)
