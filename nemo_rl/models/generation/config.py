@@ -52,7 +52,9 @@ class VllmConfig(ConfigModel):
     enforce_eager: bool = Field(
         default=False,
         description="Run the model eagerly (no CUDA graphs / torch.compile): faster start-up, "
-        "slower decoding.",
+        "slower decoding. On CPU it also runs the sampler helpers vLLM would compile eagerly "
+        "(TORCHDYNAMO_DISABLE=1 in the engine's processes), saving each engine a compile at "
+        "its first request.",
     )
     precision: Precision = Field(
         default="float32",

@@ -55,7 +55,7 @@ from nemo_rl.models.generation.vllm.engine_health import (
     bound_text,
     dead_replicas,
 )
-from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS, VllmGenerationWorker
+from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker, engine_env_vars
 from nemo_rl.utils.errors import error_line
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class VllmGeneration(GenerationInterface):
                 "seed": seed,
                 "adapters": adapters,
             },
-            env_vars=WORKER_ENV_VARS,
+            env_vars=engine_env_vars(config.vllm_cfg, cluster.use_gpus),
             startup_timeout_s=config.startup_timeout_s,
         )
         # Rank 0 of each replica: the actor holding the replica's engine.

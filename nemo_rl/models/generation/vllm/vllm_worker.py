@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.generation.config import GenerationConfig
+from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo, call_verb
 from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
@@ -61,6 +61,25 @@ WORKER_ENV_VARS: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
 }
+
+
+def engine_env_vars(vllm_cfg: VllmConfig, use_gpu: bool) -> dict[str, str]:
+    """The environment of an engine's actor (and of the rank processes vLLM spawns from it):
+    :data:`WORKER_ENV_VARS`, and for an eager engine on CPU ``TORCHDYNAMO_DISABLE=1``.
+
+    vLLM compiles a few sampler helpers with ``torch.compile`` even when the model runs eagerly
+    (on CPU through inductor's C++ backend: the count of logprobs above the sampled token's,
+    computed for every request that asks for logprobs; the masked vocabulary lookup of a
+    tensor-parallel embedding). Each engine process would pay that compile at its first
+    request: 7.0 s alone on 2 cores with a cold inductor cache (18 s inside a tiny GRPO run's
+    first rollout), 1.6 s with a warm one, against 0.06 s eagerly
+    (benchmarks/bench_engine_first_request.py). Eagerly the helpers give the same integers. GPU engines keep them compiled
+    (there they save memory on large batches).
+    """
+    env = dict(WORKER_ENV_VARS)
+    if vllm_cfg.enforce_eager and not use_gpu:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
 
 
 class VllmGenerationWorker:
