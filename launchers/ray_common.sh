@@ -129,14 +129,14 @@ nrl_tcp_open() {
   timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null
 }
 
-# nrl_wait_tcp HOST PORT TIMEOUT_S PID: wait until HOST:PORT accepts a connection. Returns 1 when
-# PID exits first, 2 when TIMEOUT_S pass.
+# nrl_wait_tcp HOST PORT TIMEOUT_S PID: wait until HOST:PORT accepts a connection, trying every
+# NRL_POLL_S seconds. Returns 1 when PID exits first, 2 when TIMEOUT_S pass.
 nrl_wait_tcp() {
   local host=$1 port=$2 deadline=$((SECONDS + $3)) pid=$4
   while ((SECONDS < deadline)); do
     kill -0 "$pid" 2>/dev/null || return 1
     nrl_tcp_open "$host" "$port" && return 0
-    sleep 1
+    sleep "${NRL_POLL_S:-1}"
   done
   return 2
 }

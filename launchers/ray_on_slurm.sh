@@ -204,7 +204,8 @@ write_attach_script
 
 node_list=$(IFS=,; echo "${NODES[*]}")
 srun_step wait-for-nodes "$HEAD_NODE" "$NRL_PYTHON" -m nemo_rl.launch.wait_for_nodes \
-  --address "$RAY_ADDRESS_VALUE" --nodes "$node_list" --timeout-s "$NRL_NODES_TIMEOUT_S"
+  --address "$RAY_ADDRESS_VALUE" --nodes "$node_list" --timeout-s "$NRL_NODES_TIMEOUT_S" \
+  --poll-s "${NRL_POLL_S:-1}"
 "${STEP[@]}" &
 CHECK_PID=$!
 nrl_monitor "$CHECK_PID"

@@ -2,7 +2,8 @@
 
 Run by ``launchers/ray_on_slurm.sh`` as a step on the head node (inside the job's container)::
 
-    python -m nemo_rl.launch.wait_for_nodes --address HOST:PORT --nodes node1,node2 --timeout-s 600
+    python -m nemo_rl.launch.wait_for_nodes --address HOST:PORT --nodes node1,node2 --timeout-s 600 \
+        --poll-s 1
 
 Each Ray node of a slurm job carries the resource ``slurm_node:<slurm node name>`` (amount 1),
 so nodes are told apart by their slurm names even when they share an address. Drivers can use
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="GCS address HOST:PORT of the head")
     parser.add_argument("--nodes", required=True, help="comma-separated slurm node names")
     parser.add_argument("--timeout-s", type=float, required=True, help="seconds to wait")
+    parser.add_argument(
+        "--poll-s", type=float, default=1.0, help="seconds between looks at the cluster"
+    )
     args = parser.parse_args(argv)
     expected = [node for node in args.nodes.split(",") if node]
     start = time.monotonic()
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         init_ray(address=args.address, connect_timeout_s=min(args.timeout_s, 30.0))
         try:
             remaining = max(args.timeout_s - (time.monotonic() - start), 0.0)
-            wait_for_nodes(expected, remaining)
+            wait_for_nodes(expected, remaining, args.poll_s)
         finally:
             shutdown_ray()
     except (TimeoutError, ConnectionError) as err:

@@ -3,8 +3,10 @@
 A truncated shard of the newest checkpoint costs one warning line and the rerun resumes from
 the previous checkpoint with the uninterrupted run's numbers; SIGTERM during a step saves that
 step and stops with exit code 75, and the rerun continues with the uninterrupted run's numbers;
-``checkpoint_must_save_by`` of one second saves after the first step and stops; the
-``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its processes behind. Every
+``checkpoint_must_save_by`` of one second saves after the first step and stops; SIGTERM to a
+run without checkpointing finishes the step under way, saves nothing and stops saying so (exit
+128 + SIGTERM); the ``nemo-rl grpo`` process sent SIGTERM exits 75 and leaves none of its
+processes behind. Every
 folder and file of the checkpoints has the mode the umask gives (others on a shared cluster
 read them as the user's umask allows).
 
@@ -117,6 +119,28 @@ def test_must_save_by_saves_and_stops(tmp_path, tiny_llama_path, tiny_colocated_
     assert stopped.value.step == 1 and "checkpoint_must_save_by" in stopped.value.reason
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
     assert sorted(train_records(tmp_path / "logs")) == [1]
+
+
+def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
+    tmp_path, tiny_llama_path, tiny_colocated_stack
+):
+    cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, enabled=False)
+    # as if an earlier run on the stack had restarted its engine twice: this run counts its own
+    tiny_colocated_stack.generation.engine_restarts = [2]
+    sender = sigterm_after_first_step(tmp_path / "logs")
+    with pytest.raises(RunStopped) as stopped:
+        run_grpo_on(tiny_colocated_stack, cfg)
+    sender.join()
+    k = stopped.value.step
+    assert 1 <= k < STEPS and stopped.value.code == 128 + signal.SIGTERM
+    assert str(stopped.value) == (
+        f"stopped after step {k} (received SIGTERM); checkpointing is off "
+        "(checkpointing.enabled=false): nothing was saved, a rerun starts over (exit code 143)"
+    )
+    records = train_records(tmp_path / "logs")
+    assert sorted(records) == list(range(1, k + 1))
+    assert [records[s]["generation/engine_restarts"] for s in records] == [0] * k
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_sigterm_to_the_driver_process_exits_75_and_leaves_no_process(tmp_path, tiny_llama_path):

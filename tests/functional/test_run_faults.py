@@ -5,23 +5,23 @@ stops the run within its bound, in one line, losing no checkpoint.
   the run stops once ``policy.call_timeout_s`` has passed, naming the rank, the call and the
   bound. The same run's environment actor is killed while it scores step 1: that step's
   samples count as environment errors, Ray restarts the actor and step 2 is scored normally.
-- SIGTERM to a run without checkpointing: the step under way finishes, nothing is saved, and
-  the run stops saying so (exit 128 + SIGTERM).
+
+SIGTERM to a run without checkpointing (the step under way finishes, nothing is saved) is in
+tests/functional/test_checkpoint_survival.py, on the held stack its other runs use.
 
 The policy worker killed (SIGKILL, as the OOM killer or a lost node does) while it trains step 2
 is the requeued job of tests/functional/test_slurm_launcher.py: the run stops at once naming
 the worker, its node, the call and the newest checkpoint (exit 75), and the rerun resumes from it
 with the uninterrupted run's numbers (there through ``nemo-rl grpo`` and the launcher's requeue).
 
-The faulted run starts workers of its own (a fault ends them); the SIGTERM run uses the held
-``tiny_colocated_stack`` (tests/grpo_stack.py). Faults are armed through ``NEMO_RL_FAULTS`` (:mod:`nemo_rl.utils.fault_injection`), with a
-shared folder so they match the training step and fire once per run; a fault's marker file
-there is written when it fires, which times the stop.
+The faulted run starts workers of its own (a fault ends them). Faults are armed through
+``NEMO_RL_FAULTS`` (:mod:`nemo_rl.utils.fault_injection`), with a shared folder so they match
+the training step and fire once per run; a fault's marker file there is written when it fires,
+which times the stop.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -30,13 +30,10 @@ import ray
 
 from nemo_rl.distributed.worker_faults import node_description
 from nemo_rl.utils.errors import ResumableFault
-from nemo_rl.utils.run_stop import RunStopped
 
-from grpo_stack import run_grpo_on
 from tiny_grpo import (
     WARM_RUN_STEPS,
     run_grpo,
-    sigterm_after_first_step,
     train_records,
     warm_started_config,
 )
@@ -87,25 +84,3 @@ def test_a_stopped_policy_worker_stops_the_run_after_the_call_timeout(
     assert records[1]["rollout/env_errors"] == samples
     assert records[1]["rollout/env_error_rate"] == 1.0 and records[1]["reward"] == 0.0
     assert records[2]["rollout/env_errors"] == 0
-
-
-def test_sigterm_without_checkpointing_finishes_the_step_and_saves_nothing(
-    tmp_path, tiny_llama_path, tiny_colocated_stack
-):
-    cfg = warm_started_config(tmp_path, tiny_llama_path, STEPS, warmup=False, enabled=False)
-    # as if an earlier run on the stack had restarted its engine twice: this run counts its own
-    tiny_colocated_stack.generation.engine_restarts = [2]
-    sender = sigterm_after_first_step(tmp_path / "logs")
-    with pytest.raises(RunStopped) as stopped:
-        run_grpo_on(tiny_colocated_stack, cfg)
-    sender.join()
-    k = stopped.value.step
-    assert 1 <= k < STEPS and stopped.value.code == 128 + signal.SIGTERM
-    assert str(stopped.value) == (
-        f"stopped after step {k} (received SIGTERM); checkpointing is off "
-        "(checkpointing.enabled=false): nothing was saved, a rerun starts over (exit code 143)"
-    )
-    records = train_records(tmp_path / "logs")
-    assert sorted(records) == list(range(1, k + 1))
-    assert [records[s]["generation/engine_restarts"] for s in records] == [0] * k
-    assert not (tmp_path / "ckpt").exists()

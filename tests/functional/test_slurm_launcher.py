@@ -4,9 +4,11 @@ The fixture runs slurmctld and two slurmd (node1, node2; both 127.0.0.1, distinc
 munge inside a network namespace that has only ``lo``, so Ray cannot wander off to the machine's
 outward address and nothing listens outside the namespace. All state lives in a temporary folder;
 the daemons are stopped by the pids the fixture started. Needs root (network namespaces) and the
-Debian slurm packages (``scripts/setup_slurm.sh``). A requeued job waits ``cred_expire`` (20 s
-here, slurm's default 120 s) before it starts again, then for the next pass of the scheduler
-(every 1-2 s here; by default the backfill's, every 30 s).
+Debian slurm packages (``scripts/setup_slurm.sh``). A requeued job waits ``cred_expire`` (10 s
+here, slurm's default 120 s; a job step's launch credential must reach its slurmd within it) before
+it starts again, then for the next pass of the scheduler (every 1-2 s here; by default the
+backfill's, every 30 s). The launcher's waits (the head's port, the nodes' registration, the
+monitor) look every ``NRL_POLL_S`` = 0.2 s here (1 s by default).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LoopbackSlurm:
             "SLURM_CONF": str(self.conf),
             "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
             "RAY_AUTH_MODE": "disabled",
+            "NRL_POLL_S": "0.2",  # the job script's waits (sbatch passes the environment on)
         }
 
     def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -142,7 +145,7 @@ def _write_slurm_conf(base: Path) -> Path:
             SlurmdUser=root
             AuthType=auth/munge
             CredType=cred/munge
-            AuthInfo=socket={base}/munge/munge.sock,cred_expire=20
+            AuthInfo=socket={base}/munge/munge.sock,cred_expire=10
             SchedulerParameters=sched_interval=2,bf_interval=1
             CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
             ProctrackType=proctrack/linuxproc
@@ -454,7 +457,7 @@ def test_a_run_whose_policy_worker_is_killed_is_requeued_resumes_and_finishes(
     _wait_for_line(output, f"requeueing job {job_id} (restart 1 of at most 1)", slurm, job_id)
     print(f"job {job_id} requeued {time.monotonic() - killed:.1f} s after its worker was killed")
     assert time.monotonic() - killed < FAILURE_DONE_S
-    # the stopped run's checkpoints (the requeued job starts cred_expire = 20 s later)
+    # the stopped run's checkpoints (the requeued job starts cred_expire = 10 s later)
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["sft_warmup", "step_1"]
     fields = slurm.wait_job_done(job_id, GRPO_JOB_S)
     text = output.read_text()
