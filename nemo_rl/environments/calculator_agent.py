@@ -22,8 +22,8 @@ from typing import Any
 
 from nemo_rl.environments.calculator_environment import evaluate_expression, format_number
 from nemo_rl.environments.common import tagged_text
-from nemo_rl.models.generation.tool_calls import tool_error_message
 from nemo_rl.models.generation.interfaces import PromptTooLongError
+from nemo_rl.models.generation.tool_calls import tool_error_message
 
 MAX_TURNS = 3
 
