@@ -8,7 +8,10 @@ scores the final reply: 1.0 when its ``<answer>N</answer>`` (or, without the tag
 number) equals the row's ``answer``, else 0. A malformed tool call
 (:data:`~nemo_rl.models.generation.tool_calls.INVALID_TOOL_CALL`), an unknown tool or an
 expression that does not evaluate is answered with an ``error: ...`` observation, and the
-episode goes on: the model sees its failed call. At most :data:`MAX_TURNS` requests.
+episode goes on: the model sees its failed call. At most :data:`MAX_TURNS` requests; an
+episode whose conversation outgrows the engine's context (the endpoint's 400 with code
+``context_length_exceeded``, after long failed calls) ends there and scores 0, like a rollout cut
+at its length limit: the model's failure, not the environment's (no ``rollout/env_errors``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from nemo_rl.environments.calculator_environment import evaluate_expression, format_number
 from nemo_rl.environments.common import tagged_text
+from nemo_rl.models.generation.interfaces import PromptTooLongError
 from nemo_rl.models.generation.tool_calls import tool_error_message
 
 MAX_TURNS = 3
@@ -67,12 +71,19 @@ def final_answer(text: str) -> str | None:
 
 def run(base_url: str, row: dict[str, Any]) -> float:
     """One episode (see the module docstring); the reward."""
-    from openai import OpenAI
+    from openai import BadRequestError, OpenAI
 
     client = OpenAI(base_url=base_url, api_key="unused", timeout=60.0, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
     for _ in range(MAX_TURNS):
-        response = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        try:
+            response = client.chat.completions.create(
+                model="policy", messages=messages, tools=TOOLS
+            )
+        except BadRequestError as err:
+            if err.code == PromptTooLongError.openai_code:
+                return 0.0
+            raise
         message = response.choices[0].message.model_dump(exclude_none=True)
         messages.append(message)
         calls = message.get("tool_calls") or []

@@ -24,7 +24,21 @@ __all__ = [
     "GenerationDatumSpec",
     "GenerationInterface",
     "GenerationOutputSpec",
+    "PromptTooLongError",
 ]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room to generate under the engine's ``max_model_len``.
+
+    The rollout's own loop never sends one (it cuts a sample at ``max_total_sequence_length``);
+    an agent can, when its conversation outgrows the context: the HTTP endpoint answers it with
+    a 400 whose error ``code`` is ``context_length_exceeded`` (OpenAI's code for this), so the
+    agent can end the episode instead of failing.
+    """
+
+    #: the ``code`` of the endpoint's error body for this request (OpenAI's)
+    openai_code = "context_length_exceeded"
 
 
 class GenerationDatumSpec(TypedDict):

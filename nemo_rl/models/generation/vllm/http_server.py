@@ -24,6 +24,11 @@ Waiting. A request that arrives while the engine sleeps or loads a refit waits (
 ``http_request_timeout_s``, then 503) and is generated with the new weights: a refit waits for
 the requests in flight, and new ones wait for the refit. A generation that takes longer than
 ``http_request_timeout_s`` is answered 504.
+
+Context. A request whose prompt leaves no room to generate under the engine's
+``max_model_len`` (a conversation that outgrew it) is answered 400 with the error code
+``context_length_exceeded``, as OpenAI's API does: an agent catches it to end the episode
+(``openai.BadRequestError`` whose ``code`` is that), which the calculator agent does.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from nemo_rl.models.generation.http_records import CallRecord, RolloutRecorder, request_seed
+from nemo_rl.models.generation.interfaces import PromptTooLongError
 from nemo_rl.models.generation.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -51,11 +57,13 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses: HTTP ``status`` and a message naming the field."""
+    """A request the endpoint refuses: HTTP ``status``, a message naming the field, and the
+    error body's ``code`` (None: the status)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class EngineHttpServer:
@@ -153,7 +161,7 @@ class EngineHttpServer:
                     )
                 return JSONResponse(await self._complete(kind, rid, body))
             except RequestError as err:
-                return _error(err.status, str(err))
+                return _error(err.status, str(err), err.code)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> JSONResponse:
@@ -235,7 +243,9 @@ class EngineHttpServer:
             raise RequestError(
                 504, f"no response within http_request_timeout_s={self.request_timeout_s:g} s"
             ) from None
-        except ValueError as err:  # e.g. a prompt leaving no room under max_model_len
+        except PromptTooLongError as err:
+            raise RequestError(400, str(err), err.openai_code) from None
+        except ValueError as err:
             raise RequestError(400, str(err)) from None
         # read after generating: a refit waits for the requests in flight, so these weights
         # generated the whole response (one that loaded before the request reached the engine
@@ -289,9 +299,8 @@ def base_url(bind_host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    """An OpenAI-style error body."""
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body (``code``: None gives the status)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+    body = {"message": message, "type": kind, "code": status if code is None else code}
+    return JSONResponse({"error": body}, status_code=status)

@@ -46,6 +46,7 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.interfaces import PromptTooLongError
 from nemo_rl.models.generation.lora_serving import AdapterServing
 from nemo_rl.models.generation.refit.interfaces import RECEIVER_VERBS, RefitInfo, call_verb
 from nemo_rl.models.generation.refit.ipc import NODE_ID_ENV, RingRead, current_node_id
@@ -292,7 +293,7 @@ class VllmGenerationWorker:
         cfg = self.config
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"row {row}: the prompt has {prompt_len} tokens, leaving no room to generate "
                 f"within the engine's max_model_len={self.max_model_len}; shorten the prompt or "
                 "raise vllm_cfg.max_model_len"

@@ -8,7 +8,9 @@ own tokenisation of their text, so re-tokenised text would differ from them:
   assembled from the records has the generated ids token for token);
 * a malformed tool call comes back as an ``invalid_tool_call`` call, not an error;
 * the rollout id rules (path, header, ``user``; none: 400);
-* a request waits while the engine is not ready (sleep, refit), and gets 503 after its timeout.
+* a request waits while the engine is not ready (sleep, refit), and gets 503 after its timeout;
+* a conversation that outgrows the engine's context gets OpenAI's ``context_length_exceeded``
+  400, and the calculator agent ends its episode on it with reward 0 instead of failing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import openai
 import pytest
 
+from nemo_rl.environments import calculator_agent
 from nemo_rl.experience.agent_rollouts import chain_message_log, trained_chain
+from nemo_rl.models.generation.interfaces import PromptTooLongError
 from nemo_rl.models.generation.tool_calls import INVALID_TOOL_CALL
 from nemo_rl.models.generation.vllm.http_server import EngineHttpServer, base_url
 
@@ -37,9 +41,10 @@ def char_by_char(tokenizer: Any, text: str) -> list[int]:
 
 
 class ScriptedEngine:
-    """Answers request ``k`` with ``replies[k]`` (ids, logprob -0.5 each); keeps the prompts."""
+    """Answers request ``k`` with ``replies[k]`` (ids, logprob -0.5 each; an exception is
+    raised instead); keeps the prompts."""
 
-    def __init__(self, replies: list[list[int]]) -> None:
+    def __init__(self, replies: list[list[int] | Exception]) -> None:
         self.replies = list(replies)
         self.prompts: list[list[int]] = []
         self.ready = True
@@ -49,6 +54,8 @@ class ScriptedEngine:
         self.prompts.append(prompt)
         self.ready_when_generating.append(self.ready)
         ids = self.replies.pop(0)
+        if isinstance(ids, Exception):
+            raise ids
         return ids, [-0.5] * len(ids), "stop"
 
 
@@ -164,6 +171,24 @@ def test_a_request_waits_for_the_engine_then_times_out(tokenizer: Any) -> None:
         reply = api.completions.create(model="tiny", prompt="hi")
         assert reply.choices[0].text == "ok"
         assert engine.ready_when_generating == [True]  # it waited for the engine
+
+
+def test_a_conversation_over_the_context_ends_the_calculator_episode(tokenizer: Any) -> None:
+    # the engine's own message (vllm_worker) for a prompt that leaves no room to generate
+    full = PromptTooLongError("row 0: the prompt has 265 tokens, leaving no room to generate "
+                              "within the engine's max_model_len=224")
+    bad = char_by_char(tokenizer, '<tool_call>{"name": "calc", "arg</tool_call>')
+    engine = ScriptedEngine([bad, full, full])
+    row = {"prompt": "What is 2 * 3?", "answer": "6"}
+    with serving(engine, tokenizer) as (url, server):
+        assert calculator_agent.run(f"{url}/rollouts/r4/v1", row) == 0.0
+        with pytest.raises(openai.BadRequestError, match="max_model_len=224") as refused:
+            client(f"{url}/rollouts/r5/v1").completions.create(model="tiny", prompt="hi")
+        records = server.recorder.take(["r4", "r5"])
+    assert refused.value.code == "context_length_exceeded"
+    # the failed call was answered, the next request refused: the episode's one call is trained
+    assert len(engine.prompts) == 3 and [len(records[k]) for k in ("r4", "r5")] == [1, 0]
+    assert records["r4"][0].generated_ids == bad
 
 
 def test_base_url_of_a_bound_address_puts_ipv6_in_brackets() -> None:
