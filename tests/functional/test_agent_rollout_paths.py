@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from nemo_rl.algorithms.grpo_config import GRPOMasterConfig
 from nemo_rl.algorithms.grpo_step.data_plane import DataPlaneBatchStore
