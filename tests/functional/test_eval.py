@@ -1,7 +1,7 @@
 """Export and evaluation of a trained checkpoint, end to end on CPU.
 
 A tiny GRPO run (from the session's SFT-warmed tiny Llama, ``sft_warm_tiny_llama``, which
-answers the synthetic task right about a quarter of the time; a short in-run SFT warm start;
+answers some of the synthetic task's problems right; a short in-run SFT warm start;
 then one GRPO step validated with greedy decoding, checkpointed), colocated at policy TP=2
 with generation TP=2 (each vLLM engine
 spans both CPU bundles), is evaluated with ``nemo-rl eval``'s code on its checkpoint

@@ -71,11 +71,10 @@ def engine_env_vars(vllm_cfg: VllmConfig, use_gpu: bool) -> dict[str, str]:
     vLLM compiles a few sampler helpers with ``torch.compile`` even when the model runs eagerly
     (on CPU through inductor's C++ backend: the count of logprobs above the sampled token's,
     computed for every request that asks for logprobs; the masked vocabulary lookup of a
-    tensor-parallel embedding). Each engine process would pay that compile at its first
-    request: 7.0 s alone on 2 cores with a cold inductor cache (18 s inside a tiny GRPO run's
-    first rollout), 1.6 s with a warm one, against 0.06 s eagerly
-    (benchmarks/bench_engine_first_request.py). Eagerly the helpers give the same integers. GPU engines keep them compiled
-    (there they save memory on large batches).
+    tensor-parallel embedding). Each engine process would otherwise pay that compile at its
+    first request; eagerly the helpers give the same integers (measured in
+    benchmarks/bench_engine_first_request.py, figures in docs/performance.md). GPU engines
+    keep them compiled (there they save memory on large batches).
     """
     env = dict(WORKER_ENV_VARS)
     if vllm_cfg.enforce_eager and not use_gpu:

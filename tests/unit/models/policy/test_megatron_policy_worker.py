@@ -181,12 +181,11 @@ def ckpt_dir(tmp_path_factory) -> Path:
 def results(cluster, tiny_llama_path, ckpt_dir) -> dict[str, Any]:
     """Each layout's script (run_layout) on its own group, TP=1 first (its save is resumed);
     the TP=2 group then also resumes from the TP=1 save and reloads its own (``resumed``)."""
-    ckpt = ckpt_dir
     out: dict[str, Any] = {}
     for name, layout in LAYOUTS.items():
         group = start_group(cluster, tiny_llama_path, layout)
         try:
-            out[name] = run_layout(group, name, ckpt)
+            out[name] = run_layout(group, name, ckpt_dir)
             out[name]["train_step"] = ray_get_all(group, "get_train_step")[0]
             if name == "tp2":
                 out[name]["resumed"] = diverge_and_resume(group, ckpt_dir)
