@@ -299,9 +299,12 @@ def build_gpt_model(bridge: BridgeConfig, dtype: torch.dtype = torch.float32) ->
 def gpt_model_stage(bridge: BridgeConfig, config: Any, spec: Any, tp: int) -> torch.nn.Module:
     """This rank's pipeline stage of the GPTModel ``bridge`` describes, from a megatron
     ``TransformerConfig`` (:meth:`BridgeConfig.transformer_config`) and layer spec, with the
-    model's biases and transformers' RoPE frequencies (uninitialised weights)."""
+    model's biases and transformers' RoPE frequencies (uninitialised weights); its logits give
+    the vocabulary padding ``-inf`` (:mod:`megatron_bridge.vocab_padding`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+
+    from megatron_bridge.vocab_padding import exclude_vocab_padding
 
     model = GPTModel(
         config=config,
@@ -314,6 +317,7 @@ def gpt_model_stage(bridge: BridgeConfig, config: Any, spec: Any, tp: int) -> to
     if inv_freq is not None:
         # Scaled RoPE: use transformers' exact frequencies instead of Megatron's own formula.
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    exclude_vocab_padding(model, bridge.vocab_size)
     return model
 
 

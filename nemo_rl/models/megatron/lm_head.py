@@ -6,7 +6,7 @@ matmul would have multiplied: the final norm's output after the output layer's o
 mapping (all-gathered over the sequence under sequence parallelism, else entering the TP
 region whose backward sums the input gradient over the TP ranks), so the stage's forward
 returns ``[b, s, hidden]`` instead of ``[b, s, vocab / TP]``. :func:`output_weight` is the
-matrix the output layer would have used (the embedding when tied).
+matrix the output layer would have used (the embedding when tied), its token rows only.
 """
 
 from __future__ import annotations
@@ -34,12 +34,31 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def output_weight(stage: Any) -> Tensor:
-    """``[vocab / TP, hidden]`` rows of the LM head on this rank of the last stage (the
-    word-embedding parameter when input and output embeddings are tied)."""
+def output_weight(stage: Any) -> tuple[Tensor, int]:
+    """``[tokens, hidden]``: the rows of the LM head on this rank of the last stage that are
+    tokens, without the vocabulary padding (:mod:`megatron_bridge.vocab_padding`), and the
+    token id of the first; the rows are a view of the word-embedding parameter when input and
+    output embeddings are tied.
+
+    Raises:
+        ValueError: this rank holds padding only (a vocabulary of a few thousand tokens over a
+            large TP), which the fused LM head cannot score.
+    """
+    from megatron_bridge.vocab_padding import vocab_shard
+
     if stage.share_embeddings_and_output_weights:
-        return stage.shared_embedding_or_output_weight()
-    return stage.output_layer.weight
+        weight = stage.shared_embedding_or_output_weight()
+    else:
+        weight = stage.output_layer.weight
+    shard = vocab_shard(stage)
+    if shard.tokens == 0:
+        raise ValueError(
+            f"tensor-parallel rank rows [{shard.start}, {shard.start + shard.rows}) are all "
+            "vocabulary padding, which the fused LM head (policy.logprob_chunk_size) cannot "
+            "score: lower policy.megatron_cfg.make_vocab_size_divisible_by or the TP size, or "
+            "set policy.logprob_chunk_size to null"
+        )
+    return weight[: shard.tokens], shard.start
 
 
 @contextmanager
@@ -52,10 +71,13 @@ def output_layer_returns_hidden(stage: Any) -> Iterator[None]:
         gather_from_sequence_parallel_region,
     )
 
+    from megatron_bridge.vocab_padding import padding_mask_of
+
     layer = getattr(stage, "output_layer", None) if stage.post_process else None
     if layer is None:
         yield
         return
+    mask = padding_mask_of(layer)  # the input handed back has no padding columns to fill
 
     def passthrough(input_: Tensor, weight: Tensor | None = None, **_: Any) -> tuple[Tensor, None]:
         if layer.sequence_parallel:
@@ -65,7 +87,11 @@ def output_layer_returns_hidden(stage: Any) -> Iterator[None]:
         return _ContiguousGrad.apply(mapped), None
 
     layer.forward = passthrough
+    if mask is not None:
+        mask.enabled = False
     try:
         yield
     finally:
         del layer.forward  # back to the class's forward
+        if mask is not None:
+            mask.enabled = True

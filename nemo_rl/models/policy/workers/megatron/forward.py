@@ -244,6 +244,7 @@ def logprobs_from_logits(
 def logprobs_from_hidden(
     hidden: Tensor,
     weight: Tensor,
+    vocab_start: int,
     inputs: ModelInputs,
     inference_only: bool,
     chunk_size: int,
@@ -257,13 +258,17 @@ def logprobs_from_hidden(
     Args:
         hidden: ``[b, t_local, h]`` the output layer's input on this rank
             (:func:`~nemo_rl.models.megatron.lm_head.output_layer_returns_hidden`).
-        weight: ``[V / TP, h]`` this rank's LM-head rows.
+        weight: ``[tokens, h]`` this rank's LM-head rows that are tokens (no vocabulary
+            padding: :func:`~nemo_rl.models.megatron.lm_head.output_weight`).
+        vocab_start: the token id of ``weight``'s first row.
         inputs: what :func:`build_model_inputs` made for the same micro-batch.
         inference_only: build no autograd graph.
         chunk_size: tokens whose logits exist at once.
         sampling: the distribution scored, as in :func:`logprobs_from_logits`.
     """
-    tp_group, start = _tp_vocab_range(weight.shape[0])
+    from megatron.core import parallel_state
+
+    tp_group, start = parallel_state.get_tensor_model_parallel_group(), vocab_start
     h = hidden.shape[-1]
     if inputs.next_targets is not None:
         b, t_local = inputs.next_targets.shape

@@ -319,8 +319,9 @@ def scored_logprobs(
 ) -> Tensor:
     """``[B, S]`` float32 logprobs from the output layer's input ``hidden`` (fused LM head),
     under ``sampling`` (None: the policy's, ``policy.sampling``)."""
+    weight, vocab_start = output_weight(policy.model.module)
     return logprobs_from_hidden(
-        hidden, output_weight(policy.model.module), inputs, inference_only,
+        hidden, weight, vocab_start, inputs, inference_only,
         policy.logprob_chunk_size, policy.sampling if sampling is None else sampling,
     )
 
