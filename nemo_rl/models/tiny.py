@@ -203,10 +203,10 @@ def _train_bpe_tokenizer(vocab_size: int, tools: bool = False) -> Any:
     """Train a byte-level BPE on the built-in corpus and wrap it for transformers.
 
     Args:
-        vocab_size: size of the trained vocabulary including the 256 byte tokens and the
-            specials.
-        tools: also train on :func:`_tool_corpus` and add :data:`TOOL_CALL_TOKENS` (two ids
-            after the trained vocabulary).
+        vocab_size: size of the vocabulary including the 256 byte tokens and the specials
+            (and, with ``tools``, the tool-call tags).
+        tools: also train on :func:`_tool_corpus` and add :data:`TOOL_CALL_TOKENS` (the last
+            two ids).
 
     Returns:
         A ``PreTrainedTokenizerFast`` with eos ``<|im_end|>``, pad ``<|endoftext|>`` and the
@@ -223,7 +223,7 @@ def _train_bpe_tokenizer(vocab_size: int, tools: bool = False) -> Any:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - (len(TOOL_CALL_TOKENS) if tools else 0),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -426,7 +426,10 @@ def build_tiny_model(
         family: "llama" (untied embeddings, no attention bias), "qwen2" (tied embeddings,
             bias on q/k/v) or "qwen3_moe" (untied embeddings, q/k norms, 4 experts top-2).
         cache_dir: folder that holds the model folders; defaults to :func:`default_cache_root`.
-        vocab: "bpe" for a 1024-token BPE trained on a built-in corpus, "qwen" for the real
+        vocab: "bpe" for a 1024-token BPE trained on a built-in corpus; "bpe_tools" for one
+            also trained on chat and Hermes tool-call text, plus Qwen2.5's ``<tool_call>`` and
+            ``</tool_call>`` as (non-special) tokens, so a tool call is about 20 tokens rather
+            than 60 (the agent recipe's model, ``tiny-qwen2-tools``); "qwen" for the real
             151k-token Qwen2 vocabulary.
         **size_overrides: any key of :data:`DEFAULT_SIZES` (hidden_size, num_hidden_layers,
             num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
