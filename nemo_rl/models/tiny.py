@@ -80,6 +80,13 @@ TINY_MODEL_NAMES: dict[str, tuple[Family, Vocab]] = {
     "tiny-qwen3-moe": ("qwen3_moe", "bpe"),
     "tiny-qwen2-tools": ("qwen2", "bpe_tools"),
 }
+# Sizes of a tiny model name where they are not DEFAULT_SIZES'.
+TINY_MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny-qwen2-tools": {
+        "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 512,
+    },
+}
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
