@@ -57,7 +57,10 @@ class SFTWarmupConfig(ConfigModel):
     response_key: str = Field(
         default="response",
         min_length=1,
-        description="Field of a demonstration holding the reference reply.",
+        description="Field of a demonstration holding the reference reply: a text (one "
+        "assistant message), or a list of {role, content} messages continuing the "
+        "conversation (an agent's exchange: assistant turns with the tool results between "
+        "them); only assistant messages are trained.",
     )
     global_batch_size: int | None = Field(
         default=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_rl.data.files import DataError
 from nemo_rl.data.interfaces import (
     DatumSpec,
     LLMMessageLogType,
@@ -17,7 +18,14 @@ from nemo_rl.data.interfaces import (
     TaskDataProcessFnCallable,
     TaskDataSpec,
 )
-from nemo_rl.data.templates import build_prompt_message_log, tokenize_text, truncate_message_log
+from nemo_rl.data.templates import (
+    build_prompt_message_log,
+    check_chat_messages,
+    prompt_chat_messages,
+    render_conversation_texts,
+    tokenize_text,
+    truncate_message_log,
+)
 from nemo_rl.utils.plugins import load_function
 
 
@@ -94,20 +102,27 @@ def sft_data_processor(
     max_seq_length: int,
     idx: int,
 ) -> DatumSpec:
-    """A prompt plus its reference reply ``datum_dict["response"]`` as an assistant message
-    (ending with the tokenizer's eos token), for supervised warm-start.
+    """A prompt plus its reference reply ``datum_dict["response"]``, for supervised
+    warm-start: a text, as one assistant message (ending with the tokenizer's eos token), or a
+    list of ``{"role", "content"}`` messages continuing the conversation (an agent's exchange:
+    assistant turns with the tool results between them), rendered by the chat template.
 
     Train on it with :func:`nemo_rl.data.llm_message_utils.message_logs_to_flat`, whose
-    ``token_mask`` selects the assistant tokens.
+    ``token_mask`` selects the assistant tokens: a tool result in the reply is context, never
+    a target (the model would learn to make tool results up rather than to read them).
     """
     if datum_dict.get("response") is None:
         raise KeyError(f"row {idx} has no 'response'; an SFT row needs the reference reply")
     datum = _prompt_datum(datum_dict, task_data_spec, tokenizer, max_seq_length, idx, {})
     if datum["loss_multiplier"] == 0.0:
         return datum
-    reply = datum_dict["response"] + (tokenizer.eos_token or "")
-    message = Message(role="assistant", content=reply, token_ids=tokenize_text(tokenizer, reply))
-    log = datum["message_log"] + [message]
+    reply = datum_dict["response"]
+    if isinstance(reply, str):
+        text = reply + (tokenizer.eos_token or "")
+        replies = [Message(role="assistant", content=text, token_ids=tokenize_text(tokenizer, text))]
+    else:
+        replies = _reply_messages(datum_dict["prompt"], reply, task_data_spec, tokenizer, idx)
+    log = datum["message_log"] + replies
     if message_log_length(log) > max_seq_length:
         datum["message_log"] = truncate_message_log(log, max_seq_length, tokenizer)
         datum["length"], datum["loss_multiplier"] = max_seq_length, 0.0
@@ -116,6 +131,33 @@ def sft_data_processor(
     if "answer" in datum_dict:
         datum["extra_env_info"] = {"ground_truth": str(datum_dict["answer"])}
     return datum
+
+
+def _reply_messages(
+    prompt: Any, reply: Any, task_data_spec: TaskDataSpec, tokenizer: Any, idx: int
+) -> LLMMessageLogType:
+    """The messages of a reply given as a list of messages, rendered as the chat template
+    renders them after the prompt (the prompt's messages are rendered as
+    :func:`~nemo_rl.data.templates.build_prompt_message_log` renders them).
+
+    Raises:
+        DataError: the reply is not a list of messages with at least one assistant message.
+    """
+    where = f"row {idx}: 'response'"
+    try:
+        check_chat_messages(reply, where)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    if not any(m["role"] == "assistant" for m in reply):
+        raise DataError(f"{where} has no assistant message to train on")
+    prompt_messages = prompt_chat_messages(
+        prompt, task_data_spec["prompt"], task_data_spec["system_prompt"]
+    )
+    texts = render_conversation_texts(tokenizer, prompt_messages + list(reply))
+    return [
+        Message(role=role, content=text, token_ids=tokenize_text(tokenizer, text))
+        for role, text in texts[len(prompt_messages):]
+    ]
 
 
 def reward_fn_processor(

@@ -91,6 +91,16 @@ def check_chat_messages(messages: Any, where: str) -> ChatMessages:
     return messages
 
 
+def _with_system_prompt(user_text: str | ChatMessages, system_prompt: Optional[str]) -> ChatMessages:
+    """The prompt's messages: ``user_text`` (one user message, or messages) after the system
+    prompt, unless they start with a system message."""
+    turns = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
+    chat = [dict(m) for m in turns]
+    if system_prompt is not None and chat[0]["role"] != "system":
+        chat.insert(0, {"role": "system", "content": system_prompt})
+    return chat
+
+
 def render_prompt_texts(
     tokenizer: Any, user_text: str | ChatMessages, system_prompt: Optional[str]
 ) -> list[tuple[str, str]]:
@@ -104,10 +114,7 @@ def render_prompt_texts(
     Without a chat template: the system prompt plus a blank line, then each message's text
     (separated by blank lines); the tokenizer's bos token, if any, starts the first message.
     """
-    turns = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
-    chat = [dict(m) for m in turns]
-    if system_prompt is not None and chat[0]["role"] != "system":
-        chat.insert(0, {"role": "system", "content": system_prompt})
+    chat = _with_system_prompt(user_text, system_prompt)
     if not has_chat_template(tokenizer):
         bos = getattr(tokenizer, "bos_token", None) or ""
         texts = [
@@ -180,18 +187,31 @@ def build_prompt_message_log(
     ``prompt`` is a text, or a list of ``{"role", "content"}`` messages (chat format; the
     template then applies to the content of its last user message).
     """
-    if isinstance(prompt, str):
-        user_text: str | ChatMessages = apply_prompt_template(prompt_template, prompt)
-    else:
-        user_text = [dict(m) for m in check_chat_messages(prompt, "chat prompt")]
-        last_user = max((i for i, m in enumerate(user_text) if m["role"] == "user"), default=None)
-        if last_user is not None:
-            content = user_text[last_user]["content"]
-            user_text[last_user]["content"] = apply_prompt_template(prompt_template, content)
     return [
         Message(role=role, content=text, token_ids=tokenize_text(tokenizer, text))
-        for role, text in render_prompt_texts(tokenizer, user_text, system_prompt)
+        for role, text in render_prompt_texts(
+            tokenizer, _templated(prompt, prompt_template), system_prompt
+        )
     ]
+
+
+def _templated(prompt: str | ChatMessages, prompt_template: Optional[str]) -> str | ChatMessages:
+    """``prompt`` with the template applied to it (a text) or to its last user message."""
+    if isinstance(prompt, str):
+        return apply_prompt_template(prompt_template, prompt)
+    user_text = [dict(m) for m in check_chat_messages(prompt, "chat prompt")]
+    last_user = max((i for i, m in enumerate(user_text) if m["role"] == "user"), default=None)
+    if last_user is not None:
+        content = user_text[last_user]["content"]
+        user_text[last_user]["content"] = apply_prompt_template(prompt_template, content)
+    return user_text
+
+
+def prompt_chat_messages(
+    prompt: str | ChatMessages, prompt_template: Optional[str], system_prompt: Optional[str]
+) -> ChatMessages:
+    """The ``{"role", "content"}`` messages :func:`build_prompt_message_log` renders."""
+    return _with_system_prompt(_templated(prompt, prompt_template), system_prompt)
 
 
 def truncate_message_log(

@@ -9,7 +9,7 @@ Hub name (its snapshot in the ``HF_HOME`` cache).
 from __future__ import annotations
 
 from megatron_bridge.hub import local_hf_checkpoint, resolve_hf_checkpoint
-from nemo_rl.models.tiny import TINY_MODEL_NAMES, build_tiny_model
+from nemo_rl.models.tiny import TINY_MODEL_NAMES, TINY_MODEL_SIZES, build_tiny_model
 from nemo_rl.utils.errors import ModelNotFoundError
 
 
@@ -33,7 +33,7 @@ def resolve_model_path(model_name: str, field: str | None = None) -> str:
     """
     if model_name in TINY_MODEL_NAMES:
         family, vocab = TINY_MODEL_NAMES[model_name]
-        return str(build_tiny_model(family, vocab=vocab))
+        return str(build_tiny_model(family, vocab=vocab, **TINY_MODEL_SIZES.get(model_name, {})))
     try:
         return str(resolve_hf_checkpoint(model_name))
     except FileNotFoundError as err:

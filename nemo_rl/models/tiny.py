@@ -26,8 +26,9 @@ import torch
 from megatron_bridge.folders import make_unique_dir
 
 Family = Literal["llama", "qwen2", "qwen3_moe"]
-Vocab = Literal["bpe", "qwen"]
+Vocab = Literal["bpe", "bpe_tools", "qwen"]
 _FAMILIES = ("llama", "qwen2", "qwen3_moe")
+_VOCABS = ("bpe", "bpe_tools", "qwen")
 
 # Bump when the builder changes in a way that changes its output, so old caches are not reused.
 _BUILD_VERSION = 1
@@ -77,12 +78,24 @@ TINY_MODEL_NAMES: dict[str, tuple[Family, Vocab]] = {
     "tiny-qwen2": ("qwen2", "bpe"),
     "tiny-qwen2-qwenvocab": ("qwen2", "qwen"),
     "tiny-qwen3-moe": ("qwen3_moe", "bpe"),
+    "tiny-qwen2-tools": ("qwen2", "bpe_tools"),
+}
+# Sizes of a tiny model name where they are not DEFAULT_SIZES'.
+TINY_MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny-qwen2-tools": {
+        "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 512,
+    },
 }
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen2.5's tool-call tags: single tokens of its vocabulary, but not special ones (a decode that
+# skips special tokens keeps them, so a tool-call parser sees them). The "bpe_tools" vocabulary
+# has them too.
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
 
 # ChatML, as used by Qwen2 chat models. Every turn ends with <|im_end|> and a newline; with
 # add_generation_prompt the assistant header is appended so generation starts the reply.
@@ -164,11 +177,43 @@ def _training_corpus() -> list[str]:
     return docs
 
 
-def _train_bpe_tokenizer(vocab_size: int) -> Any:
+_TOOL_CALLS = (
+    ("calc", "expression", lambda a, b, rng: f"{a} {rng.choice('+-*')} {b}"),
+    ("search", "query", lambda a, b, rng: f"{rng.choice(_OBJECTS)} near {rng.choice(_NAMES)}"),
+    ("python", "code", lambda a, b, rng: f"print({a} * {b})"),
+    ("weather", "city", lambda a, b, rng: rng.choice(_NAMES)),
+)
+
+
+def _tool_corpus() -> list[str]:
+    """Chat and tool-call text for the "bpe_tools" vocabulary: Hermes/Qwen tool calls
+    (``{"name": ..., "arguments": {...}}`` JSON) of a few tools, tool results, role names and
+    ``<answer>`` tags, so their markup gets merges as it does in a real model's vocabulary.
+    The tags of :data:`TOOL_CALL_TOKENS` are added tokens and not in this text.
+
+    Returns:
+        A list of documents; identical on every call and every machine (fixed-seed RNG).
+    """
+    rng = random.Random(1)
+    docs = []
+    for _ in range(2000):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        name, argument, value = rng.choice(_TOOL_CALLS)
+        docs.append(json.dumps({"name": name, "arguments": {argument: value(a, b, rng)}}))
+        docs.append(f"user\nWhat is {a} + {b}?\nassistant\n\ntool\n{a + b}\nassistant\n")
+        docs.append(f"<answer>{a * b}</answer>")
+        docs.append(f"error: unknown tool {name!r}; not valid JSON")
+    return docs
+
+
+def _train_bpe_tokenizer(vocab_size: int, tools: bool = False) -> Any:
     """Train a byte-level BPE on the built-in corpus and wrap it for transformers.
 
     Args:
-        vocab_size: total vocabulary size including the 256 byte tokens and the specials.
+        vocab_size: size of the vocabulary including the 256 byte tokens and the specials
+            (and, with ``tools``, the tool-call tags).
+        tools: also train on :func:`_tool_corpus` and add :data:`TOOL_CALL_TOKENS` (the last
+            two ids).
 
     Returns:
         A ``PreTrainedTokenizerFast`` with eos ``<|im_end|>``, pad ``<|endoftext|>`` and the
@@ -185,12 +230,17 @@ def _train_bpe_tokenizer(vocab_size: int) -> Any:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - (len(TOOL_CALL_TOKENS) if tools else 0),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    corpus = _training_corpus() + (_tool_corpus() if tools else [])
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if tools:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(tag, special=False) for tag in TOOL_CALL_TOKENS])
     return _wrap_tokenizer(tokenizer)
 
 
@@ -317,14 +367,14 @@ def _write_checkpoint(
     """Build the tokenizer and randomly initialised model and save both into ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    if vocab == "bpe":
-        tokenizer = _train_bpe_tokenizer(sizes["bpe_vocab_size"])
+    if vocab in ("bpe", "bpe_tools"):
+        tokenizer = _train_bpe_tokenizer(sizes["bpe_vocab_size"], tools=vocab == "bpe_tools")
         vocab_size = len(tokenizer)
     elif vocab == "qwen":
         tokenizer = _qwen_vocab_tokenizer()
         vocab_size = QWEN2_EMBEDDING_ROWS
     else:
-        raise ValueError(f"vocab must be 'bpe' or 'qwen', got {vocab!r}")
+        raise ValueError(f"vocab must be one of {_VOCABS}, got {vocab!r}")
     config = _model_config(family, sizes, moe, tokenizer, vocab_size)
     # fork_rng keeps the caller's global RNG state untouched by the fixed-seed initialisation.
     with torch.random.fork_rng(devices=[]):
@@ -383,7 +433,10 @@ def build_tiny_model(
         family: "llama" (untied embeddings, no attention bias), "qwen2" (tied embeddings,
             bias on q/k/v) or "qwen3_moe" (untied embeddings, q/k norms, 4 experts top-2).
         cache_dir: folder that holds the model folders; defaults to :func:`default_cache_root`.
-        vocab: "bpe" for a 1024-token BPE trained on a built-in corpus, "qwen" for the real
+        vocab: "bpe" for a 1024-token BPE trained on a built-in corpus; "bpe_tools" for one
+            also trained on chat and Hermes tool-call text, plus Qwen2.5's ``<tool_call>`` and
+            ``</tool_call>`` as (non-special) tokens, so a tool call is about 20 tokens rather
+            than 60 (the agent recipe's model, ``tiny-qwen2-tools``); "qwen" for the real
             151k-token Qwen2 vocabulary.
         **size_overrides: any key of :data:`DEFAULT_SIZES` (hidden_size, num_hidden_layers,
             num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
@@ -397,8 +450,8 @@ def build_tiny_model(
     """
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
-    if vocab not in ("bpe", "qwen"):
-        raise ValueError(f"vocab must be 'bpe' or 'qwen', got {vocab!r}")
+    if vocab not in _VOCABS:
+        raise ValueError(f"vocab must be one of {_VOCABS}, got {vocab!r}")
     sizes = _validate_sizes(size_overrides)
     moe = dict(MOE_SETTINGS)
     if experts is not None:

