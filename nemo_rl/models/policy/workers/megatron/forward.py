@@ -268,19 +268,19 @@ def logprobs_from_hidden(
     """
     from megatron.core import parallel_state
 
-    tp_group, start = parallel_state.get_tensor_model_parallel_group(), vocab_start
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     h = hidden.shape[-1]
     if inputs.next_targets is not None:
         b, t_local = inputs.next_targets.shape
         next_local = token_logprobs(
-            hidden.reshape(-1, h), weight, inputs.next_targets.reshape(-1), start, tp_group,
+            hidden.reshape(-1, h), weight, inputs.next_targets.reshape(-1), vocab_start, tp_group,
             chunk_size, inference_only, sampling,
         ).view(b, t_local)
         return _from_next_token_scores(next_local, inputs)
     rows, cols, model_rows, model_cols = _scored_tokens(inputs, hidden.device)
     values = token_logprobs(
         hidden[model_rows, model_cols - 1], weight, inputs.input_ids[model_rows, model_cols],
-        start, tp_group, chunk_size, inference_only, sampling,
+        vocab_start, tp_group, chunk_size, inference_only, sampling,
     )
     out = values.new_zeros(inputs.lengths.numel(), inputs.seq_len)
     return out.index_put((rows, cols), values)
