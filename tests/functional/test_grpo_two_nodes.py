@@ -208,7 +208,8 @@ def test_an_agent_on_one_node_reaches_the_engines_of_both(
     env = None
     try:
         served = ray.get([e.__ray_call__.remote(served_at) for e in generation.engines])
-        assert [s["node"] for s in served] == ["node0", "node1"]
+        # one engine a node; which bundle lands on which node is Ray's choice
+        assert sorted(s["node"] for s in served) == ["node0", "node1"]
         assert generation.http_base_urls == [
             f"http://{s['bound'][0]}:{s['bound'][1]}" for s in served
         ]
@@ -235,7 +236,7 @@ def test_an_agent_on_one_node_reaches_the_engines_of_both(
                              "metadata": {"name": f"episode{i}"}} for i in range(4)],
             task_name=["agent"] * 4,
         )
-        # episodes 0 and 2 go to engine 0 (node 0), 1 and 3 to engine 1
+        # episodes 0 and 2 go to engine 0, 1 and 3 to engine 1: both nodes serve the agent
         out, metrics = run_agent_rollout(
             generation, batch, tokenizer, {"agent": env}, max_seq_len=256, max_rollout_turns=1
         )
